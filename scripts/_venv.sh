@@ -1,0 +1,23 @@
+# Sourced by scripts/test and scripts/demo: make .venv if it is missing and
+# install the project into it (building the C extension). Idempotent.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+py="${PYTHON:-python3.11}"
+command -v "$py" >/dev/null 2>&1 || py=python3
+if [ ! -x .venv/bin/python ]; then
+    echo "+ creating .venv with $py"
+    "$py" -m venv .venv
+fi
+extras="${1:-}"
+spec="."
+[ -n "$extras" ] && spec=".[$extras]"
+# Reinstall only when the build inputs changed since the last install.
+stamp=".venv/.shmshare-install-$(cat pyproject.toml setup.py native/* | sha1sum | cut -c1-16)-${extras:-none}"
+if [ ! -f "$stamp" ] || ! .venv/bin/python -c 'import shmshare._native' 2>/dev/null; then
+    echo "+ installing shmshare${extras:+ [$extras]} into .venv"
+    .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+    .venv/bin/python -m pip install -q -e "$spec"
+    rm -f .venv/.shmshare-install-*
+    touch "$stamp"
+fi

@@ -1,0 +1,38 @@
+"""shmshare: zero-copy tensors between processes through shared memory.
+
+Layers, imported one way only (a module never imports one above it):
+
+    _native (C)  ->  segment  ->  wire  ->  memory  ->  tensors  ->  channel
+                 ->  loader, server  ->  cli
+
+``shmshare.testing`` may import anything; nothing imports it.
+"""
+
+from __future__ import annotations
+
+from ._errors import (
+    FdLimitError,
+    PeerDied,
+    PeerRefused,
+    PoolExhausted,
+    ProtocolError,
+    SegmentError,
+    ShmshareError,
+    ShmshareTimeout,
+)
+from .segment import Flags, Segment
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Flags",
+    "Segment",
+    "ShmshareError",
+    "SegmentError",
+    "ProtocolError",
+    "PeerDied",
+    "PeerRefused",
+    "FdLimitError",
+    "PoolExhausted",
+    "ShmshareTimeout",
+]
