@@ -1,0 +1,565 @@
+/*
+ * shmshare._native -- OS primitives the stdlib lacks, and the Lease buffer type.
+ *
+ * The primitives (ss_*) follow the rule in shmshare_native.h: return 0 or an
+ * errno, never raise. The Python wrappers below validate arguments (ValueError
+ * naming the argument), release the GIL around system calls that may block or
+ * take long, and raise OSError subclasses whose message names the call.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "shmshare_native.h"
+
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+/* ------------------------------------------------------------------------ */
+/* primitives                                                                */
+/* ------------------------------------------------------------------------ */
+
+int ss_reserve(size_t nbytes, void **out_address) {
+    void *p = mmap(NULL, nbytes, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return errno;
+    *out_address = p;
+    return 0;
+}
+
+int ss_map_fd(void *address, size_t nbytes, int fd, off_t offset, int writable) {
+    int prot = PROT_READ | (writable ? PROT_WRITE : 0);
+    void *p = mmap(address, nbytes, prot, MAP_SHARED | MAP_FIXED, fd, offset);
+    if (p == MAP_FAILED) return errno;
+    return 0;
+}
+
+int ss_mmap(size_t nbytes, int fd, off_t offset, int writable, int shared,
+            int populate, void **out_address) {
+    int prot = PROT_READ | (writable ? PROT_WRITE : 0);
+    int flags = (shared ? MAP_SHARED : MAP_PRIVATE) | (populate ? MAP_POPULATE : 0);
+    void *p = mmap(NULL, nbytes, prot, flags, fd, offset);
+    if (p == MAP_FAILED) return errno;
+    *out_address = p;
+    return 0;
+}
+
+int ss_unmap(void *address, size_t nbytes, int release) {
+    if (release) return munmap(address, nbytes) == 0 ? 0 : errno;
+    /* Replacing the range with a fresh PROT_NONE anonymous mapping drops the
+     * file pages in one step and keeps the address range reserved, so no
+     * other mmap can land in the middle of an expandable segment. */
+    void *p = mmap(address, nbytes, PROT_NONE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+    return p == MAP_FAILED ? errno : 0;
+}
+
+int ss_punch_hole(int fd, off_t offset, size_t nbytes) {
+    int rc;
+    do {
+        rc = fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset,
+                       (off_t)nbytes);
+    } while (rc != 0 && errno == EINTR);
+    return rc == 0 ? 0 : errno;
+}
+
+int ss_madvise(void *address, size_t nbytes, int advice) {
+    return madvise(address, nbytes, advice) == 0 ? 0 : errno;
+}
+
+typedef struct {
+    char *start;      /* first byte of this thread's share */
+    size_t nbytes;    /* length of the share, a multiple of page_size or the tail */
+    size_t page_size; /* touch stride */
+    int writable;     /* write-touch (keeps the byte) instead of read-touch */
+    int result;       /* 0 or errno from madvise */
+} prefault_job;
+
+static void *prefault_worker(void *arg) {
+    prefault_job *job = (prefault_job *)arg;
+    job->result = 0;
+    if (job->nbytes == 0) return NULL;
+    /* MADV_POPULATE_* (Linux 5.14) faults the range in without touching it
+     * from user space; older kernels answer EINVAL and we touch by hand. */
+    int advice = job->writable ? MADV_POPULATE_WRITE : MADV_POPULATE_READ;
+    if (madvise(job->start, job->nbytes, advice) == 0) return NULL;
+    if (errno != EINVAL) {
+        job->result = errno;
+        return NULL;
+    }
+    for (size_t off = 0; off < job->nbytes; off += job->page_size) {
+        char *p = job->start + off;
+        if (job->writable)
+            __atomic_fetch_add(p, 0, __ATOMIC_RELAXED); /* write fault, same value */
+        else
+            (void)*(volatile char *)p;
+    }
+    return NULL;
+}
+
+int ss_prefault(void *address, size_t nbytes, size_t page_size, int threads,
+                int writable) {
+    enum { MAX_THREADS = 64 };
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    size_t pages = (nbytes + page_size - 1) / page_size;
+    if ((size_t)threads > pages) threads = pages ? (int)pages : 1;
+    size_t per = (pages + threads - 1) / threads * page_size;
+
+    prefault_job jobs[MAX_THREADS];
+    pthread_t tids[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int i = 0; i < threads; i++) {
+        size_t begin = (size_t)i * per;
+        jobs[i].start = (char *)address + begin;
+        jobs[i].nbytes = begin >= nbytes ? 0 : (nbytes - begin < per ? nbytes - begin : per);
+        jobs[i].page_size = page_size;
+        jobs[i].writable = writable;
+        jobs[i].result = 0;
+    }
+    /* Thread 0's share runs on the calling thread. */
+    for (int i = 1; i < threads; i++)
+        started[i] = pthread_create(&tids[i], NULL, prefault_worker, &jobs[i]) == 0;
+    prefault_worker(&jobs[0]);
+    for (int i = 1; i < threads; i++) {
+        if (started[i])
+            pthread_join(tids[i], NULL);
+        else
+            prefault_worker(&jobs[i]); /* could not start a thread: do it here */
+    }
+    for (int i = 0; i < threads; i++)
+        if (jobs[i].result) return jobs[i].result;
+    return 0;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Python wrappers                                                           */
+/* ------------------------------------------------------------------------ */
+
+static long page_size_value;
+
+/* Raise OSError(err, "<call> failed: <strerror> (<detail>)"); OSError's
+ * constructor picks the errno's subclass (FileNotFoundError, ...). */
+static PyObject *raise_errno(int err, const char *call, const char *detail) {
+    PyObject *msg = PyUnicode_FromFormat("%s failed: %s (%s)", call, strerror(err), detail);
+    if (msg == NULL) return NULL;
+    PyObject *args = Py_BuildValue("(iO)", err, msg);
+    Py_DECREF(msg);
+    if (args == NULL) return NULL;
+    PyErr_SetObject(PyExc_OSError, args);
+    Py_DECREF(args);
+    return NULL;
+}
+
+static int check_aligned(unsigned long long address, Py_ssize_t nbytes, const char *what) {
+    if (nbytes <= 0) {
+        PyErr_Format(PyExc_ValueError, "%s: nbytes must be > 0, got %zd", what, nbytes);
+        return -1;
+    }
+    if (address % (unsigned long long)page_size_value != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "%s: address %p is not a multiple of the page size (%ld)",
+                     what, (void *)(uintptr_t)address, page_size_value);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_reserve(PyObject *mod, PyObject *args) {
+    Py_ssize_t nbytes;
+    (void)mod;
+    if (!PyArg_ParseTuple(args, "n:reserve", &nbytes)) return NULL;
+    if (nbytes <= 0) return PyErr_Format(PyExc_ValueError, "reserve: nbytes must be > 0, got %zd", nbytes);
+    void *p = NULL;
+    int err = ss_reserve((size_t)nbytes, &p);
+    if (err) {
+        char detail[96];
+        snprintf(detail, sizeof detail, "PROT_NONE reservation of %zd bytes", nbytes);
+        return raise_errno(err, "mmap", detail);
+    }
+    return PyLong_FromVoidPtr(p);
+}
+
+static PyObject *py_map_fd(PyObject *mod, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"address", "nbytes", "fd", "offset", "writable", NULL};
+    unsigned long long address;
+    Py_ssize_t nbytes;
+    int fd, writable = 1;
+    long long offset = 0;
+    (void)mod;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Kni|Lp:map_fd", kwlist, &address, &nbytes,
+                                     &fd, &offset, &writable))
+        return NULL;
+    if (check_aligned(address, nbytes, "map_fd") < 0) return NULL;
+    if (offset < 0 || offset % page_size_value != 0)
+        return PyErr_Format(PyExc_ValueError, "map_fd: offset %lld must be >= 0 and page aligned", offset);
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = ss_map_fd((void *)(uintptr_t)address, (size_t)nbytes, fd, (off_t)offset, writable);
+    Py_END_ALLOW_THREADS
+    if (err) {
+        char detail[128];
+        snprintf(detail, sizeof detail, "MAP_SHARED|MAP_FIXED, fd %d, offset %lld, %zd bytes", fd,
+                 offset, nbytes);
+        return raise_errno(err, "mmap", detail);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_mmap(PyObject *mod, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"nbytes", "fd", "offset", "writable", "shared", "populate", NULL};
+    Py_ssize_t nbytes;
+    int fd, writable = 1, shared = 1, populate = 0;
+    long long offset = 0;
+    (void)mod;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "ni|Lppp:mmap", kwlist, &nbytes, &fd, &offset,
+                                     &writable, &shared, &populate))
+        return NULL;
+    if (nbytes <= 0) return PyErr_Format(PyExc_ValueError, "mmap: nbytes must be > 0, got %zd", nbytes);
+    if (offset < 0 || offset % page_size_value != 0)
+        return PyErr_Format(PyExc_ValueError, "mmap: offset %lld must be >= 0 and page aligned", offset);
+    void *p = NULL;
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = ss_mmap((size_t)nbytes, fd, (off_t)offset, writable, shared, populate, &p);
+    Py_END_ALLOW_THREADS
+    if (err) {
+        char detail[128];
+        snprintf(detail, sizeof detail, "%s%s, fd %d, offset %lld, %zd bytes",
+                 shared ? "MAP_SHARED" : "MAP_PRIVATE", writable ? ", writable" : ", read-only",
+                 fd, offset, nbytes);
+        return raise_errno(err, "mmap", detail);
+    }
+    return PyLong_FromVoidPtr(p);
+}
+
+static PyObject *py_unmap(PyObject *mod, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"address", "nbytes", "release", NULL};
+    unsigned long long address;
+    Py_ssize_t nbytes;
+    int release = 0;
+    (void)mod;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Kn|p:unmap", kwlist, &address, &nbytes, &release))
+        return NULL;
+    if (check_aligned(address, nbytes, "unmap") < 0) return NULL;
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = ss_unmap((void *)(uintptr_t)address, (size_t)nbytes, release);
+    Py_END_ALLOW_THREADS
+    if (err) {
+        char detail[96];
+        snprintf(detail, sizeof detail, "0x%llx, %zd bytes", address, nbytes);
+        return raise_errno(err, release ? "munmap" : "mmap(PROT_NONE, MAP_FIXED)", detail);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_punch_hole(PyObject *mod, PyObject *args) {
+    int fd;
+    long long offset;
+    Py_ssize_t nbytes;
+    (void)mod;
+    if (!PyArg_ParseTuple(args, "iLn:punch_hole", &fd, &offset, &nbytes)) return NULL;
+    if (offset < 0 || nbytes <= 0)
+        return PyErr_Format(PyExc_ValueError, "punch_hole: offset (%lld) must be >= 0 and nbytes (%zd) > 0",
+                            offset, nbytes);
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = ss_punch_hole(fd, (off_t)offset, (size_t)nbytes);
+    Py_END_ALLOW_THREADS
+    if (err) {
+        char detail[128];
+        snprintf(detail, sizeof detail, "FALLOC_FL_PUNCH_HOLE|KEEP_SIZE, fd %d, offset %lld, %zd bytes",
+                 fd, offset, nbytes);
+        return raise_errno(err, "fallocate", detail);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_madvise(PyObject *mod, PyObject *args) {
+    unsigned long long address;
+    Py_ssize_t nbytes;
+    int advice;
+    (void)mod;
+    if (!PyArg_ParseTuple(args, "Kni:madvise", &address, &nbytes, &advice)) return NULL;
+    if (check_aligned(address, nbytes, "madvise") < 0) return NULL;
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = ss_madvise((void *)(uintptr_t)address, (size_t)nbytes, advice);
+    Py_END_ALLOW_THREADS
+    if (err) {
+        char detail[96];
+        snprintf(detail, sizeof detail, "0x%llx, %zd bytes, advice %d", address, nbytes, advice);
+        return raise_errno(err, "madvise", detail);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_prefault(PyObject *mod, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"address", "nbytes", "threads", "writable", NULL};
+    unsigned long long address;
+    Py_ssize_t nbytes;
+    int threads = 1, writable = 0;
+    (void)mod;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Kn|ip:prefault", kwlist, &address, &nbytes,
+                                     &threads, &writable))
+        return NULL;
+    if (check_aligned(address, nbytes, "prefault") < 0) return NULL;
+    if (threads < 1 || threads > 64)
+        return PyErr_Format(PyExc_ValueError, "prefault: threads must be 1..64, got %d", threads);
+    int err;
+    Py_BEGIN_ALLOW_THREADS
+    err = ss_prefault((void *)(uintptr_t)address, (size_t)nbytes, (size_t)page_size_value, threads,
+                      writable);
+    Py_END_ALLOW_THREADS
+    if (err) {
+        char detail[96];
+        snprintf(detail, sizeof detail, "MADV_POPULATE_%s, 0x%llx, %zd bytes",
+                 writable ? "WRITE" : "READ", address, nbytes);
+        return raise_errno(err, "madvise", detail);
+    }
+    Py_RETURN_NONE;
+}
+
+/* ------------------------------------------------------------------------ */
+/* Lease                                                                     */
+/* ------------------------------------------------------------------------ */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *owner;        /* kept alive as long as the lease lives */
+    PyObject *on_release;   /* called once when the lease and its exports are gone */
+    void *address;          /* first byte exported */
+    Py_ssize_t nbytes;      /* bytes exported */
+    Py_ssize_t exports;     /* live Py_buffer exports */
+    int readonly;           /* refuse writable exports */
+    int released;           /* on_release already called */
+    PyObject *weakreflist;  /* so that owners can watch leases */
+} LeaseObject;
+
+static int Lease_init(LeaseObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"owner", "address", "nbytes", "readonly", "on_release", NULL};
+    PyObject *owner, *on_release = Py_None;
+    unsigned long long address;
+    Py_ssize_t nbytes;
+    int readonly = 0;
+    if (self->owner != NULL || self->exports != 0) {
+        PyErr_SetString(PyExc_RuntimeError, "Lease is already initialized");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKn|pO:Lease", kwlist, &owner, &address, &nbytes,
+                                     &readonly, &on_release))
+        return -1;
+    if (nbytes < 0) {
+        PyErr_Format(PyExc_ValueError, "Lease: nbytes must be >= 0, got %zd", nbytes);
+        return -1;
+    }
+    if (address == 0 && nbytes > 0) {
+        PyErr_SetString(PyExc_ValueError, "Lease: address 0 with nbytes > 0");
+        return -1;
+    }
+    if (on_release != Py_None && !PyCallable_Check(on_release)) {
+        PyErr_SetString(PyExc_TypeError, "Lease: on_release must be callable or None");
+        return -1;
+    }
+    Py_INCREF(owner);
+    self->owner = owner;
+    Py_INCREF(on_release);
+    self->on_release = on_release;
+    self->address = (void *)(uintptr_t)address;
+    self->nbytes = nbytes;
+    self->readonly = readonly;
+    return 0;
+}
+
+/* PEP 442 finalizer: runs exactly once, before tp_clear for cyclic garbage
+ * and from dealloc otherwise; exports hold a reference, so none is alive. */
+static void Lease_finalize(LeaseObject *self) {
+    if (self->released) return;
+    self->released = 1;
+    PyObject *cb = self->on_release;
+    if (cb == NULL || cb == Py_None) return;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb); /* the finalizer must not clobber a pending error */
+    PyObject *res = PyObject_CallNoArgs(cb);
+    if (res == NULL)
+        PyErr_WriteUnraisable(cb);
+    else
+        Py_DECREF(res);
+    PyErr_Restore(type, value, tb);
+}
+
+static int Lease_traverse(LeaseObject *self, visitproc visit, void *arg) {
+    Py_VISIT(self->owner);
+    Py_VISIT(self->on_release);
+    return 0;
+}
+
+static int Lease_clear(LeaseObject *self) {
+    Py_CLEAR(self->owner);
+    Py_CLEAR(self->on_release);
+    return 0;
+}
+
+static void Lease_dealloc(LeaseObject *self) {
+    if (PyObject_CallFinalizerFromDealloc((PyObject *)self) < 0) return; /* resurrected */
+    PyObject_GC_UnTrack(self);
+    if (self->weakreflist != NULL) PyObject_ClearWeakRefs((PyObject *)self);
+    Lease_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int Lease_getbuffer(LeaseObject *self, Py_buffer *view, int flags) {
+    if (self->owner == NULL) {
+        PyErr_SetString(PyExc_ValueError, "Lease is not initialized");
+        view->obj = NULL;
+        return -1;
+    }
+    if (self->readonly && (flags & PyBUF_WRITABLE)) {
+        PyErr_SetString(PyExc_BufferError,
+                        "this Lease is read-only; receive with writable=True for a writable view");
+        view->obj = NULL;
+        return -1;
+    }
+    if (PyBuffer_FillInfo(view, (PyObject *)self, self->address, self->nbytes, self->readonly,
+                          flags) < 0)
+        return -1;
+    self->exports++;
+    return 0;
+}
+
+static void Lease_releasebuffer(LeaseObject *self, Py_buffer *view) {
+    (void)view;
+    self->exports--;
+}
+
+static PyBufferProcs Lease_as_buffer = {
+    (getbufferproc)Lease_getbuffer,
+    (releasebufferproc)Lease_releasebuffer,
+};
+
+static PyObject *Lease_get_address(LeaseObject *self, void *c) {
+    (void)c;
+    return PyLong_FromVoidPtr(self->address);
+}
+static PyObject *Lease_get_nbytes(LeaseObject *self, void *c) {
+    (void)c;
+    return PyLong_FromSsize_t(self->nbytes);
+}
+static PyObject *Lease_get_readonly(LeaseObject *self, void *c) {
+    (void)c;
+    return PyBool_FromLong(self->readonly);
+}
+static PyObject *Lease_get_exports(LeaseObject *self, void *c) {
+    (void)c;
+    return PyLong_FromSsize_t(self->exports);
+}
+static PyObject *Lease_get_owner(LeaseObject *self, void *c) {
+    (void)c;
+    PyObject *o = self->owner ? self->owner : Py_None;
+    Py_INCREF(o);
+    return o;
+}
+
+static PyGetSetDef Lease_getset[] = {
+    {"address", (getter)Lease_get_address, NULL, "First byte exported, as an int.", NULL},
+    {"nbytes", (getter)Lease_get_nbytes, NULL, "Number of bytes exported.", NULL},
+    {"readonly", (getter)Lease_get_readonly, NULL, "Whether exports are read-only.", NULL},
+    {"exports", (getter)Lease_get_exports, NULL, "Number of live buffer exports.", NULL},
+    {"owner", (getter)Lease_get_owner, NULL, "The object this lease keeps alive.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyObject *Lease_repr(LeaseObject *self) {
+    return PyUnicode_FromFormat("<shmshare._native.Lease address=%p nbytes=%zd%s exports=%zd>",
+                                self->address, self->nbytes, self->readonly ? " readonly" : "",
+                                self->exports);
+}
+
+PyDoc_STRVAR(Lease_doc,
+"Lease(owner, address, nbytes, readonly=False, on_release=None)\n--\n\n"
+"Export [address, address+nbytes) through the buffer protocol while keeping\n"
+"`owner` alive. `on_release()` is called exactly once, when the lease and every\n"
+"buffer exported from it (memoryview, numpy array, torch tensor) are gone.\n"
+"The caller guarantees the range stays mapped while `owner` lives.");
+
+static PyTypeObject LeaseType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "shmshare._native.Lease",
+    .tp_basicsize = sizeof(LeaseObject),
+    .tp_dealloc = (destructor)Lease_dealloc,
+    .tp_repr = (reprfunc)Lease_repr,
+    .tp_as_buffer = &Lease_as_buffer,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = Lease_doc,
+    .tp_traverse = (traverseproc)Lease_traverse,
+    .tp_clear = (inquiry)Lease_clear,
+    .tp_weaklistoffset = offsetof(LeaseObject, weakreflist),
+    .tp_getset = Lease_getset,
+    .tp_init = (initproc)Lease_init,
+    .tp_new = PyType_GenericNew,
+    .tp_finalize = (destructor)Lease_finalize,
+};
+
+/* ------------------------------------------------------------------------ */
+/* module                                                                    */
+/* ------------------------------------------------------------------------ */
+
+static PyMethodDef native_methods[] = {
+    {"reserve", py_reserve, METH_VARARGS,
+     "reserve(nbytes) -> address\n\nReserve address space: PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE."},
+    {"map_fd", (PyCFunction)(void (*)(void))py_map_fd, METH_VARARGS | METH_KEYWORDS,
+     "map_fd(address, nbytes, fd, offset=0, writable=True)\n\nMap fd with MAP_SHARED|MAP_FIXED into a reserved range."},
+    {"mmap", (PyCFunction)(void (*)(void))py_mmap, METH_VARARGS | METH_KEYWORDS,
+     "mmap(nbytes, fd, offset=0, writable=True, shared=True, populate=False) -> address\n\n"
+     "Map fd where the kernel chooses (MAP_SHARED, or MAP_PRIVATE copy-on-write)."},
+    {"unmap", (PyCFunction)(void (*)(void))py_unmap, METH_VARARGS | METH_KEYWORDS,
+     "unmap(address, nbytes, release=False)\n\nTurn a range back into a PROT_NONE reservation, or munmap it when release."},
+    {"punch_hole", py_punch_hole, METH_VARARGS,
+     "punch_hole(fd, offset, nbytes)\n\nfallocate(PUNCH_HOLE|KEEP_SIZE): give the pages back, keep the size."},
+    {"madvise", py_madvise, METH_VARARGS, "madvise(address, nbytes, advice)"},
+    {"prefault", (PyCFunction)(void (*)(void))py_prefault, METH_VARARGS | METH_KEYWORDS,
+     "prefault(address, nbytes, threads=1, writable=False)\n\n"
+     "Fault every page in on `threads` threads with the GIL released (a write that keeps\n"
+     "the byte when writable, else a read)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef native_module = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "shmshare._native",
+    .m_doc = "OS primitives the stdlib lacks (see native/shmshare_native.h) and the Lease buffer type.",
+    .m_size = -1,
+    .m_methods = native_methods,
+};
+
+PyMODINIT_FUNC PyInit__native(void) {
+    page_size_value = sysconf(_SC_PAGESIZE);
+    if (PyType_Ready(&LeaseType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&native_module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddObjectRef(m, "Lease", (PyObject *)&LeaseType) < 0 ||
+        PyModule_AddIntConstant(m, "PAGE_SIZE", page_size_value) < 0 ||
+        PyModule_AddIntConstant(m, "MADV_NORMAL", MADV_NORMAL) < 0 ||
+        PyModule_AddIntConstant(m, "MADV_SEQUENTIAL", MADV_SEQUENTIAL) < 0 ||
+        PyModule_AddIntConstant(m, "MADV_WILLNEED", MADV_WILLNEED) < 0 ||
+        PyModule_AddIntConstant(m, "MADV_DONTNEED", MADV_DONTNEED) < 0 ||
+        PyModule_AddIntConstant(m, "MADV_REMOVE", MADV_REMOVE) < 0 ||
+        PyModule_AddIntConstant(m, "MADV_HUGEPAGE", MADV_HUGEPAGE) < 0 ||
+        PyModule_AddIntConstant(m, "MADV_POPULATE_READ", MADV_POPULATE_READ) < 0 ||
+        PyModule_AddIntConstant(m, "MADV_POPULATE_WRITE", MADV_POPULATE_WRITE) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

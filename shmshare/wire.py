@@ -1,0 +1,568 @@
+"""Frames over AF_UNIX / SOCK_SEQPACKET, with fds in SCM_RIGHTS.
+
+One message is one msgpack frame (the socket keeps message boundaries, so
+there is no length prefix to get wrong) plus up to ``max_fds`` fds in one
+SCM_RIGHTS control message. Nothing is pickled: a header holds None, bool,
+int, float, str, bytes, lists and dicts (tuples arrive as lists).
+
+Note [Handshake]
+    The connection's state is explicit (:class:`State`). Each end sends a
+    HELLO frame (protocol version, pid, role) before its first message; the
+    first frame an end receives must be a HELLO with the same major version.
+    A HELLO may come again later: an end handed to another process (a
+    multiprocessing child) introduces itself anew, so ``peer_hello`` always
+    names the process that is talking now. The handshake costs no round
+    trip: it rides in front of the first message.
+
+Note [Receiving fds safely]
+    The kernel installs received fds into our table before we see them, and
+    drops them silently (setting MSG_CTRUNC) when the table is full or the
+    control buffer too small -- the cause of PyTorch's "received 0 items of
+    ancdata". So every fd is wrapped in an owning :class:`Fd` at once, every
+    error path closes them, and MSG_CTRUNC is an :class:`FdLimitError` that
+    names RLIMIT_NOFILE and the fds open, never a silently lost tensor.
+    EINTR is retried by Python itself (PEP 475) for recvmsg, sendmsg and poll.
+"""
+
+from __future__ import annotations
+
+import array
+import enum
+import errno
+import os
+import resource
+import select
+import socket
+import struct
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import msgpack
+
+from ._errors import FdLimitError, PeerDied, PeerRefused, ProtocolError, ShmshareTimeout
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "MAX_FRAME",
+    "MAX_FDS",
+    "Fd",
+    "State",
+    "PeerCred",
+    "Statistics",
+    "Connection",
+    "Listener",
+    "pipe",
+    "connect",
+]
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 128 * 1024  # bytes in one frame; SEQPACKET messages must fit the socket buffer
+MAX_FDS = 64  # fds in one message (the kernel's SCM_MAX_FD is 253)
+_KIND_HELLO, _KIND_MSG = 0, 1
+_PEERCRED = struct.Struct("3i")
+
+
+class Fd:
+    """An owned file descriptor: closed on ``close()``, on ``__exit__`` or when collected.
+
+    ``take()`` moves ownership out (the Fd forgets the number), so every fd
+    has exactly one owner at any moment.
+    """
+
+    __slots__ = ("_fd",)
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+
+    def fileno(self) -> int:
+        """Return the fd number; the Fd still owns it."""
+        if self._fd < 0:
+            raise ValueError("this Fd was taken or closed")
+        return self._fd
+
+    def take(self) -> int:
+        """Return the fd number and give up ownership: the caller must close it."""
+        fd = self.fileno()
+        self._fd = -1
+        return fd
+
+    @property
+    def closed(self) -> bool:
+        """Whether the Fd no longer owns a fd."""
+        return self._fd < 0
+
+    def close(self) -> None:
+        """Close the fd if still owned. Idempotent."""
+        fd, self._fd = self._fd, -1  # forget first: a second close is a no-op, never EBADF
+        if fd >= 0:
+            os.close(fd)
+
+    def __enter__(self) -> Fd:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return f"<Fd {self._fd}>" if self._fd >= 0 else "<Fd closed>"
+
+
+class State(enum.Enum):
+    """Where a connection's handshake stands."""
+
+    NEW = "new"  # nothing sent or received yet
+    HELLO_SENT = "hello_sent"  # we introduced ourselves, the peer has not
+    READY = "ready"  # the peer's HELLO arrived (ours may be unsent: it goes with our first send)
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class PeerCred:
+    """SO_PEERCRED of the peer: the process that created its end, and its ids."""
+
+    pid: int
+    uid: int
+    gid: int
+
+
+@dataclass(frozen=True)
+class Statistics:
+    """Counters of one connection, for tests and for ``shmshare stat``."""
+
+    frames_sent: int
+    frames_received: int
+    fds_sent: int
+    fds_received: int
+    bytes_sent: int
+    bytes_received: int
+
+
+class Connection:
+    """One end of a shmshare connection: ``send(header, fds)`` / ``recv()``.
+
+    Build one with :func:`pipe`, :func:`connect` or :meth:`Listener.accept`.
+    Thread-safe: sends are serialized, and so are receives.
+
+    Parameters
+    ----------
+    sock : socket.socket
+        A connected AF_UNIX SOCK_SEQPACKET socket; the connection owns it.
+    role : str
+        Told to the peer in the HELLO frame (``"sender"``, ``"receiver"``, ...).
+    max_frame, max_fds : int
+        Caps on one message's frame size and fd count, both directions.
+    allow_uids : iterable of int, optional
+        Other uids accepted as peers besides our own.
+    """
+
+    def __init__(self, sock: socket.socket, *, role: str = "peer", max_frame: int = MAX_FRAME,
+                 max_fds: int = MAX_FDS, allow_uids: Iterable[int] = ()) -> None:
+        if sock.family != socket.AF_UNIX or sock.type != socket.SOCK_SEQPACKET:
+            raise ValueError(f"a Connection needs an AF_UNIX SOCK_SEQPACKET socket, got {sock!r}")
+        if not 0 < max_fds <= 253:
+            raise ValueError(f"max_fds must be 1..253 (the kernel's SCM_MAX_FD), got {max_fds}")
+        if max_frame < 256:
+            raise ValueError(f"max_frame must be at least 256 bytes, got {max_frame}")
+        self._sock = sock
+        self._role = role
+        self._max_frame = max_frame
+        self._max_fds = max_fds
+        self._allow_uids = frozenset(allow_uids)
+        self._cmsg_space = socket.CMSG_SPACE(max_fds * 4)
+        self._buf = bytearray(max_frame + 1)  # one spare byte so an oversize frame shows MSG_TRUNC
+        self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()
+        self._hello_sent = False
+        self.state = State.NEW
+        self.peer_hello: dict[str, Any] | None = None
+        self._counts = [0, 0, 0, 0, 0, 0]
+        try:
+            self.peer_cred = _peer_cred(sock)
+            _check_uid(self.peer_cred, self._allow_uids)
+            _grow_buffers(sock, max_frame)
+        except BaseException:
+            sock.close()
+            raise
+
+    # -- sending ------------------------------------------------------------
+
+    def send(self, header: dict[Any, Any], fds: Iterable[Any] = (), timeout: float | None = None) -> None:
+        """Send `header` (a msgpack-able dict) and `fds` (ints, Fd or objects with fileno()).
+
+        The fds stay ours; the peer gets its own copies. Raises PeerDied when
+        the peer is gone, ShmshareTimeout when the socket stays full past
+        `timeout` seconds, and TypeError/ProtocolError for what cannot be sent.
+        """
+        if not isinstance(header, dict):
+            raise TypeError(f"header must be a dict, got {type(header).__name__}")
+        frame = _pack([_KIND_MSG, header])
+        if len(frame) > self._max_frame:
+            raise ProtocolError(f"a frame of {len(frame)} bytes exceeds max_frame={self._max_frame}; "
+                                "send large data through shared memory, not in the header")
+        fdnums = [_fdnum(f) for f in fds]
+        if len(fdnums) > self._max_fds:
+            raise ProtocolError(f"{len(fdnums)} fds in one message exceed max_fds={self._max_fds}; "
+                                "split them over several messages")
+        with self._send_lock:
+            self._check_open()
+            if not self._hello_sent:
+                self._send_frame(self._hello_frame(), [], timeout)
+                self._hello_sent = True
+                if self.state is State.NEW:
+                    self.state = State.HELLO_SENT
+            self._send_frame(frame, fdnums, timeout)
+            c = self._counts
+            c[0] += 1
+            c[2] += len(fdnums)
+            c[4] += len(frame)
+
+    def _send_frame(self, frame: bytes, fds: list[int], timeout: float | None) -> None:
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        flags = socket.MSG_NOSIGNAL
+        if timeout is not None:
+            self._wait(select.POLLOUT, timeout, "send")
+            flags |= socket.MSG_DONTWAIT
+        while True:
+            try:
+                self._sock.sendmsg([frame], anc, flags)
+                return
+            except BlockingIOError:
+                self._wait(select.POLLOUT, timeout, "send")  # raced with another writer
+            except (BrokenPipeError, ConnectionResetError) as exc:
+                raise PeerDied(f"the peer ({self._peer_name()}) closed the connection") from exc
+            except OSError as exc:
+                if exc.errno == errno.ETOOMANYREFS:
+                    raise FdLimitError(exc.errno, "too many fds are in flight on this socket "
+                                       "(ETOOMANYREFS); let the peer receive before sending more") from exc
+                if exc.errno == errno.EMSGSIZE:
+                    raise ProtocolError(f"a frame of {len(frame)} bytes is larger than the socket "
+                                        "buffer allows; lower max_frame") from exc
+                if exc.errno == errno.EBADF and fds:
+                    raise ValueError(f"one of the fds {fds} is not open") from exc
+                raise
+
+    # -- receiving ----------------------------------------------------------
+
+    def recv(self, timeout: float | None = None) -> tuple[dict[Any, Any], list[Fd]]:
+        """Receive one message: ``(header, fds)``; each fd is an owned :class:`Fd`.
+
+        Raises PeerDied at end of stream (after every queued message was
+        delivered), ShmshareTimeout after `timeout` seconds, ProtocolError on
+        a malformed frame and FdLimitError when the kernel dropped fds.
+        """
+        with self._recv_lock:
+            while True:
+                self._check_open()
+                kind, body, fds = self._recv_frame(timeout)
+                if kind == _KIND_HELLO:
+                    self._accept_hello(body, fds)
+                    continue
+                if self.peer_hello is None:
+                    _close_all(fds)
+                    raise ProtocolError("the peer sent a message before its HELLO; it does not "
+                                        "speak the shmshare protocol")
+                if not isinstance(body, dict):
+                    _close_all(fds)
+                    raise ProtocolError(f"a message header must be a map, got {type(body).__name__}")
+                c = self._counts
+                c[1] += 1
+                c[3] += len(fds)
+                return body, fds
+
+    def _recv_frame(self, timeout: float | None) -> tuple[int, Any, list[Fd]]:
+        if timeout is not None:
+            self._wait(select.POLLIN, timeout, "recv")
+        try:
+            nbytes, anc, flags, _ = self._sock.recvmsg_into([self._buf], self._cmsg_space)
+        except ConnectionResetError as exc:
+            raise PeerDied(f"the peer ({self._peer_name()}) reset the connection") from exc
+        fds = _take_fds(anc)
+        if flags & socket.MSG_CTRUNC:
+            _close_all(fds)
+            raise FdLimitError(errno.EMFILE, _ctrunc_message(len(fds), self._max_fds))
+        if nbytes == 0 and not fds:
+            raise PeerDied(f"the peer ({self._peer_name()}) closed the connection")
+        if flags & socket.MSG_TRUNC:
+            _close_all(fds)
+            raise ProtocolError(f"a frame larger than max_frame={self._max_frame} bytes arrived; "
+                                "the peer must use the same max_frame")
+        self._counts[5] += nbytes
+        try:
+            msg = msgpack.unpackb(memoryview(self._buf)[:nbytes], raw=False, strict_map_key=False)
+        except Exception as exc:  # msgpack raises several types for bad input
+            _close_all(fds)
+            raise ProtocolError(f"a malformed frame of {nbytes} bytes arrived: {exc}") from exc
+        if not (isinstance(msg, list) and len(msg) == 2 and msg[0] in (_KIND_HELLO, _KIND_MSG)):
+            _close_all(fds)
+            raise ProtocolError(f"a frame must be [kind, body] with kind 0 or 1, got {msg!r:.80}")
+        return msg[0], msg[1], fds
+
+    def _accept_hello(self, body: Any, fds: list[Fd]) -> None:
+        if fds:
+            _close_all(fds)
+            raise ProtocolError("a HELLO frame carried fds")
+        if not isinstance(body, dict) or not isinstance(body.get("version"), int):
+            raise ProtocolError(f"a malformed HELLO: {body!r:.120}")
+        if body["version"] != PROTOCOL_VERSION:
+            raise PeerRefused(f"the peer (pid {body.get('pid')}) speaks shmshare protocol version "
+                              f"{body['version']}, this process version {PROTOCOL_VERSION}; "
+                              "install the same shmshare version on both sides")
+        self.peer_hello = body
+        self.state = State.READY
+
+    # -- misc ---------------------------------------------------------------
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        """Return whether a message (or end of stream) can be received within `timeout` s."""
+        self._check_open()
+        p = select.poll()
+        p.register(self._sock, select.POLLIN)
+        return bool(p.poll(None if timeout is None else max(0, int(timeout * 1000))))
+
+    def fileno(self) -> int:
+        """Return the socket's fd, for selectors (readable = a message is waiting)."""
+        return self._sock.fileno()
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        return self.state is State.CLOSED
+
+    def statistics(self) -> Statistics:
+        """Return a frozen copy of this connection's counters."""
+        return Statistics(*self._counts)
+
+    def close(self) -> None:
+        """Close the socket. Idempotent; the peer's next recv raises PeerDied."""
+        self.state = State.CLOSED
+        self._sock.close()
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self._sock.close()
+        except Exception:
+            pass
+
+    def __reduce__(self) -> Any:
+        # Only for handing an end to a multiprocessing child (spawn/forkserver),
+        # the way multiprocessing.connection does: the fd is dup'ed through the
+        # child's start machinery, never through a pickle stream of our own.
+        from multiprocessing import context, reduction
+
+        if context.get_spawning_popen() is None:
+            raise TypeError("a Connection can be pickled only to pass it to a multiprocessing "
+                            "child; for an unrelated process use Listener/connect")
+        dup = reduction.DupFd(self.fileno())
+        return _rebuild_connection, (dup, self._role, self._max_frame, self._max_fds,
+                                     tuple(self._allow_uids))
+
+    def __repr__(self) -> str:
+        return f"<Connection {self._role} fd={self._sock.fileno()} state={self.state.value}>"
+
+    def _hello_frame(self) -> bytes:
+        return _pack([_KIND_HELLO, {"version": PROTOCOL_VERSION, "pid": os.getpid(),
+                                    "role": self._role}])
+
+    def _check_open(self) -> None:
+        if self.state is State.CLOSED:
+            raise ValueError("this Connection is closed")
+
+    def _wait(self, event: int, timeout: float | None, what: str) -> None:
+        p = select.poll()
+        p.register(self._sock, event)
+        if not p.poll(None if timeout is None else max(0, int(timeout * 1000))):
+            raise ShmshareTimeout(f"{what} timed out after {timeout} s (peer {self._peer_name()})")
+
+    def _peer_name(self) -> str:
+        pid = self.peer_hello.get("pid") if self.peer_hello else self.peer_cred.pid
+        return f"pid {pid}"
+
+
+class Listener:
+    """Accept connections from unrelated processes on a Unix socket path.
+
+    The socket file is 0600. With `path` None it lives in a fresh 0700
+    directory (removed by ``close()``); a missing parent directory of a given
+    path is created 0700.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *, backlog: int = 64,
+                 allow_uids: Iterable[int] = (), **conn_kw: Any) -> None:
+        self._made_dir: str | None = None
+        if path is None:
+            self._made_dir = tempfile.mkdtemp(prefix="shmshare-")  # mode 0700
+            path = os.path.join(self._made_dir, "sock")
+        self.path = os.fspath(path)
+        parent = os.path.dirname(os.path.abspath(self.path))
+        if not os.path.isdir(parent):
+            os.makedirs(parent, mode=0o700)
+            self._made_dir = parent
+        self._allow_uids = tuple(allow_uids)
+        self._conn_kw = conn_kw
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._sock.bind(self.path)
+            os.chmod(self.path, 0o600)
+            self._sock.listen(backlog)
+        except OSError as exc:
+            self._sock.close()
+            hint = " (a socket file is there: another listener, or a stale one to remove)" \
+                if exc.errno == errno.EADDRINUSE else ""
+            raise OSError(exc.errno, f"cannot listen on {self.path!r}: {exc.strerror}{hint}") from exc
+
+    def accept(self, timeout: float | None = None) -> Connection:
+        """Wait for a peer and return its Connection (refused if its uid is not allowed)."""
+        if timeout is not None:
+            p = select.poll()
+            p.register(self._sock, select.POLLIN)
+            if not p.poll(max(0, int(timeout * 1000))):
+                raise ShmshareTimeout(f"no peer connected to {self.path!r} within {timeout} s")
+        sock, _ = self._sock.accept()
+        return Connection(sock, allow_uids=self._allow_uids, **self._conn_kw)
+
+    def fileno(self) -> int:
+        """Return the listening socket's fd (readable = a peer is waiting)."""
+        return self._sock.fileno()
+
+    def close(self) -> None:
+        """Stop listening and remove the socket file (and the directory made for it)."""
+        if self._sock.fileno() < 0:
+            return
+        self._sock.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        if self._made_dir:
+            try:
+                os.rmdir(self._made_dir)
+            except OSError:
+                pass
+
+    def __enter__(self) -> Listener:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def pipe(**conn_kw: Any) -> tuple[Connection, Connection]:
+    """Return a connected pair of Connections, for a parent and its child."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    return Connection(a, **conn_kw), Connection(b, **conn_kw)
+
+
+def connect(path: str | os.PathLike[str], timeout: float | None = None, **conn_kw: Any) -> Connection:
+    """Connect to a :class:`Listener` at `path` and return the Connection."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(os.fspath(path))
+        sock.settimeout(None)
+    except OSError as exc:
+        sock.close()
+        if isinstance(exc, TimeoutError):
+            raise ShmshareTimeout(f"connect to {os.fspath(path)!r} timed out after {timeout} s") from exc
+        hint = {errno.ENOENT: "no listener there", errno.ECONNREFUSED: "nobody is accepting",
+                errno.EACCES: "permission denied: the listener belongs to another user"}
+        raise OSError(exc.errno, f"cannot connect to {os.fspath(path)!r}: {exc.strerror} "
+                      f"({hint.get(exc.errno or 0, 'see errno')})") from exc
+    return Connection(sock, **conn_kw)
+
+
+def _rebuild_connection(dup: Any, role: str, max_frame: int, max_fds: int,
+                        allow_uids: tuple[int, ...]) -> Connection:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=dup.detach())
+    return Connection(sock, role=role, max_frame=max_frame, max_fds=max_fds, allow_uids=allow_uids)
+
+
+def _pack(obj: Any) -> bytes:
+    try:
+        return msgpack.packb(obj, use_bin_type=True)
+    except TypeError as exc:
+        raise TypeError(f"cannot send this header: {exc}. A header holds None, bool, int, float, "
+                        "str, bytes, lists and dicts only (nothing is pickled)") from exc
+    except (OverflowError, ValueError) as exc:
+        raise TypeError(f"cannot send this header: {exc}") from exc
+
+
+def _fdnum(f: Any) -> int:
+    n = f.fileno() if hasattr(f, "fileno") else f
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise TypeError(f"an fd must be a non-negative int or have fileno(), got {f!r}")
+    return n
+
+
+def _take_fds(anc: list[tuple[int, int, bytes]]) -> list[Fd]:
+    fds: list[Fd] = []
+    bad = None
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(data[: len(data) - len(data) % arr.itemsize])
+            fds.extend(Fd(n) for n in arr)
+        else:
+            bad = (level, kind)
+    if bad is not None:
+        _close_all(fds)
+        raise ProtocolError(f"unexpected control message (level {bad[0]}, type {bad[1]})")
+    return fds
+
+
+def _close_all(fds: list[Fd]) -> None:
+    for f in fds:
+        f.close()
+
+
+def _ctrunc_message(got: int, max_fds: int) -> str:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        nopen = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        nopen = -1
+    return (f"fds sent with a message were dropped by the kernel (MSG_CTRUNC; {got} arrived). "
+            f"RLIMIT_NOFILE is {soft} (hard {hard}) and {nopen} fds are open: raise it "
+            f"(ulimit -n / resource.setrlimit) or close fds; or the peer sent more than "
+            f"max_fds={max_fds} in one message")
+
+
+def _peer_cred(sock: socket.socket) -> PeerCred:
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    return PeerCred(*_PEERCRED.unpack(raw))
+
+
+def _check_uid(cred: PeerCred, allowed: frozenset[int]) -> None:
+    me = os.getuid()
+    if cred.uid != me and cred.uid not in allowed:
+        raise PeerRefused(f"peer pid {cred.pid} runs as uid {cred.uid} and this process as uid {me}; "
+                          f"pass allow_uids=[{cred.uid}] to accept it")
+
+
+def _grow_buffers(sock: socket.socket, max_frame: int) -> None:
+    want = 2 * max_frame + 4096
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        if sock.getsockopt(socket.SOL_SOCKET, opt) < want:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, want)
+            except OSError:
+                pass  # capped by net.core.{w,r}mem_max: send() reports an oversize frame
