@@ -249,6 +249,15 @@ class Segment:
 
     # -- lifetime -----------------------------------------------------------
 
+    def unlink(self) -> None:
+        """Remove the segment's name now (what ``UNLINK`` does at map time). Idempotent.
+
+        The pages live on while any fd or mapping of them does, in any
+        process; no process can open them by name any more.
+        """
+        self._owns_name = False
+        _unlink(self.backend, self.name)
+
     def close(self) -> None:
         """Close the fd and drop the name now; unmap when the last view dies. Idempotent."""
         fd, self.fd = getattr(self, "fd", None), None  # forget first: no double close

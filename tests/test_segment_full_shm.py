@@ -1,0 +1,50 @@
+"""A full /dev/shm is an error at allocation time, never a SIGBUS at first touch."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+SCRIPT = textwrap.dedent("""
+    import numpy as np
+    from shmshare import Segment, SegmentError
+    try:
+        Segment.create(8 << 20, backend="posix")
+    except SegmentError as exc:
+        print("ERROR", exc.errno, exc)
+    else:
+        print("NO ERROR")
+    seg = Segment.create(8 << 20, backend="memfd")   # memfd is not capped by /dev/shm
+    seg.view(np.uint8, 8 << 20)[:] = 1
+    print("MEMFD OK", int(seg.view(np.uint8, 8 << 20).sum()))
+    seg.close()
+""")
+
+
+def _can_unshare() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root to mount a small tmpfs in a private mount namespace"
+    if shutil.which("unshare") is None:
+        return "util-linux unshare is not installed"
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, timeout=10)
+    if probe.returncode != 0:
+        return f"unshare -m is not permitted here: {probe.stderr.decode().strip()}"
+    return None
+
+
+@pytest.mark.skipif(_can_unshare() is not None, reason=str(_can_unshare()))
+def test_posix_on_a_4mb_dev_shm_raises_enospc_with_the_fix():
+    # A Docker-like /dev/shm: 4 MB, in this test's own mount namespace.
+    cmd = f"mount -t tmpfs -o size=4m tmpfs /dev/shm && exec {sys.executable} -c '{SCRIPT}'"
+    out = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "ERROR 28" in out.stdout, out.stdout  # ENOSPC, raised by posix_fallocate
+    assert "cannot reserve 8388608 bytes for a posix segment" in out.stdout
+    assert "/dev/shm has" in out.stdout and "--shm-size" in out.stdout
+    assert f"MEMFD OK {8 << 20}" in out.stdout
