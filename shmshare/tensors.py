@@ -1,0 +1,198 @@
+"""Array descriptors and nested batches <-> msgpack-able trees.
+
+A batch is a nested dict / list / tuple of arrays (numpy, or CPU torch
+tensors) and plain values (None, bool, int, float, str, bytes, numpy
+scalars). :func:`encode` turns it into a tree that ``wire`` can send: each
+array becomes an :class:`ArrayDesc` (where its bytes lie, dtype, shape,
+strides) packed as a msgpack ext, tuples and numpy scalars get exts of their
+own so they come back as what they were. :func:`decode` rebuilds the batch,
+asking the caller for the memory behind each descriptor.
+
+The tree never carries array data itself: the caller's ``place`` callback
+decides where an array's bytes live (a pool block) and returns its
+descriptor; the receiver's ``view`` callback returns a buffer over them.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Callable
+
+import msgpack
+import numpy as np
+from numpy.lib import format as npformat
+
+__all__ = [
+    "ArrayDesc",
+    "encode",
+    "decode",
+    "encode_dtype",
+    "decode_dtype",
+    "check_shareable",
+    "is_torch_tensor",
+    "as_numpy",
+]
+
+EXT_ARRAY, EXT_TUPLE, EXT_SCALAR = 1, 2, 3
+_PLAIN = (type(None), bool, int, float, str, bytes)
+
+
+@dataclass(frozen=True, slots=True)
+class ArrayDesc:
+    """Where an array's bytes lie and how to view them.
+
+    ``offset`` is the byte offset of element ``[0, ..., 0]`` within segment
+    ``segment``; ``strides`` are in bytes and may be negative or zero.
+    ``torch_dtype`` is set when the array was a torch tensor (it comes back
+    as one); ``block`` names the pool block to release when its views die.
+    """
+
+    segment: int
+    block: int
+    offset: int
+    dtype: Any  # encode_dtype() form
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    torch_dtype: str | None = None
+
+    def pack(self) -> msgpack.ExtType:
+        """Return the msgpack ext that carries this descriptor."""
+        return msgpack.ExtType(EXT_ARRAY, msgpack.packb(
+            [self.segment, self.block, self.offset, self.dtype, self.shape, self.strides,
+             self.torch_dtype], use_bin_type=True))
+
+    @classmethod
+    def unpack(cls, data: bytes) -> ArrayDesc:
+        """Rebuild a descriptor from an ext's payload (raises ValueError when malformed)."""
+        try:
+            seg, block, off, dt, shape, strides, tdt = msgpack.unpackb(data, raw=False)
+            return cls(int(seg), int(block), int(off), dt, tuple(shape), tuple(strides), tdt)
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            raise ValueError(f"malformed array descriptor: {exc}") from exc
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the array's elements span (0 for an empty array)."""
+        return span(decode_dtype(self.dtype).itemsize, self.shape, self.strides)[1]
+
+
+def span(itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, int]:
+    """Return (lowest byte offset, bytes spanned) of a strided layout, relative to element 0."""
+    if any(n == 0 for n in shape):
+        return 0, 0
+    lo = sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
+    hi = sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
+    return lo, hi - lo + itemsize
+
+
+def encode(obj: Any, place: Callable[[Any], ArrayDesc]) -> Any:
+    """Return `obj` as a msgpack-able tree; `place(array)` gives each array's descriptor.
+
+    Raises TypeError naming the path of anything that cannot be sent.
+    """
+    return _encode(obj, place, "batch")
+
+
+def decode(tree: Any, view: Callable[[ArrayDesc], Any]) -> Any:
+    """Return the batch that :func:`encode` made `tree` from; `view(desc)` gives each array."""
+    if isinstance(tree, msgpack.ExtType):
+        if tree.code == EXT_ARRAY:
+            return view(ArrayDesc.unpack(tree.data))
+        if tree.code == EXT_TUPLE:
+            items = msgpack.unpackb(tree.data, raw=False, strict_map_key=False)
+            return tuple(decode(x, view) for x in items)
+        if tree.code == EXT_SCALAR:
+            dt, raw = msgpack.unpackb(tree.data, raw=False)
+            return np.frombuffer(raw, dtype=decode_dtype(dt))[0]
+        raise ValueError(f"unknown ext code {tree.code} in a batch")
+    if isinstance(tree, list):
+        return [decode(x, view) for x in tree]
+    if isinstance(tree, dict):
+        return {k: decode(v, view) for k, v in tree.items()}
+    return tree
+
+
+def _encode(obj: Any, place: Callable[[Any], ArrayDesc], path: str) -> Any:
+    if isinstance(obj, _PLAIN):
+        return obj
+    if isinstance(obj, np.ndarray) or is_torch_tensor(obj):
+        return place(obj).pack()
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            if not isinstance(k, (str, int, bytes)) or isinstance(k, bool):
+                raise TypeError(f"{path}: dict key {k!r} must be str, int or bytes to be sent")
+            out[k] = _encode(v, place, f"{path}[{k!r}]")
+        return out
+    if isinstance(obj, list):
+        return [_encode(v, place, f"{path}[{i}]") for i, v in enumerate(obj)]
+    if isinstance(obj, tuple):
+        items = [_encode(v, place, f"{path}[{i}]") for i, v in enumerate(obj)]
+        return msgpack.ExtType(EXT_TUPLE, msgpack.packb(items, use_bin_type=True))
+    if isinstance(obj, np.generic):
+        check_shareable(obj.dtype, path)
+        return msgpack.ExtType(EXT_SCALAR, msgpack.packb(
+            [encode_dtype(obj.dtype), obj.tobytes()], use_bin_type=True))
+    raise TypeError(f"{path}: a {type(obj).__module__}.{type(obj).__qualname__} cannot be sent; "
+                    "a batch holds arrays, torch CPU tensors, dict/list/tuple and None, bool, int, "
+                    "float, str, bytes (nothing is pickled)")
+
+
+def check_shareable(dt: np.dtype, path: str = "array") -> None:
+    """Raise TypeError if arrays of dtype `dt` cannot live in shared memory."""
+    if dt.hasobject:
+        raise TypeError(f"{path}: dtype {dt} holds Python object references, which mean nothing "
+                        "in another process; convert to a fixed-size dtype (e.g. str -> 'U<n>')")
+
+
+def encode_dtype(dt: np.dtype) -> Any:
+    """Return a msgpack-able form of `dt` (its ``.str`` or, for structured dtypes, its descr)."""
+    if dt.fields is None and dt.subdtype is None:
+        return dt.str
+    return {"descr": repr(npformat.dtype_to_descr(dt))}
+
+
+@lru_cache(maxsize=256)
+def _decode_dtype_str(s: str) -> np.dtype:
+    return np.dtype(s)
+
+
+def decode_dtype(x: Any) -> np.dtype:
+    """Return the numpy dtype that :func:`encode_dtype` encoded (ValueError when malformed)."""
+    try:
+        if isinstance(x, str):
+            return _decode_dtype_str(x)
+        return npformat.descr_to_dtype(ast.literal_eval(x["descr"]))
+    except (TypeError, ValueError, KeyError, SyntaxError) as exc:
+        raise ValueError(f"malformed dtype {x!r}: {exc}") from exc
+
+
+def is_torch_tensor(obj: Any) -> bool:
+    """Return whether `obj` is a torch.Tensor (without importing torch)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(obj, torch.Tensor)
+
+
+def as_numpy(t: Any) -> tuple[np.ndarray, str | None]:
+    """Return (a numpy view of torch tensor or array `t`, torch dtype name or None).
+
+    dtypes numpy lacks (bfloat16, float8) are viewed as same-size integers.
+    """
+    if isinstance(t, np.ndarray):
+        return t, None
+    if t.device.type != "cpu":
+        raise TypeError(f"a torch tensor on {t.device} cannot go through shared memory; "
+                        "move it to the CPU first (or use the CUDA pool)")
+    if t.requires_grad:
+        t = t.detach()
+    name = str(t.dtype).removeprefix("torch.")
+    try:
+        return t.numpy(), name
+    except TypeError:  # no numpy dtype: reinterpret the bits
+        import torch
+
+        as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+        return t.view(as_int).numpy(), name

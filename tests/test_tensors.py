@@ -1,0 +1,124 @@
+"""shmshare.tensors: descriptors and nested batches round-trip through msgpack."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from shmshare import tensors
+from shmshare.tensors import ArrayDesc, decode, encode
+
+DTYPES = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64,
+          np.uint64, np.float16, np.float32, np.float64, np.longdouble, np.complex64,
+          np.complex128, ">i4", "<f8", "U7", "S5", "V12", "M8[ns]", "m8[s]",
+          [("a", "<i4"), ("b", "<f8", (2,))],
+          np.dtype([("x", "u1"), ("y", "<i8")], align=True)]
+
+
+class Arena:
+    """A bytearray standing in for a segment: place() copies arrays in, view() maps them out."""
+
+    def __init__(self):
+        self.mem = bytearray(1 << 16)
+        self.used = 0
+
+    def place(self, arr):
+        arr, tdt = tensors.as_numpy(arr)
+        lo, nbytes = tensors.span(arr.itemsize, arr.shape, arr.strides)
+        start = self.used
+        self.used += (nbytes + 63) // 64 * 64
+        dst = np.ndarray(arr.shape, arr.dtype, buffer=self.mem, offset=start)
+        dst[...] = arr
+        return ArrayDesc(0, start, start, tensors.encode_dtype(arr.dtype), arr.shape,
+                         dst.strides, tdt)
+
+    def view(self, d):
+        return np.ndarray(d.shape, tensors.decode_dtype(d.dtype), buffer=self.mem,
+                          offset=d.offset, strides=d.strides)
+
+
+def roundtrip(obj):
+    arena = Arena()
+    wire_bytes = msgpack.packb(encode(obj, arena.place), use_bin_type=True)
+    tree = msgpack.unpackb(wire_bytes, raw=False, strict_map_key=False)
+    return decode(tree, arena.view)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_fixed_size_dtype_round_trips(dtype):
+    dt = np.dtype(dtype)
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=dt.itemsize * 6, dtype=np.uint8).tobytes()
+    arr = np.frombuffer(raw, dtype=dt).reshape(2, 3)
+    got = roundtrip(arr)
+    assert got.dtype == dt and got.shape == (2, 3)
+    if dt.names:  # padding bytes between fields are not data
+        assert all(got[n].tobytes() == arr[n].tobytes() for n in dt.names)
+    else:
+        assert got.tobytes() == arr.tobytes()
+
+
+def test_nested_batches_keep_their_structure():
+    a = np.arange(12, dtype=np.float32).reshape(3, 4)
+    batch = {"x": a, "meta": {"ids": [1, 2, 3], "name": "b0", "none": None, 5: b"raw"},
+             "pair": (a[:, 1], 2.5, True), "list": [np.zeros(0), np.float32(1.5), np.int64(-3)]}
+    got = roundtrip(batch)
+    assert set(got) == {"x", "meta", "pair", "list"}
+    np.testing.assert_array_equal(got["x"], a)
+    assert got["meta"] == {"ids": [1, 2, 3], "name": "b0", "none": None, 5: b"raw"}
+    assert isinstance(got["pair"], tuple) and got["pair"][1:] == (2.5, True)
+    np.testing.assert_array_equal(got["pair"][0], a[:, 1])
+    assert got["list"][0].shape == (0,)
+    assert got["list"][1] == np.float32(1.5) and got["list"][1].dtype == np.float32
+    assert got["list"][2] == -3 and got["list"][2].dtype == np.int64
+
+
+def test_descriptor_keeps_strides_and_span():
+    base = np.arange(24, dtype=np.int32).reshape(4, 6)
+    v = base[::-2, 1::2]
+    lo, n = tensors.span(4, v.shape, v.strides)
+    assert lo == -48 and n == 48 + 16 + 4
+    d = ArrayDesc(3, 9, 100, "<i4", v.shape, v.strides)
+    assert ArrayDesc.unpack(d.pack().data) == d
+    assert d.nbytes == 68
+    assert tensors.span(4, (0, 5), (20, 4)) == (0, 0)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (np.array([object()]), "object references"),
+    (np.array([(1, None)], dtype=[("a", "i4"), ("b", "O")]), "object references"),
+    ({"k": {1, 2}}, r"batch\['k'\]: a builtins.set cannot be sent"),
+    ({(1, 2): 3}, "dict key"),
+    ([lambda: 0], r"batch\[0\]: a builtins.function"),
+])
+def test_what_cannot_be_sent_is_refused_by_path(bad, match):
+    def place(arr):
+        tensors.check_shareable(arr.dtype)
+        raise AssertionError("unreachable")
+
+    with pytest.raises(TypeError, match=match):
+        encode(bad, place)
+
+
+def test_malformed_descriptors_and_exts():
+    with pytest.raises(ValueError, match="malformed array descriptor"):
+        ArrayDesc.unpack(msgpack.packb([1, 2]))
+    with pytest.raises(ValueError, match="unknown ext code 9"):
+        decode(msgpack.ExtType(9, b""), lambda d: None)
+    with pytest.raises(ValueError, match="malformed dtype"):
+        tensors.decode_dtype("not-a-dtype")
+
+
+def test_torch_tensors_including_bfloat16():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    t = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    arr, name = tensors.as_numpy(t)
+    assert name == "bfloat16" and arr.dtype == np.int16
+    assert tensors.is_torch_tensor(t) and not tensors.is_torch_tensor(arr)
+    got = roundtrip({"t": t.t()})  # non-contiguous
+    desc_view = got["t"]
+    back = torch.from_numpy(np.ascontiguousarray(desc_view)).view(torch.bfloat16)
+    assert torch.equal(back, t.t().contiguous())
+    with pytest.raises(TypeError, match="on meta cannot go through shared memory"):
+        tensors.as_numpy(torch.empty(2, device="meta"))
