@@ -1,0 +1,57 @@
+"""The ``shmshare`` command line: ``doctor`` (what this host allows) and ``demo`` (the seed, live).
+
+The subcommands live in their own modules: ``_doctor`` and ``_demo``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+from ._demo import demo
+from ._doctor import doctor
+
+__all__ = ["main"]
+
+_GiB, _MiB = 1 << 30, 1 << 20
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``shmshare`` command line and return its exit code."""
+    parser = argparse.ArgumentParser(prog="shmshare", description="Zero-copy tensors between "
+                                     "processes through shared memory: host checks and demos.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    doc = sub.add_parser("doctor", help="check what shmshare needs from this host, and what it means")
+    doc.add_argument("--json", action="store_true", help="print a machine-readable report")
+    dem = sub.add_parser("demo", help="run the seed's fd-lifetime walk-through with two processes")
+    dem.add_argument("--backend", choices=("memfd", "posix"), default="memfd")
+    dem.add_argument("--size", type=_parse_size, default=64 * _MiB,
+                     help="segment size, e.g. 8M, 64MiB, 1G (default 64M)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "doctor":
+            return doctor(as_json=args.json)
+        if args.command == "demo":
+            return demo(backend=args.backend, size=args.size)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:  # the reader (`| head`) left: stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    parser.print_help()
+    return 2
+
+
+
+
+def _parse_size(text: str) -> int:
+    """Parse a size such as ``4096``, ``8M``, ``64MiB`` or ``1G`` (binary units) into bytes."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(?:i?[bB])?\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 4096, 8M, 64MiB, 1G)")
+    nbytes = int(float(m.group(1)) * {"": 1, "k": 1 << 10, "m": _MiB, "g": _GiB}[m.group(2).lower()])
+    if nbytes < 4096:
+        raise argparse.ArgumentTypeError(f"size must be at least 4 KiB (one page), got {text!r}")
+    return nbytes
