@@ -68,6 +68,10 @@ class Flags(enum.IntFlag):
 
 
 DEFAULT_FLAGS = Flags.SHAREDMEM | Flags.EXCLUSIVE | Flags.KEEPFD | Flags.UNLINK
+# Plain-int copies for the map path: IntFlag arithmetic costs ~1 us an operation.
+_SHARED, _SHAREDMEM, _NOCREATE, _KEEPFD, _FROMFD, _UNLINK, _READONLY, _POPULATE = map(int, (
+    Flags.SHARED, Flags.SHAREDMEM, Flags.NOCREATE, Flags.KEEPFD, Flags.FROMFD, Flags.UNLINK,
+    Flags.READONLY, Flags.POPULATE))
 _BACKENDS = ("memfd", "posix")
 
 
@@ -195,7 +199,7 @@ class Segment:
         whole object; a larger `nbytes` than the object is refused (touching
         past its end would raise SIGBUS).
         """
-        flags = Flags(flags) | Flags.FROMFD
+        flags = Flags(int(flags) | _FROMFD)
         if nbytes is not None:
             nbytes = _check_nbytes(nbytes)
         raw = fd.fileno() if hasattr(fd, "fileno") else fd
@@ -335,25 +339,25 @@ class Segment:
         return self
 
     def _resize_and_map(self, nbytes: int | None, may_resize: bool, seal: int) -> None:
-        fd, flags = self.fd, self.flags
+        fd, f = self.fd, int(self.flags)
         assert fd is not None
-        writable = not flags & Flags.READONLY
+        writable = not f & _READONLY
         current = os.fstat(fd).st_size
         size = current if nbytes is None else nbytes
         if size <= 0:
             raise SegmentError(errno.EINVAL, f"{self._what()} is empty; pass nbytes to create it")
         if current < size:
-            if not (may_resize and writable and not flags & Flags.NOCREATE):
+            if not (may_resize and writable and not f & _NOCREATE):
                 raise SegmentError(errno.EINVAL, f"{self._what()} is {current} bytes, "
                                    f"{size} were asked: mapping past its end would SIGBUS on touch")
             os.ftruncate(fd, size)
-            if flags & (Flags.SHAREDMEM | Flags.SHARED):
+            if f & (_SHAREDMEM | _SHARED):
                 self._reserve_pages(size)
         if seal:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seal)
-        shared = bool(flags & (Flags.SHAREDMEM | Flags.SHARED)) or self.backend in _BACKENDS
+        shared = bool(f & (_SHAREDMEM | _SHARED)) or self.backend in _BACKENDS
         address = _native.mmap(size, fd, 0, writable=writable, shared=shared,
-                               populate=bool(flags & Flags.POPULATE))
+                               populate=bool(f & _POPULATE))
         self._root = _native.Lease(None, address, size, readonly=not writable,
                                    on_release=_Unmapper(address, size))
         self.address, self.size = address, size
@@ -362,10 +366,10 @@ class Segment:
                 _native.madvise(address, size - size % _native.PAGE_SIZE, _native.MADV_HUGEPAGE)
             except OSError:
                 pass
-        if flags & Flags.UNLINK:
+        if f & _UNLINK:
             self._owns_name = False
             _unlink(self.backend, self.name)
-        if not flags & Flags.KEEPFD:
+        if not f & _KEEPFD:
             self.fd = None
             os.close(fd)
 

@@ -184,6 +184,11 @@ class Connection:
         self.state = State.NEW
         self.peer_hello: dict[str, Any] | None = None
         self._counts = [0, 0, 0, 0, 0, 0]
+        self._packer = msgpack.Packer(use_bin_type=True)  # used under the send lock
+        self._pollin = select.poll()
+        self._pollin.register(sock, select.POLLIN)
+        self._pollout = select.poll()
+        self._pollout.register(sock, select.POLLOUT)
         try:
             self.peer_cred = _peer_cred(sock)
             _check_uid(self.peer_cred, self._allow_uids)
@@ -203,16 +208,17 @@ class Connection:
         """
         if not isinstance(header, dict):
             raise TypeError(f"header must be a dict, got {type(header).__name__}")
-        frame = _pack([_KIND_MSG, header])
-        if len(frame) > self._max_frame:
-            raise ProtocolError(f"a frame of {len(frame)} bytes exceeds max_frame={self._max_frame}; "
-                                "send large data through shared memory, not in the header")
-        fdnums = [_fdnum(f) for f in fds]
+        fdnums = [_fdnum(f) for f in fds] if fds else []
         if len(fdnums) > self._max_fds:
             raise ProtocolError(f"{len(fdnums)} fds in one message exceed max_fds={self._max_fds}; "
                                 "split them over several messages")
         with self._send_lock:
             self._check_open()
+            frame = _pack([_KIND_MSG, header], self._packer)
+            if len(frame) > self._max_frame:
+                raise ProtocolError(f"a frame of {len(frame)} bytes exceeds max_frame="
+                                    f"{self._max_frame}; send large data through shared memory, "
+                                    "not in the header")
             if not self._hello_sent:
                 self._send_frame(self._hello_frame(), [], timeout)
                 self._hello_sent = True
@@ -228,14 +234,13 @@ class Connection:
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         flags = socket.MSG_NOSIGNAL
         if timeout is not None:
-            self._wait(select.POLLOUT, timeout, "send")
-            flags |= socket.MSG_DONTWAIT
+            flags |= socket.MSG_DONTWAIT  # try first; wait only when the socket is full
         while True:
             try:
                 self._sock.sendmsg([frame], anc, flags)
                 return
             except BlockingIOError:
-                self._wait(select.POLLOUT, timeout, "send")  # raced with another writer
+                self._wait(self._pollout, timeout, "send")
             except (BrokenPipeError, ConnectionResetError) as exc:
                 raise PeerDied(f"the peer ({self._peer_name()}) closed the connection") from exc
             except OSError as exc:
@@ -278,12 +283,17 @@ class Connection:
                 return body, fds
 
     def _recv_frame(self, timeout: float | None) -> tuple[int, Any, list[Fd]]:
-        if timeout is not None:
-            self._wait(select.POLLIN, timeout, "recv")
-        try:
-            nbytes, anc, flags, _ = self._sock.recvmsg_into([self._buf], self._cmsg_space)
-        except ConnectionResetError as exc:
-            raise PeerDied(f"the peer ({self._peer_name()}) reset the connection") from exc
+        # With a timeout, try first and wait only when nothing is queued: one syscall, not two.
+        mode = 0 if timeout is None else socket.MSG_DONTWAIT
+        while True:
+            try:
+                nbytes, anc, flags, _ = self._sock.recvmsg_into([self._buf], self._cmsg_space,
+                                                                mode)
+                break
+            except BlockingIOError:
+                self._wait(self._pollin, timeout, "recv")
+            except ConnectionResetError as exc:
+                raise PeerDied(f"the peer ({self._peer_name()}) reset the connection") from exc
         fds = _take_fds(anc)
         if flags & socket.MSG_CTRUNC:
             _close_all(fds)
@@ -323,9 +333,7 @@ class Connection:
     def poll(self, timeout: float | None = 0.0) -> bool:
         """Return whether a message (or end of stream) can be received within `timeout` s."""
         self._check_open()
-        p = select.poll()
-        p.register(self._sock, select.POLLIN)
-        return bool(p.poll(None if timeout is None else max(0, int(timeout * 1000))))
+        return bool(self._pollin.poll(None if timeout is None else _ms(timeout)))
 
     def fileno(self) -> int:
         """Return the socket's fd, for selectors (readable = a message is waiting)."""
@@ -381,10 +389,8 @@ class Connection:
         if self.state is State.CLOSED:
             raise ValueError("this Connection is closed")
 
-    def _wait(self, event: int, timeout: float | None, what: str) -> None:
-        p = select.poll()
-        p.register(self._sock, event)
-        if not p.poll(None if timeout is None else max(0, int(timeout * 1000))):
+    def _wait(self, poller: Any, timeout: float | None, what: str) -> None:
+        if not poller.poll(None if timeout is None else _ms(timeout)):
             raise ShmshareTimeout(f"{what} timed out after {timeout} s (peer {self._peer_name()})")
 
     def _peer_name(self) -> str:
@@ -496,9 +502,16 @@ def _rebuild_connection(dup: Any, role: str, max_frame: int, max_fds: int,
     return Connection(sock, role=role, max_frame=max_frame, max_fds=max_fds, allow_uids=allow_uids)
 
 
-def _pack(obj: Any) -> bytes:
+def _ms(timeout: float) -> int:
+    """Return a poll(2) timeout in ms, rounded up so that a short timeout still waits."""
+    return max(0, -int(-timeout * 1000 // 1))
+
+
+def _pack(obj: Any, packer: msgpack.Packer | None = None) -> bytes:
     try:
-        return msgpack.packb(obj, use_bin_type=True)
+        if packer is not None:
+            return packer.pack(obj)  # type: ignore[no-any-return]
+        return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
     except TypeError as exc:
         raise TypeError(f"cannot send this header: {exc}. A header holds None, bool, int, float, "
                         "str, bytes, lists and dicts only (nothing is pickled)") from exc

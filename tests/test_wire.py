@@ -66,6 +66,8 @@ def test_nothing_is_pickled(pair):
         a.send({"x": object()})
     with pytest.raises(TypeError, match="header must be a dict"):
         a.send(["not", "a", "dict"])  # type: ignore[arg-type]
+    a.send({"after": "a refused header"})  # the packer was left clean
+    assert pair[1].recv(timeout=5)[0] == {"after": "a refused header"}
 
 
 def test_caps_on_frame_size_and_fd_count():
