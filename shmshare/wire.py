@@ -263,10 +263,23 @@ class Connection:
         delivered), ShmshareTimeout after `timeout` seconds, ProtocolError on
         a malformed frame and FdLimitError when the kernel dropped fds.
         """
+        got = self._recv(timeout)
+        if got is None:
+            raise ShmshareTimeout(f"recv timed out after {timeout} s (peer {self._peer_name()})")
+        return got
+
+    def recv_nowait(self) -> tuple[dict[Any, Any], list[Fd]] | None:
+        """Return the next message if one is queued, else None, without waiting."""
+        return self._recv(0.0)
+
+    def _recv(self, timeout: float | None) -> tuple[dict[Any, Any], list[Fd]] | None:
         with self._recv_lock:
             while True:
                 self._check_open()
-                kind, body, fds = self._recv_frame(timeout)
+                frame = self._recv_frame(timeout)
+                if frame is None:
+                    return None
+                kind, body, fds = frame
                 if kind == _KIND_HELLO:
                     self._accept_hello(body, fds)
                     continue
@@ -282,7 +295,7 @@ class Connection:
                 c[3] += len(fds)
                 return body, fds
 
-    def _recv_frame(self, timeout: float | None) -> tuple[int, Any, list[Fd]]:
+    def _recv_frame(self, timeout: float | None) -> tuple[int, Any, list[Fd]] | None:
         # With a timeout, try first and wait only when nothing is queued: one syscall, not two.
         mode = 0 if timeout is None else socket.MSG_DONTWAIT
         while True:
@@ -291,7 +304,8 @@ class Connection:
                                                                 mode)
                 break
             except BlockingIOError:
-                self._wait(self._pollin, timeout, "recv")
+                if not self._pollin.poll(None if timeout is None else _ms(timeout)):
+                    return None
             except ConnectionResetError as exc:
                 raise PeerDied(f"the peer ({self._peer_name()}) reset the connection") from exc
         fds = _take_fds(anc)

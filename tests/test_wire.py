@@ -107,6 +107,17 @@ def test_timeout_then_eof_after_queued_messages(pair):
         b.recv(timeout=5)
 
 
+def test_recv_nowait(pair):
+    a, b = pair
+    assert b.recv_nowait() is None
+    a.send({"n": 1})
+    assert b.recv_nowait()[0] == {"n": 1}
+    assert b.recv_nowait() is None
+    a.close()
+    with pytest.raises(PeerDied):
+        b.recv_nowait()
+
+
 def test_send_to_a_closed_peer_raises_peer_died(pair):
     a, b = pair
     b.close()
