@@ -1,0 +1,69 @@
+"""The caching allocators: one provider-agnostic core over several providers.
+
+:class:`CachingAllocator` is PyTorch's CUDA caching allocator (blocks, best
+fit, split and merge, stream events, the retry chain, expandable segments,
+statistics, snapshots) written once over a small provider interface
+(:class:`Provider`, Note [Providers] in ``_provider.py``).
+:class:`SimulatedDevice` is a provider with no hardware behind it, used to
+test every policy on CPU. The design notes are in ``docs/allocator.md``.
+
+The core imports nothing from shmshare but ``shmshare._errors``; providers
+that need segments or the native layer live beside it and import those.
+"""
+
+from __future__ import annotations
+
+from ._allocator import CachingAllocator
+from ._block import Block, BlockPool
+from ._config import (
+    ENV_VAR,
+    VALID_KEYS,
+    AllocatorConfig,
+    configure,
+    get_config,
+    parse_config,
+)
+from ._core import MemoryEvent
+from ._exceptions import InvariantError, OutOfMemoryError
+from ._mempool import MemPool, current_mem_pool, use_mem_pool
+from ._policy import allocation_size, format_size, round_size
+from ._provider import ExpandableProvider, Provider, ProviderOutOfMemory
+from ._shm import ShmProvider, ShmSegment
+from ._simulated import (
+    SimulatedDevice,
+    SimulatedDeviceError,
+    SimulatedEvent,
+    SimulatedStats,
+    SimulatedStream,
+)
+
+__all__ = [
+    "CachingAllocator",
+    "Block",
+    "BlockPool",
+    "MemoryEvent",
+    "MemPool",
+    "use_mem_pool",
+    "current_mem_pool",
+    "AllocatorConfig",
+    "configure",
+    "get_config",
+    "parse_config",
+    "ENV_VAR",
+    "VALID_KEYS",
+    "round_size",
+    "allocation_size",
+    "format_size",
+    "Provider",
+    "ExpandableProvider",
+    "ProviderOutOfMemory",
+    "OutOfMemoryError",
+    "InvariantError",
+    "ShmProvider",
+    "ShmSegment",
+    "SimulatedDevice",
+    "SimulatedStream",
+    "SimulatedEvent",
+    "SimulatedStats",
+    "SimulatedDeviceError",
+]
