@@ -21,10 +21,16 @@ from ._errors import (
     ShmshareTimeout,
 )
 from .segment import Flags, Segment
+from .channel import Receiver, Sender, channel, connect, listen
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "channel",
+    "listen",
+    "connect",
+    "Sender",
+    "Receiver",
     "Flags",
     "Segment",
     "ShmshareError",

@@ -234,6 +234,15 @@ class Segment:
         return np.ndarray(shp, dtype=dt, buffer=root, offset=offset)  # type: ignore[call-overload]
 
     @property
+    def lease(self) -> _native.Lease:
+        """Return the root Lease over the whole mapping.
+
+        Views made from it (or Leases owning it) keep the pages mapped after
+        ``close()``; the mapping goes when the last of them does.
+        """
+        return self._live_root()
+
+    @property
     def seals(self) -> int:
         """Return the memfd's F_GET_SEALS bits (0 for other backends)."""
         if self.backend != "memfd" or self.fd is None:

@@ -16,10 +16,10 @@ descriptor; the receiver's ``view`` callback returns a buffer over them.
 from __future__ import annotations
 
 import ast
+import struct
 import sys
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import msgpack
 import numpy as np
@@ -40,43 +40,56 @@ EXT_ARRAY, EXT_TUPLE, EXT_SCALAR = 1, 2, 3
 _PLAIN = (type(None), bool, int, float, str, bytes)
 
 
-@dataclass(frozen=True, slots=True)
-class ArrayDesc:
+class ArrayDesc(NamedTuple):
     """Where an array's bytes lie and how to view them.
 
     ``offset`` is the byte offset of element ``[0, ..., 0]`` within segment
     ``segment``; ``strides`` are in bytes and may be negative or zero.
     ``torch_dtype`` is set when the array was a torch tensor (it comes back
-    as one); ``block`` names the pool block to release when its views die.
+    as one); ``block`` names the lease to release when its views die.
+    Segment 0 means an empty array with no memory behind it.
     """
 
     segment: int
     block: int
     offset: int
-    dtype: Any  # encode_dtype() form
+    dtype: str  # encode_dtype() form
     shape: tuple[int, ...]
     strides: tuple[int, ...]
     torch_dtype: str | None = None
 
     def pack(self) -> msgpack.ExtType:
-        """Return the msgpack ext that carries this descriptor."""
-        return msgpack.ExtType(EXT_ARRAY, msgpack.packb(
-            [self.segment, self.block, self.offset, self.dtype, self.shape, self.strides,
-             self.torch_dtype], use_bin_type=True))
+        """Return the msgpack ext that carries this descriptor (a fixed binary layout)."""
+        ndim = len(self.shape)
+        dt = self.dtype.encode()
+        tdt = (self.torch_dtype or "").encode()
+        head = _HEAD.pack(self.segment, self.block, self.offset, ndim, len(tdt), len(dt))
+        dims = struct.pack(f"<{2 * ndim}q", *self.shape, *self.strides) if ndim else b""
+        return msgpack.ExtType(EXT_ARRAY, head + dims + tdt + dt)
 
     @classmethod
     def unpack(cls, data: bytes) -> ArrayDesc:
         """Rebuild a descriptor from an ext's payload (raises ValueError when malformed)."""
         try:
-            seg, block, off, dt, shape, strides, tdt = msgpack.unpackb(data, raw=False)
-            return cls(int(seg), int(block), int(off), dt, tuple(shape), tuple(strides), tdt)
-        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            seg, block, off, ndim, ntdt, ndt = _HEAD.unpack_from(data)
+            pos = _HEAD.size + 16 * ndim
+            dims = struct.unpack_from(f"<{2 * ndim}q", data, _HEAD.size)
+            tdt = data[pos:pos + ntdt].decode()
+            dt = data[pos + ntdt:pos + ntdt + ndt].decode()
+            if len(data) != pos + ntdt + ndt:
+                raise ValueError(f"{len(data)} bytes, {pos + ntdt + ndt} expected")
+        except (struct.error, UnicodeDecodeError, ValueError) as exc:
             raise ValueError(f"malformed array descriptor: {exc}") from exc
+        return cls(seg, block, off, dt, dims[:ndim], dims[ndim:], tdt or None)
 
     @property
     def nbytes(self) -> int:
         """Bytes the array's elements span (0 for an empty array)."""
         return span(decode_dtype(self.dtype).itemsize, self.shape, self.strides)[1]
+
+
+# segment, block, offset, ndim, len(torch dtype), len(dtype); then shape, strides, the two strings
+_HEAD = struct.Struct("<QQqBBH")
 
 
 def span(itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, int]:
@@ -148,25 +161,21 @@ def check_shareable(dt: np.dtype, path: str = "array") -> None:
                         "in another process; convert to a fixed-size dtype (e.g. str -> 'U<n>')")
 
 
-def encode_dtype(dt: np.dtype) -> Any:
-    """Return a msgpack-able form of `dt` (its ``.str`` or, for structured dtypes, its descr)."""
+def encode_dtype(dt: np.dtype) -> str:
+    """Return `dt` as a string: its ``.str``, or ``"D"`` + its descr for structured dtypes."""
     if dt.fields is None and dt.subdtype is None:
         return dt.str
-    return {"descr": repr(npformat.dtype_to_descr(dt))}
+    return "D" + repr(npformat.dtype_to_descr(dt))
 
 
-@lru_cache(maxsize=256)
-def _decode_dtype_str(s: str) -> np.dtype:
-    return np.dtype(s)
-
-
-def decode_dtype(x: Any) -> np.dtype:
+@lru_cache(maxsize=512)
+def decode_dtype(x: str) -> np.dtype:
     """Return the numpy dtype that :func:`encode_dtype` encoded (ValueError when malformed)."""
     try:
-        if isinstance(x, str):
-            return _decode_dtype_str(x)
-        return npformat.descr_to_dtype(ast.literal_eval(x["descr"]))
-    except (TypeError, ValueError, KeyError, SyntaxError) as exc:
+        if x.startswith("D"):
+            return npformat.descr_to_dtype(ast.literal_eval(x[1:]))
+        return np.dtype(x)
+    except (TypeError, ValueError, SyntaxError, AttributeError) as exc:
         raise ValueError(f"malformed dtype {x!r}: {exc}") from exc
 
 

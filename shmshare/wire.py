@@ -36,6 +36,7 @@ import socket
 import struct
 import tempfile
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -61,6 +62,9 @@ PROTOCOL_VERSION = 1
 MAX_FRAME = 128 * 1024  # bytes in one frame; SEQPACKET messages must fit the socket buffer
 MAX_FDS = 64  # fds in one message (the kernel's SCM_MAX_FD is 253)
 _KIND_HELLO, _KIND_MSG = 0, 1
+# socket.MSG_* are IntFlag members: arithmetic on them costs ~1 us, so keep plain ints.
+_NOSIGNAL, _DONTWAIT, _CTRUNC, _TRUNC = map(int, (socket.MSG_NOSIGNAL, socket.MSG_DONTWAIT,
+                                                socket.MSG_CTRUNC, socket.MSG_TRUNC))
 _PEERCRED = struct.Struct("3i")
 
 
@@ -184,6 +188,7 @@ class Connection:
         self.state = State.NEW
         self.peer_hello: dict[str, Any] | None = None
         self._counts = [0, 0, 0, 0, 0, 0]
+        _live.add(self)
         self._packer = msgpack.Packer(use_bin_type=True)  # used under the send lock
         self._pollin = select.poll()
         self._pollin.register(sock, select.POLLIN)
@@ -232,9 +237,9 @@ class Connection:
 
     def _send_frame(self, frame: bytes, fds: list[int], timeout: float | None) -> None:
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-        flags = socket.MSG_NOSIGNAL
+        flags = _NOSIGNAL
         if timeout is not None:
-            flags |= socket.MSG_DONTWAIT  # try first; wait only when the socket is full
+            flags |= _DONTWAIT  # try first; wait only when the socket is full
         while True:
             try:
                 self._sock.sendmsg([frame], anc, flags)
@@ -297,7 +302,11 @@ class Connection:
 
     def _recv_frame(self, timeout: float | None) -> tuple[int, Any, list[Fd]] | None:
         # With a timeout, try first and wait only when nothing is queued: one syscall, not two.
-        mode = 0 if timeout is None else socket.MSG_DONTWAIT
+        mode = 0 if timeout is None else _DONTWAIT
+        if timeout is not None and timeout <= 0:
+            if not self._pollin.poll(0):
+                return None  # nothing queued: no exception raised and caught for it
+            mode = 0  # a frame (or end of stream) is there, and we hold the receive lock
         while True:
             try:
                 nbytes, anc, flags, _ = self._sock.recvmsg_into([self._buf], self._cmsg_space,
@@ -309,12 +318,12 @@ class Connection:
             except ConnectionResetError as exc:
                 raise PeerDied(f"the peer ({self._peer_name()}) reset the connection") from exc
         fds = _take_fds(anc)
-        if flags & socket.MSG_CTRUNC:
+        if flags & _CTRUNC:
             _close_all(fds)
             raise FdLimitError(errno.EMFILE, _ctrunc_message(len(fds), self._max_fds))
         if nbytes == 0 and not fds:
             raise PeerDied(f"the peer ({self._peer_name()}) closed the connection")
-        if flags & socket.MSG_TRUNC:
+        if flags & _TRUNC:
             _close_all(fds)
             raise ProtocolError(f"a frame larger than max_frame={self._max_frame} bytes arrived; "
                                 "the peer must use the same max_frame")
@@ -410,6 +419,22 @@ class Connection:
     def _peer_name(self) -> str:
         pid = self.peer_hello.get("pid") if self.peer_hello else self.peer_cred.pid
         return f"pid {pid}"
+
+
+_live: weakref.WeakSet[Connection] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # A forked child holds the same sockets: it gets fresh locks (a lock held by
+    # another thread at fork time would never be released here) and introduces
+    # itself with a HELLO of its own pid before its first message.
+    for conn in list(_live):
+        conn._send_lock = threading.Lock()
+        conn._recv_lock = threading.Lock()
+        conn._hello_sent = False
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Listener:

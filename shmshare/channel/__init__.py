@@ -1,0 +1,59 @@
+"""Zero-copy tensor channels between processes.
+
+``tx, rx = shmshare.channel()`` for a parent and its children (either end
+can be handed to a multiprocessing child, fork or spawn);
+``shmshare.listen(path)`` for a receiver that many unrelated senders
+``shmshare.connect(path)`` to. A pool segment's fd crosses the socket once
+per receiver; after that an array is a few dozen bytes of msgpack, and its
+memory comes back to the sender's pool when the receiver drops it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .. import wire
+from ._receiver import Receiver
+from ._sender import DEFAULT_LIMIT, Sender, SenderStatistics
+
+__all__ = ["channel", "listen", "connect", "Sender", "Receiver", "SenderStatistics",
+           "DEFAULT_LIMIT"]
+
+
+def channel(*, limit: int = DEFAULT_LIMIT, config: str | None = None, backend: str = "memfd",
+            writable: bool = False) -> tuple[Sender, Receiver]:
+    """Return a connected (Sender, Receiver) pair.
+
+    Parameters
+    ----------
+    limit : int
+        Bytes of shared memory the sender's pool may hold (back-pressure past it).
+    config : str, optional
+        Allocator settings for the sender's pool, ``SHMSHARE_ALLOC_CONF`` syntax.
+    backend : {"memfd", "posix"}
+        Shared memory behind the pool.
+    writable : bool
+        Whether received numpy arrays are writable (torch tensors always are).
+    """
+    a, b = wire.pipe()
+    a._role, b._role = "sender", "receiver"
+    return Sender(a, limit=limit, config=config, backend=backend), Receiver([b], writable=writable)
+
+
+def listen(path: str | os.PathLike[str] | None = None, *, writable: bool = False,
+           **listener_kw: Any) -> Receiver:
+    """Return a Receiver that accepts senders on a Unix socket at `path` (fan-in).
+
+    With `path` None the socket is made in a fresh private directory; the
+    receiver's ``path`` says where.
+    """
+    return Receiver(listener=wire.Listener(path, role="receiver", **listener_kw), writable=writable)
+
+
+def connect(path: str | os.PathLike[str], *, timeout: float | None = None,
+            limit: int = DEFAULT_LIMIT, config: str | None = None, backend: str = "memfd",
+            **conn_kw: Any) -> Sender:
+    """Return a Sender connected to the receiver listening at `path`."""
+    conn = wire.connect(path, timeout=timeout, role="sender", **conn_kw)
+    return Sender(conn, limit=limit, config=config, backend=backend)

@@ -1,0 +1,460 @@
+"""The receiving end of a channel: segments mapped once, arrays as leases, releases in batches.
+
+Note [Releases]
+    Each received array holds a ``_native.Lease`` whose callback runs when
+    the array's last view dies -- at any bytecode of any thread (the garbage
+    collector). The callback only appends ``(peer, lease)`` to a deque and,
+    if the flusher is not armed, arms it with one byte on a wake-up pipe; it
+    takes no lock. Releases go back in one frame per sender, from two places:
+    ``recv`` sends them when enough have gathered or the last batch is older
+    than ``_MAX_AGE``; the flusher thread, once armed, wakes every
+    ``_MAX_AGE`` and sends what ``recv`` left (a consumer that stopped
+    calling ``recv``), and disarms when the queue is empty. So a sender
+    blocked on a full pool never waits on releases that sit here for more
+    than about ``_MAX_AGE``, and a busy consumer pays one small frame per
+    batch, not per array, with the flusher waking at most 1/_MAX_AGE times
+    a second.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import os
+import selectors
+import threading
+import time
+import weakref
+from typing import Any, Iterator
+
+import numpy as np
+
+from .. import _native, tensors, wire
+from .._errors import PeerDied, ProtocolError, ShmshareTimeout
+from ..segment import Flags, Segment
+from ._protocol import (BATCH, BYE, DROP, GROW, KIND, NEW, RELEASE, RELEASE_CHUNK, LEASES,
+                        TREE)
+
+__all__ = ["Receiver"]
+
+_MAX_AGE = 0.002  # s a release may wait before it is sent
+_BATCH = 64  # releases that make recv() send at once
+_pid = os.getpid()  # releases are sent only by the process that received the arrays
+
+
+class _RxSegment:
+    """A sender's segment as mapped here: a root Lease over the whole range."""
+
+    __slots__ = ("root", "address", "size", "fd", "mapped")
+
+    def __init__(self, root: _native.Lease, address: int, size: int, fd: int) -> None:
+        self.root = root  # every array's Lease owns it: the mapping outlives the sender
+        self.address = address
+        self.size = size
+        self.fd = fd  # expandable segments only (-1 otherwise): new ranges are mapped from it
+        self.mapped: list[tuple[int, int]] = [] if fd >= 0 else [(0, size)]  # (start, end), merged
+
+    def add_range(self, start: int, end: int) -> None:
+        """Record [start, end) as mapped, merging with touching ranges."""
+        spans = sorted(self.mapped + [(start, end)])
+        merged = [spans[0]]
+        for lo, hi in spans[1:]:
+            if lo <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
+            else:
+                merged.append((lo, hi))
+        self.mapped = merged
+
+    def covers(self, start: int, end: int) -> bool:
+        """Return whether [start, end) lies in one mapped range (reading elsewhere would fault)."""
+        i = bisect.bisect_right(self.mapped, (start, float("inf"))) - 1
+        return i >= 0 and self.mapped[i][0] <= start and end <= self.mapped[i][1]
+
+
+class _Peer:
+    """One sender, as the receiver knows it."""
+
+    __slots__ = ("conn", "segments", "bye", "pid", "__weakref__")
+
+    def __init__(self, conn: wire.Connection) -> None:
+        self.conn = conn
+        self.segments: dict[int, _RxSegment] = {}
+        self.bye = False
+        self.pid = conn.peer_cred.pid
+
+
+class _Release:
+    """on_release of one received array: queue its lease id (see Note [Releases])."""
+
+    __slots__ = ("rx", "peer", "lease", "pid")
+
+    def __init__(self, rx: Receiver, peer: _Peer, lease: int) -> None:
+        self.rx, self.peer, self.lease, self.pid = rx, peer, lease, _pid
+
+    def __call__(self) -> None:
+        if self.pid != _pid:
+            return  # an array inherited by a forked child: the lease is its parent's
+        rx = self.rx
+        rx._released.append((self.peer, self.lease))
+        if not rx._armed:
+            rx._armed = True
+            try:
+                os.write(rx._wake_w, b"\0")
+            except OSError:  # closed receiver, or the pipe is full: the flusher is awake anyway
+                pass
+
+
+class Receiver:
+    """Receive batches sent by one sender (``channel()``) or many (``listen()``).
+
+    ``recv()`` returns the batch with the same structure; arrays are views of
+    the sender's pages, read-only unless `writable`; torch tensors come back
+    as torch tensors sharing that memory. A receiver is iterable, and
+    ``fileno()``/``poll()`` let it sit in a selector.
+    """
+
+    def __init__(self, conns: Any = (), listener: wire.Listener | None = None, *,
+                 writable: bool = False) -> None:
+        self._listener = listener
+        self._writable = writable
+        self._peers: list[_Peer] = [_Peer(c) for c in conns]
+        self._sel: selectors.BaseSelector | None = None
+        self._ready: collections.deque[_Peer] = collections.deque()
+        self._closed = False
+        self._new_flusher_state()
+        if listener is not None:
+            self._sel = selectors.DefaultSelector()
+            self._sel.register(listener, selectors.EVENT_READ, None)
+            for p in self._peers:
+                self._sel.register(p.conn, selectors.EVENT_READ, p)
+        _live.add(self)
+
+    @property
+    def path(self) -> str | None:
+        """The socket path senders connect to (``listen()`` only)."""
+        return self._listener.path if self._listener else None
+
+    # -- receiving -------------------------------------------------------------
+
+    def recv(self, timeout: float | None = None) -> Any:
+        """Return the next batch; raise PeerDied when the (or a) sender is gone.
+
+        Everything a sender sent before it went is delivered first. With
+        ``listen()``, a sender that closed on purpose just leaves; one that
+        died raises PeerDied once, and the receiver goes on with the others.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._check_open()
+        if len(self._released) >= _BATCH or time.monotonic() - self._last_flush > _MAX_AGE:
+            self._flush()
+        while True:
+            peer = self._next_peer(deadline)
+            try:
+                got = peer.conn.recv(_left(deadline)) if self._sel is None else peer.conn.recv_nowait()
+            except PeerDied as exc:
+                self._forget(peer)
+                if self._sel is not None and peer.bye:
+                    continue
+                how = "closed the channel" if peer.bye else "died"
+                raise PeerDied(f"the sender (pid {peer.pid}) {how}") from exc
+            if got is None:
+                continue
+            header, fds = got
+            kind = header.get(KIND)
+            if kind == BATCH:
+                return self._decode(peer, header, fds)
+            for f in fds:
+                f.close()
+            if kind == BYE:
+                peer.bye = True
+                continue
+            raise ProtocolError(f"unexpected message kind {kind!r} from pid {peer.pid}")
+
+    def __iter__(self) -> Iterator[Any]:
+        """Yield batches until the sender closes the channel (PeerDied if it died)."""
+        while True:
+            try:
+                yield self.recv()
+            except PeerDied:
+                if self._sel is None and self._bye_seen:
+                    return
+                raise
+
+    def poll(self, timeout: float | None = 0.0) -> bool:
+        """Return whether ``recv`` would find something (a batch or an event) within `timeout`."""
+        self._check_open()
+        if self._ready:
+            return True
+        if self._sel is None:
+            return bool(self._peers) and self._peers[0].conn.poll(timeout)
+        return bool(self._sel.select(timeout))
+
+    def fileno(self) -> int:
+        """Return a fd that is readable when ``recv`` has something (for selectors)."""
+        if self._sel is not None:
+            return self._sel.fileno()  # type: ignore[attr-defined]
+        return self._peers[0].conn.fileno()
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def close(self) -> None:
+        """Send pending releases, stop the flusher, close every connection.
+
+        Arrays already received stay valid: their mappings go with their last views.
+        """
+        if self._closed:
+            return
+        self._flush()
+        self._closed = True
+        os.write(self._wake_w, b"\0")  # wake the flusher so that it sees _closed
+        if self._flusher is not None and self._flusher is not threading.current_thread():
+            self._flusher.join(5)
+        for p in list(self._peers):
+            self._forget(p)
+        if self._sel is not None:
+            self._sel.close()
+        if self._listener is not None:
+            self._listener.close()
+        for fd in (self._wake_r, self._wake_w):
+            os.close(fd)
+
+    def __enter__(self) -> Receiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __reduce__(self) -> Any:
+        if self._listener is not None:
+            raise TypeError("a listening Receiver cannot be handed to another process; "
+                            "listen() there instead")
+        return _rebuild, (self._peers[0].conn, self._writable)
+
+    # -- internals -----------------------------------------------------------------
+
+    def _next_peer(self, deadline: float | None) -> _Peer:
+        if self._sel is None:
+            if not self._peers:
+                raise PeerDied("the sender is gone and everything it sent was received")
+            return self._peers[0]
+        while not self._ready:
+            events = self._sel.select(_left(deadline))
+            for key, _ in events:
+                if key.data is None:
+                    self._accept()
+                else:
+                    self._ready.append(key.data)
+            if not events and deadline is not None and time.monotonic() >= deadline:
+                raise ShmshareTimeout(f"no batch arrived on {self.path!r} before the timeout")
+        return self._ready.popleft()
+
+    def _accept(self) -> None:
+        assert self._listener is not None and self._sel is not None
+        try:
+            conn = self._listener.accept(timeout=0)
+        except ShmshareTimeout:
+            return
+        peer = _Peer(conn)
+        self._peers.append(peer)
+        self._sel.register(conn, selectors.EVENT_READ, peer)
+
+    def _forget(self, peer: _Peer) -> None:
+        if peer in self._peers:
+            self._peers.remove(peer)
+            self._bye_seen = peer.bye
+            if self._sel is not None:
+                self._sel.unregister(peer.conn)
+            try:
+                self._ready.remove(peer)
+            except ValueError:
+                pass
+        peer.conn.close()
+        peer.segments.clear()  # each mapping goes when its last array does
+
+    def _decode(self, peer: _Peer, header: dict[str, Any], fds: list[wire.Fd]) -> Any:
+        try:
+            self._map_new(peer, header.get(NEW, ()), fds)
+        finally:
+            for f in fds:
+                f.close()
+        for seg_id, offset, nbytes in header.get(GROW, ()):
+            rec = self._segment(peer, seg_id)
+            if rec.fd < 0:
+                raise ProtocolError(f"growth announced for segment {seg_id}, which is not expandable")
+            if offset < 0 or nbytes <= 0 or offset + nbytes > rec.size:
+                raise ProtocolError(f"growth [{offset}, +{nbytes}) outside segment {seg_id}")
+            _native.map_fd(rec.address + offset, nbytes, rec.fd, offset)
+            rec.add_range(offset, offset + nbytes)
+        for seg_id in header.get(DROP, ()):
+            peer.segments.pop(seg_id, None)
+        self._ensure_flusher()
+        return tensors.decode(header.get(TREE), lambda d: self._view(peer, d))
+
+    def _map_new(self, peer: _Peer, new: Any, fds: list[wire.Fd]) -> None:
+        if len(new) != len(fds):
+            raise ProtocolError(f"{len(new)} new segments were announced with {len(fds)} fds")
+        for (seg_id, size, expandable), fd in zip(new, fds):
+            if expandable:
+                address = _native.reserve(size)
+                own = fd.take()
+                root = _native.Lease(None, address, size, on_release=_Unreserve(address, size, own))
+                peer.segments[seg_id] = _RxSegment(root, address, size, own)
+            else:
+                seg = Segment.from_fd(fd, size, Flags.FROMFD)  # mapped writable, fd not kept
+                peer.segments[seg_id] = _RxSegment(seg.lease, seg.address, size, -1)
+                seg.close()  # the Lease keeps the mapping
+
+    def _segment(self, peer: _Peer, seg_id: int) -> _RxSegment:
+        try:
+            return peer.segments[seg_id]
+        except KeyError:
+            raise ProtocolError(f"pid {peer.pid} referred to segment {seg_id}, which it never "
+                                "announced or already dropped") from None
+
+    def _view(self, peer: _Peer, d: tensors.ArrayDesc) -> Any:
+        dt = tensors.decode_dtype(d.dtype)
+        if d.segment == 0:
+            arr = np.empty(d.shape, dt)  # nothing to share in an empty array
+            return _as_torch(arr, d.torch_dtype) if d.torch_dtype else arr
+        rec = self._segment(peer, d.segment)
+        lo, nbytes = tensors.span(dt.itemsize, d.shape, d.strides)
+        start = d.offset + lo
+        if not rec.covers(start, start + nbytes):
+            raise ProtocolError(f"an array of {nbytes} bytes at offset {start} lies outside the "
+                                f"mapped part of segment {d.segment} ({rec.size} bytes)")
+        writable = self._writable or d.torch_dtype is not None  # torch has no read-only tensors
+        lease = _native.Lease(rec.root, rec.address + start, nbytes, readonly=not writable,
+                              on_release=_Release(self, peer, d.block))
+        arr = np.ndarray(d.shape, dt, buffer=lease, offset=-lo, strides=d.strides)
+        return _as_torch(arr, d.torch_dtype) if d.torch_dtype else arr
+
+    # -- releases ----------------------------------------------------------------
+
+    def _new_flusher_state(self) -> None:
+        self._released: collections.deque[tuple[_Peer, int]] = collections.deque()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._armed = False  # the flusher is awake and will look at the queue again
+        self._last_flush = 0.0
+        self._flush_lock = threading.Lock()
+        self._flusher: threading.Thread | None = None
+        self._bye_seen = False
+
+    def _ensure_flusher(self) -> None:
+        if self._flusher is None:
+            self._flusher = threading.Thread(target=_flusher_main, args=(weakref.ref(self),
+                                             self._wake_r), name="shmshare-releases", daemon=True)
+            self._flusher.start()
+
+    def _flush(self) -> None:
+        """Send every queued release, one frame per sender (a sender gone is skipped)."""
+        with self._flush_lock:
+            self._last_flush = time.monotonic()
+            q = self._released
+            if not q:
+                return
+            by_peer: dict[_Peer, list[int]] = {}
+            while q:
+                peer, lease = q.popleft()
+                by_peer.setdefault(peer, []).append(lease)
+            for peer, ids in by_peer.items():
+                if peer not in self._peers:
+                    continue  # its sender is gone: it took all its leases back
+                for i in range(0, len(ids), RELEASE_CHUNK):
+                    try:
+                        peer.conn.send({KIND: RELEASE, LEASES: ids[i:i + RELEASE_CHUNK]},
+                                       timeout=5.0)
+                    except (PeerDied, OSError, ValueError):
+                        break  # it died: recv() reports that; its leases are void
+                    except ShmshareTimeout:
+                        q.extend((peer, x) for x in ids[i:])  # not reading: try next time
+                        break
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ValueError("this Receiver is closed")
+
+    def _after_fork_in_child(self) -> None:
+        # Arrays inherited by a child never release the parent's leases (see
+        # _Release); the child gets its own wake-up pipe and, on use, flusher.
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._new_flusher_state()
+
+
+class _Unreserve:
+    """on_release of an expandable segment's root: give the range back, close the memfd."""
+
+    __slots__ = ("address", "size", "fd")
+
+    def __init__(self, address: int, size: int, fd: int) -> None:
+        self.address, self.size, self.fd = address, size, fd
+
+    def __call__(self) -> None:
+        _native.unmap(self.address, self.size, release=True)
+        os.close(self.fd)
+
+
+def _flusher_main(ref: weakref.ref[Receiver], wake_r: int) -> None:
+    import select
+
+    poller = select.poll()
+    poller.register(wake_r, select.POLLIN)
+    while True:
+        poller.poll(1000)  # disarmed: sleep until a release arms us (or a second passes)
+        rx = ref()
+        if rx is None or rx._closed:
+            return
+        try:
+            os.read(wake_r, 4096)
+        except BlockingIOError:
+            pass
+        while True:  # armed: look every _MAX_AGE until the queue stays empty
+            time.sleep(_MAX_AGE)
+            if rx._closed:
+                return
+            if time.monotonic() - rx._last_flush >= _MAX_AGE:
+                rx._flush()
+            rx._armed = False  # disarm first, then look: a release racing with us re-arms
+            if rx._released:
+                rx._armed = True
+                continue
+            break
+        del rx
+
+
+def _as_torch(arr: np.ndarray, torch_dtype: str) -> Any:
+    import torch
+
+    t = torch.from_numpy(arr)
+    want = getattr(torch, torch_dtype)
+    return t if t.dtype == want else t.view(want)
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+_live: weakref.WeakSet[Receiver] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    global _pid
+    _pid = os.getpid()
+    for rx in list(_live):
+        rx._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def _rebuild(conn: wire.Connection, writable: bool) -> Receiver:
+    return Receiver([conn], writable=writable)

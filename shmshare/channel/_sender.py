@@ -1,0 +1,473 @@
+"""The sending end of a channel: a shm pool, leases, back-pressure.
+
+Note [Leases]
+    A block sent is *leased* to the receiver: the receiver's arrays hold a
+    ``_native.Lease`` each, and when an array's last view dies its lease id
+    comes back in a release frame. The pool reuses a block only when every
+    lease on it is back and no local view (``empty()``) is alive -- the
+    caching allocator's "a block used on another stream waits for its
+    events", with a release message as the event (DESIGN.md). Leases are
+    counted per block here rather than as stream-ordered events in the
+    allocator because releases come back in any order (Note [Streams of the
+    shm provider] in ``memory/_shm.py``).
+
+Note [Callbacks from the garbage collector]
+    A local array's Lease calls back when its last view dies, which can be
+    in the middle of any bytecode of any thread. The callback therefore only
+    appends to a deque (atomic, takes no lock); the sender drains that deque
+    at its own safe points (``send``, ``empty``, ``poll``), with its lock held.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import itertools
+import math
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from .. import _native, tensors, wire
+from .._errors import PeerDied, PoolExhausted, ShmshareTimeout
+from ..memory import CachingAllocator, OutOfMemoryError, ShmProvider, ShmSegment
+from ._protocol import BATCH, BYE, DROP, GROW, KIND, LEASES, NEW, RELEASE, TREE
+
+__all__ = ["Sender", "DEFAULT_LIMIT", "SenderStatistics"]
+
+DEFAULT_LIMIT = 1 << 30  # bytes of shared memory one sender's pool may hold
+_POLL_SLICE = 0.05  # s: back-pressure waits in slices, so local views dying elsewhere count too
+
+
+class _Held:
+    """A pool block the sender holds: by a local view, by leases, or both."""
+
+    __slots__ = ("block", "seg", "local", "leases")
+
+    def __init__(self, block: Any, seg: ShmSegment, local: bool) -> None:
+        self.block = block  # the allocator's Block
+        self.seg = seg  # the segment it lies in
+        self.local = local  # an array from empty()/zeros() is alive here
+        self.leases = 0  # arrays of it alive in the receiver
+
+
+@dataclass(frozen=True)
+class SenderStatistics:
+    """What a sender holds now (see ``Sender.statistics()``)."""
+
+    messages_sent: int
+    arrays_copied: int  # arrays copied into the pool by send()
+    arrays_in_place: int  # arrays sent straight from the pool (empty()/zeros())
+    leases_out: int  # arrays the receiver still holds
+    bytes_leased: int  # pool bytes those arrays pin
+    segments_announced: int  # segments whose fd crossed the socket
+    reserved_bytes: int  # shared memory the pool holds
+    allocated_bytes: int  # of which in use
+
+
+class Sender:
+    """Send numpy arrays, torch CPU tensors and nested batches of them, without copies.
+
+    Made by :func:`shmshare.channel` or :func:`shmshare.connect`. One process
+    uses a sender at a time (a forked child gets a fresh pool of its own).
+
+    Parameters
+    ----------
+    conn : wire.Connection
+        The connection to the receiver; the sender owns it.
+    limit : int
+        Bytes of shared memory the pool may hold; ``send``/``empty`` wait for
+        releases past it and raise :class:`PoolExhausted` after their timeout.
+    config : str, optional
+        Allocator settings in ``SHMSHARE_ALLOC_CONF`` syntax (e.g.
+        ``"expandable_segments:True"``).
+    backend : {"memfd", "posix"}
+        Shared memory for classic segments.
+    """
+
+    def __init__(self, conn: wire.Connection, *, limit: int = DEFAULT_LIMIT,
+                 config: str | None = None, backend: str = "memfd") -> None:
+        self._conn = conn
+        self._limit, self._config, self._backend = limit, config, backend
+        self._closed = False
+        self._peer_dead = False
+        self._new_pool()
+        _live.add(self)
+
+    # -- public API -----------------------------------------------------------
+
+    def send(self, obj: Any, timeout: float | None = None) -> None:
+        """Send `obj`: an array, a CPU tensor, or a dict/list/tuple of them and plain values.
+
+        Arrays from :meth:`empty`/:meth:`zeros` go as they are; any other
+        array is copied into the pool once. Waits up to `timeout` s for pool
+        space (PoolExhausted after) and for room on the socket.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._check_usable()
+            self._drain()
+            taken: list[int] = []
+            try:
+                tree = tensors.encode(obj, partial(self._place, deadline=deadline, taken=taken))
+                header, fds = self._header(tree)
+                self._conn.send(header, fds, _remaining(deadline))
+            except PeerDied as exc:
+                self._on_peer_death()
+                raise PeerDied("the receiver is gone; its arrays stay valid, but nothing more "
+                               "can be sent on this channel") from exc
+            except BaseException:
+                self._return_leases(taken)  # nothing was sent: nothing is lent
+                raise
+            self._commit_header(header)
+            self._sent += 1
+
+    def empty(self, shape: Any, dtype: Any = np.float64, timeout: float | None = None) -> Any:
+        """Return an uninitialized array in the pool: fill it, then send it with no copy.
+
+        `dtype` may be a torch dtype, to get a torch tensor.
+        """
+        np_dtype, torch_dtype = _dtypes(dtype)
+        shp = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
+        if any(n < 0 for n in shp):
+            raise ValueError(f"negative dimensions are not allowed: {shp}")
+        nbytes = np_dtype.itemsize * math.prod(shp)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._check_usable()
+            self._drain_local()  # releases from the receiver are taken in by send()
+            held = self._new_held(max(nbytes, 1), deadline, local=True)
+        lease = _native.Lease(self._alloc, held.block.address, nbytes,
+                              on_release=partial(self._local_done.append, held))
+        arr = np.ndarray(shp, np_dtype, buffer=lease)
+        if torch_dtype is None:
+            return arr
+        import torch
+
+        t = torch.from_numpy(arr)
+        return t if t.dtype == torch_dtype else t.view(torch_dtype)
+
+    def zeros(self, shape: Any, dtype: Any = np.float64, timeout: float | None = None) -> Any:
+        """Return a zero-filled array in the pool (a reused block is not zero by itself)."""
+        out = self.empty(shape, dtype, timeout)
+        out.fill(0) if isinstance(out, np.ndarray) else out.zero_()
+        return out
+
+    def poll_releases(self) -> int:
+        """Take in the receiver's releases now; return the leases still out."""
+        with self._lock:
+            if not self._closed:
+                self._drain()
+            return len(self._leases)
+
+    def statistics(self) -> SenderStatistics:
+        """Return what this sender holds now."""
+        with self._lock:
+            stats = self._alloc.memory_stats()
+            return SenderStatistics(
+                self._sent, self._copied, self._in_place, len(self._leases),
+                sum(h.block.size for h in set(self._leases.values())), self._n_announced,
+                stats["reserved_bytes.all.current"], stats["allocated_bytes.all.current"])
+
+    def memory_stats(self) -> dict[str, int]:
+        """Return the pool's statistics with PyTorch's key names."""
+        return self._alloc.memory_stats()
+
+    def empty_cache(self) -> None:
+        """Give cached, unused segments back to the host."""
+        with self._lock:
+            self._drain()
+            self._alloc.empty_cache()
+
+    @property
+    def allocator(self) -> CachingAllocator:
+        """The caching allocator behind the pool (snapshots, stats, invariants)."""
+        return self._alloc
+
+    def close(self) -> None:
+        """Say goodbye, close the connection and give back every block not in local use.
+
+        The goodbye (so that the receiver sees a clean end, not a crash) is
+        sent only if this process sent something on this sender.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            # Goodbye only from a process that sent: a parent closing its copy of an end it
+            # handed to a child must not end the child's stream.
+            if not self._peer_dead and self._sent:
+                try:
+                    self._conn.send({KIND: BYE}, timeout=1.0)
+                except (PeerDied, ShmshareTimeout, OSError):
+                    pass
+            self._conn.close()
+            self._on_peer_death()
+            self._drain_local()
+            self._alloc.empty_cache()
+
+    def __enter__(self) -> Sender:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __reduce__(self) -> Any:
+        return _rebuild, (self._conn, self._limit, self._config, self._backend)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("peer dead" if self._peer_dead else "open")
+        return f"<shmshare Sender {state} leases={len(self._leases)} limit={self._limit}>"
+
+    # -- placing arrays ---------------------------------------------------------
+
+    def _place(self, obj: Any, *, deadline: float | None, taken: list[int]) -> tensors.ArrayDesc:
+        arr, torch_dtype = tensors.as_numpy(obj)
+        tensors.check_shareable(arr.dtype)
+        dt = tensors.encode_dtype(arr.dtype)
+        if arr.size == 0:
+            return tensors.ArrayDesc(0, 0, 0, dt, arr.shape, arr.strides, torch_dtype)
+        ptr = arr.__array_interface__["data"][0]
+        lo, span = tensors.span(arr.itemsize, arr.shape, arr.strides)
+        held = self._find(ptr + lo, span)
+        if held is None:
+            held = self._new_held(arr.nbytes, deadline, local=False)
+            dst = np.ndarray(arr.shape, arr.dtype, buffer=_native.Lease(
+                None, held.block.address, arr.nbytes))
+            np.copyto(dst, arr, casting="no")
+            ptr, strides = held.block.address, dst.strides
+            self._copied += 1
+        else:
+            strides = arr.strides
+            self._in_place += 1
+        lease = next(self._lease_ids)
+        self._leases[lease] = held
+        held.leases += 1
+        taken.append(lease)
+        self._want_announced(held.seg)
+        return tensors.ArrayDesc(held.seg.id, lease, ptr - held.seg.address, dt, arr.shape,
+                                 strides, torch_dtype)
+
+    def _find(self, start: int, span: int) -> _Held | None:
+        i = bisect.bisect_right(self._addrs, start) - 1
+        if i < 0:
+            return None
+        held = self._held[self._addrs[i]]
+        b = held.block
+        return held if start + span <= b.address + b.size else None
+
+    def _new_held(self, nbytes: int, deadline: float | None, local: bool) -> _Held:
+        block = self._malloc(nbytes, deadline)
+        held = _Held(block, self._segment_of(block.address), local)
+        bisect.insort(self._addrs, block.address)
+        self._held[block.address] = held
+        return held
+
+    def _malloc(self, nbytes: int, deadline: float | None) -> Any:
+        if nbytes > self._limit:
+            raise PoolExhausted(f"an array of {nbytes} bytes cannot fit in this sender's pool of "
+                                f"{self._limit} bytes; create the channel with a larger limit=")
+        while True:
+            try:
+                return self._alloc.malloc(nbytes)
+            except OutOfMemoryError as exc:
+                left = _remaining(deadline)
+                if left is not None and left <= 0:
+                    raise self._exhausted(nbytes, deadline) from exc
+                # wait for a release (or a local view dying), then try again
+                wait = _POLL_SLICE if left is None else min(left, _POLL_SLICE)
+                if self._peer_dead:
+                    time.sleep(wait)  # only local views can give memory back now
+                else:
+                    self._conn.poll(wait)
+                self._drain()
+
+    def _exhausted(self, nbytes: int, deadline: float | None) -> PoolExhausted:
+        held = set(self._leases.values())
+        pinned = sum(h.block.size for h in held)
+        local = sum(h.block.size for h in self._held.values() if h.local)
+        return PoolExhausted(
+            f"no room for {nbytes} bytes in the sender's pool (limit {self._limit} bytes) within "
+            f"the timeout: the receiver still holds {pinned} bytes in {len(self._leases)} arrays, "
+            f"and {local} bytes are in local arrays from empty(). Drop received arrays sooner, "
+            "raise limit=, or send with a longer timeout")
+
+    # -- leases and releases ----------------------------------------------------
+
+    def _drain(self) -> None:
+        """Take in local views that died and every release frame already queued."""
+        self._drain_local()
+        if self._peer_dead:
+            return
+        try:
+            while (got := self._conn.recv_nowait()) is not None:
+                header, fds = got
+                for f in fds:
+                    f.close()
+                if header.get(KIND) == RELEASE:
+                    self._return_leases(header.get(LEASES, ()))
+        except PeerDied:
+            self._on_peer_death()
+
+    def _drain_local(self) -> None:
+        q = self._local_done
+        while q:
+            held = q.popleft()
+            held.local = False
+            self._maybe_free(held)
+
+    def _return_leases(self, ids: Any) -> None:
+        for lease in ids:
+            held = self._leases.pop(lease, None)
+            if held is not None:  # unknown ids (a confused peer) change nothing
+                held.leases -= 1
+                self._maybe_free(held)
+
+    def _maybe_free(self, held: _Held) -> None:
+        if held.local or held.leases:
+            return
+        addr = held.block.address
+        if self._held.get(addr) is held:
+            del self._held[addr]
+            del self._addrs[bisect.bisect_left(self._addrs, addr)]
+            self._alloc.free(held.block)
+
+    def _on_peer_death(self) -> None:
+        """The receiver is gone: every lease is back (its mapping, not us, keeps its arrays)."""
+        self._peer_dead = True
+        self._return_leases(list(self._leases))
+
+    # -- segment announcements ---------------------------------------------------
+
+    def _want_announced(self, seg: ShmSegment) -> None:
+        if seg.id not in self._announced and seg not in self._to_announce:
+            self._to_announce.append(seg)
+
+    def _header(self, tree: Any) -> tuple[dict[str, Any], list[int]]:
+        header: dict[str, Any] = {KIND: BATCH, TREE: tree}
+        fds = []
+        grow = list(self._grow)
+        if self._to_announce:
+            header[NEW] = [[s.id, s.size, s.expandable] for s in self._to_announce]
+            fds = [s.fd for s in self._to_announce]
+            grow += [[s.id, off, n] for s in self._to_announce if s.expandable
+                     for off, n in sorted(s.mapped.items())]
+        if grow:
+            header[GROW] = grow
+        if self._drop:
+            header[DROP] = list(self._drop)
+        return header, fds
+
+    def _commit_header(self, header: dict[str, Any]) -> None:
+        for s in self._to_announce:
+            self._announced.add(s.id)
+        self._n_announced += len(self._to_announce)
+        self._to_announce.clear()
+        self._grow.clear()
+        self._drop.clear()
+
+    def _on_segment_event(self, kind: str, seg: ShmSegment, offset: int, nbytes: int) -> None:
+        if kind in ("segment_alloc", "segment_reserve"):
+            i = bisect.bisect_left(self._seg_addrs, seg.address)
+            self._seg_addrs.insert(i, seg.address)
+            self._segs.insert(i, seg)
+        elif kind == "segment_map" and seg.id in self._announced:
+            self._grow.append([seg.id, offset, nbytes])
+        elif kind == "segment_free":
+            i = bisect.bisect_left(self._seg_addrs, seg.address)
+            del self._seg_addrs[i], self._segs[i]
+            if seg.id in self._announced:
+                self._announced.discard(seg.id)
+                self._drop.append(seg.id)
+            self._grow[:] = [g for g in self._grow if g[0] != seg.id]
+            if seg in self._to_announce:  # a send that failed wanted it; it is gone now
+                self._to_announce.remove(seg)
+
+    def _segment_of(self, address: int) -> ShmSegment:
+        return self._segs[bisect.bisect_right(self._seg_addrs, address) - 1]
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def _new_pool(self) -> None:
+        self._lock = threading.RLock()
+        self._provider = ShmProvider(self._limit, self._backend)
+        self._provider.listeners.append(self._on_segment_event)
+        self._alloc = CachingAllocator(self._provider, self._config)
+        self._seg_addrs: list[int] = []  # sorted start addresses of our segments
+        self._segs: list[ShmSegment] = []  # parallel to _seg_addrs
+        self._held: dict[int, _Held] = {}  # block address -> held block
+        self._addrs: list[int] = []  # sorted addresses of held blocks
+        self._leases: dict[int, _Held] = {}  # lease id -> held block
+        self._lease_ids = itertools.count(1)
+        self._local_done: collections.deque[_Held] = collections.deque()
+        self._announced: set[int] = set()
+        self._to_announce: list[ShmSegment] = []
+        self._grow: list[list[int]] = []
+        self._drop: list[int] = []
+        self._sent = self._copied = self._in_place = self._n_announced = 0
+
+    def _after_fork_in_child(self) -> None:
+        # The child must never hand out or release the parent's blocks: give it a
+        # pool of its own, and drop (without unmapping: inherited arrays may
+        # still point there) the fds of the parent's segments.
+        for seg in self._provider.segments.values():
+            if seg.segment is not None:
+                fd, seg.segment.fd = seg.segment.fd, None
+            else:
+                fd, seg.fd = seg.fd, -1
+            if fd is not None and fd >= 0:
+                os.close(fd)
+        _inherited.append(self._provider)  # its mappings stay for inherited arrays, never reused
+        self._new_pool()
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ValueError("this Sender is closed")
+        if self._peer_dead:
+            raise PeerDied("the receiver is gone; its arrays stay valid, but nothing more can be "
+                           "sent on this channel")
+
+
+_live: weakref.WeakSet[Sender] = weakref.WeakSet()
+_inherited: list[ShmProvider] = []  # in a forked child: the parent's pools, kept mapped
+
+
+def _after_fork() -> None:
+    for sender in list(_live):
+        sender._after_fork_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def _rebuild(conn: wire.Connection, limit: int, config: str | None, backend: str) -> Sender:
+    return Sender(conn, limit=limit, config=config, backend=backend)
+
+
+def _remaining(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _dtypes(dtype: Any) -> tuple[np.dtype, Any]:
+    """Return (numpy dtype to allocate, torch dtype or None) for a numpy or torch dtype."""
+    if type(dtype).__module__ == "torch":
+        import torch
+
+        probe = torch.empty(0, dtype=dtype)
+        np_dtype, _ = tensors.as_numpy(probe)
+        return np_dtype.dtype, dtype
+    dt = np.dtype(dtype)
+    tensors.check_shareable(dt)
+    return dt, None

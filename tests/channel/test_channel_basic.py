@@ -1,0 +1,250 @@
+"""The channel in one process: structure, dtypes, leases, release and reuse, errors."""
+
+from __future__ import annotations
+
+import gc
+import selectors
+
+import numpy as np
+import pytest
+
+import shmshare
+from shmshare import PeerDied, PoolExhausted, ProtocolError, wire
+from shmshare.channel import Receiver
+from tests.test_tensors import DTYPES
+
+
+@pytest.fixture
+def chan():
+    tx, rx = shmshare.channel(limit=64 << 20)
+    yield tx, rx
+    tx.close()
+    rx.close()
+
+
+def settle(tx, want_leases=0, rounds=200):
+    """Collect garbage and let releases travel until `want_leases` are out (bounded)."""
+    import time
+
+    for _ in range(rounds):
+        gc.collect()
+        if tx.poll_releases() == want_leases:
+            return True
+        time.sleep(0.005)
+    return False
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_dtype_round_trips(chan, dtype):
+    tx, rx = chan
+    dt = np.dtype(dtype)
+    raw = np.random.default_rng(1).integers(0, 256, dt.itemsize * 12, dtype=np.uint8).tobytes()
+    arr = np.frombuffer(raw, dtype=dt).reshape(3, 4)
+    tx.send(arr)
+    got = rx.recv(timeout=5)
+    assert got.dtype == dt and got.shape == (3, 4)
+    if dt.names:
+        assert all(got[n].tobytes() == arr[n].tobytes() for n in dt.names)
+    else:
+        assert got.tobytes() == arr.tobytes()
+
+
+def test_nested_batch_with_strides_and_empties(chan):
+    tx, rx = chan
+    base = np.arange(60, dtype=np.float64).reshape(6, 10)
+    batch = {"img": base[::2, ::-3], "t": (base.T, "label", 3), "empty": np.zeros((0, 4)),
+             "scalar": np.float32(2.5), "meta": {"ids": [1, 2], "ok": True, "none": None}}
+    tx.send(batch)
+    got = rx.recv(timeout=5)
+    np.testing.assert_array_equal(got["img"], base[::2, ::-3])
+    assert isinstance(got["t"], tuple) and got["t"][1:] == ("label", 3)
+    np.testing.assert_array_equal(got["t"][0], base.T)
+    assert got["empty"].shape == (0, 4)
+    assert got["scalar"] == np.float32(2.5) and got["meta"] == batch["meta"]
+
+
+def test_received_arrays_are_read_only_unless_asked(chan):
+    tx, rx = chan
+    tx.send(np.ones(4))
+    got = rx.recv(timeout=5)
+    assert not got.flags.writeable
+    with pytest.raises(ValueError, match="read-only"):
+        got[0] = 2
+    tx2, rx2 = shmshare.channel(writable=True)
+    tx2.send(np.ones(4))
+    w = rx2.recv(timeout=5)
+    w[0] = 7
+    assert w[0] == 7
+    del w, got
+    tx2.close()
+    rx2.close()
+
+
+def test_in_place_arrays_are_sent_without_copy_and_see_later_writes(chan):
+    tx, rx = chan
+    arr = tx.empty((256,), np.int64)
+    arr[:] = 5
+    tx.send({"a": arr, "view": arr[10:20]})
+    got = rx.recv(timeout=5)
+    st = tx.statistics()
+    assert st.arrays_in_place == 2 and st.arrays_copied == 0
+    arr[10] = 99  # one set of pages: the receiver sees the producer's memory
+    assert got["a"][10] == 99 and got["view"][0] == 99
+    zeros = tx.zeros((3, 3), np.float32)
+    assert zeros.sum() == 0
+
+
+def test_release_and_reuse_keeps_reserved_bytes_flat(chan):
+    tx, rx = chan
+    reserved = set()
+    for i in range(10_000):
+        tx.send({"i": i, "x": np.full(1024, i, dtype=np.int32)})
+        got = rx.recv(timeout=5)
+        assert got["i"] == i and got["x"][0] == i
+        del got
+        if i % 500 == 0:
+            reserved.add(tx.memory_stats()["reserved_bytes.all.current"])
+    assert reserved == {2 << 20}  # one small-pool segment, reused 10,000 times
+    assert settle(tx)
+    assert tx.statistics().segments_announced == 1
+    tx.allocator.check_invariants()
+
+
+def test_block_is_not_reused_while_the_receiver_holds_it(chan):
+    tx, rx = chan
+    tx.send(np.full(1000, 1, dtype=np.int32))
+    held = rx.recv(timeout=5)
+    for k in range(50):
+        tx.send(np.full(1000, k + 2, dtype=np.int32))
+        rx.recv(timeout=5)  # dropped at once: its block is free again
+    assert np.all(held == 1)  # never overwritten
+    del held
+    assert settle(tx)
+
+
+def test_back_pressure_waits_then_raises_pool_exhausted(chan):
+    tx, rx = shmshare.channel(limit=8 << 20)
+    kept = []
+    with pytest.raises(PoolExhausted, match=r"the receiver still holds \d+ bytes in \d+ arrays"):
+        for _ in range(100):
+            tx.send(np.ones(1 << 20, dtype=np.uint8), timeout=0.3)
+            kept.append(rx.recv(timeout=5))
+    assert 2 <= len(kept) <= 8
+    kept.clear()  # the receiver lets go: the sender can go on
+    gc.collect()
+    rx._flush()
+    tx.send(np.ones(1 << 20, dtype=np.uint8), timeout=5)
+    assert rx.recv(timeout=5).sum() == 1 << 20
+    with pytest.raises(PoolExhausted, match="cannot fit in this sender's pool"):
+        tx.send(np.ones(16 << 20, dtype=np.uint8))
+    tx.close()
+    rx.close()
+
+
+def test_failed_send_lends_nothing(chan):
+    tx, rx = chan
+    with pytest.raises(TypeError, match="object references"):
+        tx.send({"ok": np.ones(10), "bad": np.array([object()])})
+    assert tx.statistics().leases_out == 0
+    assert tx.memory_stats()["allocated_bytes.all.current"] == 0
+    tx.send({"after": np.arange(3)})
+    np.testing.assert_array_equal(rx.recv(timeout=5)["after"], np.arange(3))
+
+
+def test_arrays_outlive_a_closed_sender(chan):
+    tx, rx = chan
+    tx.send({"x": np.arange(100_000)})
+    got = rx.recv(timeout=5)
+    tx.close()
+    with pytest.raises(PeerDied, match="closed the channel"):
+        rx.recv(timeout=5)
+    assert got["x"].sum() == sum(range(100_000))
+
+
+def test_iteration_ends_when_the_sender_closes():
+    tx, rx = shmshare.channel()
+    for i in range(3):
+        tx.send(i)
+    tx.close()
+    assert list(rx) == [0, 1, 2]
+    rx.close()
+
+
+def test_send_after_receiver_closed_is_peer_died(chan):
+    tx, rx = chan
+    tx.send(np.ones(3))
+    rx.close()
+    with pytest.raises(PeerDied):
+        for _ in range(100):
+            tx.send(np.ones(3))
+    assert tx.statistics().leases_out == 0  # all reclaimed at once
+
+
+def test_poll_and_selector(chan):
+    tx, rx = chan
+    assert not rx.poll(0)
+    tx.send(1)
+    with selectors.DefaultSelector() as sel:
+        sel.register(rx, selectors.EVENT_READ)
+        assert sel.select(5)
+    assert rx.recv(timeout=5) == 1
+
+
+def test_torch_tensors_come_back_as_tensors():
+    torch = pytest.importorskip("torch", reason="torch is not installed")
+    tx, rx = shmshare.channel()
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    bf = torch.linspace(0, 1, 8, dtype=torch.bfloat16)
+    tx.send({"t": t.t(), "bf": bf, "in_pool": tx.zeros((2, 2), torch.float16)})
+    got = rx.recv(timeout=5)
+    assert isinstance(got["t"], torch.Tensor) and torch.equal(got["t"], t.t())
+    assert got["bf"].dtype == torch.bfloat16 and torch.equal(got["bf"], bf)
+    assert got["in_pool"].dtype == torch.float16 and got["in_pool"].sum() == 0
+    del got
+    tx.close()
+    rx.close()
+
+
+def test_expandable_pool_announces_growth_not_new_fds():
+    tx, rx = shmshare.channel(config="expandable_segments:True")
+    sizes = [1 << 20, 3 << 20, 9 << 20, 17 << 20, 33 << 20]
+    held = []
+    for k, n in enumerate(sizes):
+        tx.send({"k": k, "x": np.full(n, k + 1, dtype=np.uint8)})
+        held.append(rx.recv(timeout=10))
+    for k, got in enumerate(held):
+        assert got["x"].size == sizes[k] and int(got["x"][-1]) == k + 1
+    st = tx.statistics()
+    assert st.segments_announced <= 2  # one small, one large expandable segment
+    del held, got
+    tx.allocator.check_invariants()
+    tx.close()
+    rx.close()
+
+
+def _raw_sender():
+    a, b = wire.pipe()
+    return a, Receiver([b])
+
+
+def test_bad_descriptors_are_protocol_errors():
+    from shmshare.tensors import ArrayDesc
+
+    a, rx = _raw_sender()
+    a.send({"k": "m", "b": ArrayDesc(77, 1, 0, "<f4", (4,), (4,)).pack()})
+    with pytest.raises(ProtocolError, match="segment 77, which it never announced"):
+        rx.recv(timeout=5)
+    a.send({"k": "zz"})
+    with pytest.raises(ProtocolError, match="unexpected message kind"):
+        rx.recv(timeout=5)
+    seg = shmshare.Segment.create(4096)
+    a.send({"k": "m", "s": [[5, 4096, False]],
+            "b": ArrayDesc(5, 1, 4000, "<f8", (100,), (8,)).pack()}, fds=[seg])
+    with pytest.raises(ProtocolError, match="outside the mapped part of segment 5"):
+        rx.recv(timeout=5)
+    a.send({"k": "m", "s": [[6, 4096, False]], "b": None})  # an fd is missing
+    with pytest.raises(ProtocolError, match="1 new segments were announced with 0 fds"):
+        rx.recv(timeout=5)
+    seg.close()
+    a.close()
+    rx.close()

@@ -1,0 +1,176 @@
+"""The channel across real processes: fork and spawn, fan-in, SIGKILL of either side, fork safety."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import shmshare
+from shmshare import PeerDied
+from shmshare.testing import start_child
+from tests.channel.helpers import check_pattern, pattern, send_patterns
+
+N = 4096  # uint32 per message: 16 KiB
+
+
+def _produce(tx, count, tag, in_place):
+    send_patterns(tx, count, N, tag, in_place)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["copied", "in_place"])
+def test_child_sends_to_parent_in_order(method, in_place):
+    tx, rx = shmshare.channel(limit=16 << 20)
+    with start_child(_produce, tx, 300, 7, in_place, method=method) as child:
+        tx.close()  # the child has its own copy of the sending end
+        got = [rx.recv(timeout=60) for _ in range(300)]
+        assert [b["i"] for b in got] == list(range(300))
+        assert all(check_pattern(b, N) for b in got)
+        assert {b["pid"] for b in got} == {child.pid}
+        del got
+        with pytest.raises(PeerDied, match="closed the channel"):
+            rx.recv(timeout=30)
+        assert child.join(30) == 0
+    rx.close()
+
+
+def _consume(rx, results_tx, count):
+    total = 0
+    for _ in range(count):
+        batch = rx.recv(timeout=60)
+        total += int(check_pattern(batch, N))
+    results_tx.send({"ok": total})
+    results_tx.close()
+    rx.close()
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_parent_sends_to_child(method):
+    tx, rx = shmshare.channel(limit=4 << 20)  # small: blocks are reused under back-pressure
+    res_tx, res_rx = shmshare.channel()
+    with start_child(_consume, rx, res_tx, 500, method=method) as child:
+        rx.close()
+        res_tx.close()
+        send_patterns(tx, 500, N, tag=3)
+        assert res_rx.recv(timeout=60) == {"ok": 500}
+        assert child.join(30) == 0
+    res_rx.close()
+
+
+def _connect_and_send(path, count, tag):
+    tx = shmshare.connect(path, timeout=30, limit=8 << 20)
+    send_patterns(tx, count, N, tag)
+
+
+def test_fan_in_from_unrelated_senders_keeps_order_per_sender():
+    rx = shmshare.listen()
+    children = [start_child(_connect_and_send, rx.path, 200, tag) for tag in range(3)]
+    try:
+        seen = {0: [], 1: [], 2: []}
+        for _ in range(600):
+            b = rx.recv(timeout=60)
+            assert check_pattern(b, N)
+            seen[b["tag"]].append(b["i"])
+        assert all(seen[t] == list(range(200)) for t in seen)
+        for c in children:
+            assert c.join(30) == 0
+        with pytest.raises(shmshare.ShmshareTimeout):
+            rx.recv(timeout=0.2)  # clean goodbyes are silent in fan-in
+    finally:
+        for c in children:
+            c.stop()
+        rx.close()
+
+
+def _send_forever(tx, ready_tx):
+    arr = pattern(11, N)
+    ready_tx.send({"ready": True})
+    i = 0
+    while True:
+        tx.send({"tag": 0, "i": i, "x": arr if i else pattern(0, N)}, timeout=60)
+        i += 1
+
+
+def test_sender_sigkilled_mid_stream():
+    tx, rx = shmshare.channel(limit=32 << 20)
+    ctl_tx, ctl_rx = shmshare.channel()
+    with start_child(_send_forever, tx, ctl_tx) as child:
+        tx.close()
+        ctl_tx.close()
+        assert ctl_rx.recv(timeout=30) == {"ready": True}
+        first = rx.recv(timeout=30)
+        assert check_pattern(first, N)
+        os.kill(child.pid, signal.SIGKILL)
+        child.join(30)
+        n = 0
+        with pytest.raises(PeerDied, match=r"the sender \(pid \d+\) died"):
+            while True:  # everything queued before the crash is still delivered
+                b = rx.recv(timeout=30)
+                assert b["i"] == n + 1
+                n += 1
+        assert check_pattern(first, N)  # arrays held past the sender's death stay valid
+        assert not shmshare._procfs.shm_names("shmshare_")
+    del first
+    ctl_rx.close()
+    rx.close()
+
+
+def _recv_and_hold(rx, ctl_tx):
+    held = []
+    while True:
+        held.append(rx.recv(timeout=60))
+        if len(held) == 20:
+            ctl_tx.send({"holding": 20})
+
+
+def test_receiver_sigkilled_mid_stream_gives_every_lease_back():
+    tx, rx = shmshare.channel(limit=64 << 20)
+    ctl_tx, ctl_rx = shmshare.channel()
+    with start_child(_recv_and_hold, rx, ctl_tx) as child:
+        rx.close()
+        ctl_tx.close()
+        for i in range(20):
+            tx.send({"i": i, "x": pattern(i, N)})
+        assert ctl_rx.recv(timeout=30) == {"holding": 20}
+        assert tx.poll_releases() == 20
+        child.kill()
+        with pytest.raises(PeerDied, match="receiver is gone"):
+            for _ in range(1000):
+                tx.send({"x": np.ones(4)})
+                time.sleep(0.001)
+        assert tx.statistics().leases_out == 0
+        assert tx.memory_stats()["allocated_bytes.all.current"] == 0
+    tx.close()
+    ctl_rx.close()
+
+
+def _use_inherited_sender(tx, parent_seg_ids):
+    tx.send({"from": "child", "x": np.arange(1000, dtype=np.int64)})
+    own = set(tx._provider.segments)
+    tx.send({"overlap": sorted(own & set(parent_seg_ids))})
+    tx.close()
+    os._exit(0)
+
+
+def test_forked_child_gets_a_fresh_pool():
+    tx, rx = shmshare.channel()
+    keep = tx.empty(1000, np.int64)
+    keep[:] = 3
+    tx.send({"from": "parent", "x": keep})
+    first = rx.recv(timeout=10)
+    parent_ids = list(tx._provider.segments)
+    with start_child(_use_inherited_sender, tx, parent_ids) as child:
+        b = rx.recv(timeout=30)
+        assert b["from"] == "child" and b["x"].sum() == sum(range(1000))
+        assert rx.recv(timeout=30) == {"overlap": []}  # never the parent's segments
+        assert child.join(30) == 0
+    assert first["x"].sum() == 3000 and keep.sum() == 3000  # the parent's blocks untouched
+    del b, first, keep
+    gc.collect()
+    tx.close()
+    rx.close()
