@@ -43,6 +43,9 @@ __all__ = ["Sender", "DEFAULT_LIMIT", "SenderStatistics"]
 
 DEFAULT_LIMIT = 1 << 30  # bytes of shared memory one sender's pool may hold
 _POLL_SLICE = 0.05  # s: back-pressure waits in slices, so local views dying elsewhere count too
+# s between looks at the socket for releases: they come in batches (receiver's _MAX_AGE), so
+# looking on every send would cost a syscall a message for nothing
+_DRAIN_EVERY = 0.0005
 
 
 class _Held:
@@ -112,7 +115,12 @@ class Sender:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             self._check_usable()
-            self._drain()
+            now = time.monotonic()
+            if now - self._last_drain >= _DRAIN_EVERY:
+                self._last_drain = now
+                self._drain()
+            else:
+                self._drain_local()
             taken: list[int] = []
             try:
                 tree = tensors.encode(obj, partial(self._place, deadline=deadline, taken=taken))
@@ -417,6 +425,7 @@ class Sender:
         self._grow: list[list[int]] = []
         self._drop: list[int] = []
         self._sent = self._copied = self._in_place = self._n_announced = 0
+        self._last_drain = 0.0
 
     def _after_fork_in_child(self) -> None:
         # The child must never hand out or release the parent's blocks: give it a
@@ -462,12 +471,26 @@ def _remaining(deadline: float | None) -> float | None:
 
 def _dtypes(dtype: Any) -> tuple[np.dtype, Any]:
     """Return (numpy dtype to allocate, torch dtype or None) for a numpy or torch dtype."""
+    try:
+        return _dtype_cache[dtype]
+    except (KeyError, TypeError):  # not seen yet, or unhashable
+        pass
     if type(dtype).__module__ == "torch":
         import torch
 
         probe = torch.empty(0, dtype=dtype)
         np_dtype, _ = tensors.as_numpy(probe)
-        return np_dtype.dtype, dtype
-    dt = np.dtype(dtype)
-    tensors.check_shareable(dt)
-    return dt, None
+        got = (np_dtype.dtype, dtype)
+    else:
+        dt = np.dtype(dtype)
+        tensors.check_shareable(dt)
+        got = (dt, None)
+    try:
+        if len(_dtype_cache) < 1024:
+            _dtype_cache[dtype] = got
+    except TypeError:
+        pass
+    return got
+
+
+_dtype_cache: dict[Any, tuple[np.dtype, Any]] = {}
