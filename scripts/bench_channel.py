@@ -9,7 +9,9 @@ byte of every 4 KiB page, and drops it. Paths:
 - ``torch.mp``:   ``torch.empty()`` + fill + ``torch.multiprocessing.Queue.put()``
                   (file_descriptor sharing: a fresh shm object per tensor) -- when torch is installed
 - ``shm fresh``:  a new stdlib ``SharedMemory`` per message, its name through a Pipe
-- ``shm ring``:   a ring of reused stdlib ``SharedMemory`` slots, indices through Pipes
+- ``ring/Queue``: a ring of reused stdlib ``SharedMemory`` slots, indices through
+                  ``multiprocessing.Queue`` (the usual hand-rolled ring)
+- ``ring/Pipe``:  the same ring with indices through ``multiprocessing.Pipe`` (leaner)
 - ``fill only``:  the producer's fill alone, in one process: the ceiling for any path
 
 Printed: messages/s, GB/s, and shmshare's ratio to each path. Run:
@@ -89,11 +91,13 @@ def produce_fresh(conn, size: int, count: int) -> None:
 def produce_ring(conn, free, names: list[str], size: int, count: int) -> None:
     slots = [shared_memory.SharedMemory(name=n) for n in names]
     views = [np.ndarray(size, np.uint8, buffer=s.buf) for s in slots]
+    get = free.recv if hasattr(free, "recv") else free.get
+    put = conn.send if hasattr(conn, "send") else conn.put
     for i in range(count):
-        k = free.recv()
+        k = get()
         views[k].fill(i & 0xFF)
-        conn.send((i, k))
-    conn.send(None)
+        put((i, k))
+    put(None)
     del views
     for s in slots:
         s.close()
@@ -155,10 +159,7 @@ def run_fresh(size: int, warm: int, count: int) -> float:
         if not a.poll(WAIT):
             raise TimeoutError("no message")
         _, name = a.recv()
-        shm = shared_memory.SharedMemory(name=name)
-        from multiprocessing import resource_tracker
-
-        resource_tracker.unregister(shm._name, "shared_memory")
+        shm = shared_memory.SharedMemory(name=name)  # registers it; unlink() unregisters
         view = np.ndarray(size, np.uint8, buffer=shm.buf)
         consume(view)
         del view
@@ -172,37 +173,57 @@ def run_fresh(size: int, warm: int, count: int) -> float:
         a.close()
 
 
-def run_ring(size: int, warm: int, count: int) -> float:
+def run_ring(size: int, warm: int, count: int, queue: bool = False) -> float:
     nslots = 8 if size <= MiB else 4
     slots = [shared_memory.SharedMemory(create=True, size=size) for _ in range(nslots)]
     views = [np.ndarray(size, np.uint8, buffer=s.buf) for s in slots]
     for v in views:
         v.fill(0)  # fault every page in once: a ring is warm by design
-    a, b = mp.Pipe()
-    free_tx, free_rx = mp.Pipe()
-    for k in range(nslots):
-        free_tx.send(k)
-    child = start(produce_ring, b, free_rx, [s.name for s in slots], size, count)
-    b.close()
-    free_rx.close()
+    if queue:
+        data_q, free_q = mp.Queue(), mp.Queue()
+        for k in range(nslots):
+            free_q.put(k)
+        child = start(produce_ring, data_q, free_q, [s.name for s in slots], size, count)
+        get, give_back = (lambda: data_q.get(timeout=WAIT)), free_q.put
+    else:
+        a, b = mp.Pipe()
+        free_tx, free_rx = mp.Pipe()
+        for k in range(nslots):
+            free_tx.send(k)
+        child = start(produce_ring, b, free_rx, [s.name for s in slots], size, count)
+        b.close()
+        free_rx.close()
+
+        def get():
+            if not a.poll(WAIT):
+                raise TimeoutError("no message")
+            return a.recv()
+
+        give_back = free_tx.send
 
     def one() -> None:
-        if not a.poll(WAIT):
-            raise TimeoutError("no message")
-        _, k = a.recv()
+        _, k = get()
         consume(views[k])
-        free_tx.send(k)
+        give_back(k)
 
     try:
         return timed(one, warm, count)
     finally:
         finish(child)
-        a.close()
-        free_tx.close()
+        if queue:
+            data_q.close()
+            free_q.close()
+        else:
+            a.close()
+            free_tx.close()
         del views
         for s in slots:
             s.close()
             s.unlink()
+
+
+def run_ring_queue(size: int, warm: int, count: int) -> float:
+    return run_ring(size, warm, count, queue=True)
 
 
 def run_fill(size: int, warm: int, count: int) -> float:
@@ -243,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         have_torch = False
     paths = [("shmshare", run_shmshare, False), ("torch.mp", run_torch, True),
-             ("shm fresh", run_fresh, True), ("shm ring", run_ring, False),
+             ("shm fresh", run_fresh, True), ("ring/Queue", run_ring_queue, False),
+             ("ring/Pipe", run_ring, False),
              ("fill only", run_fill, False)]
     if not have_torch:
         paths = [p for p in paths if p[0] != "torch.mp"]
