@@ -44,6 +44,7 @@ import numpy as np
 
 from . import _native
 from ._errors import SegmentError
+from ._lifetime import Closeable
 
 __all__ = ["Flags", "Segment", "DEFAULT_FLAGS", "shm_free_bytes"]
 
@@ -75,7 +76,7 @@ _SHARED, _SHAREDMEM, _NOCREATE, _KEEPFD, _FROMFD, _UNLINK, _READONLY, _POPULATE 
 _BACKENDS = ("memfd", "posix")
 
 
-class Segment:
+class Segment(Closeable):
     """A shared-memory (or file) mapping: the MapAllocator of one allocation.
 
     Build one with :meth:`create` (new shared memory), :meth:`open` (an
@@ -284,17 +285,6 @@ class Segment:
                 os.close(fd)
             del root  # unmaps now unless a view still holds the mapping
 
-    def __enter__(self) -> Segment:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # half-built object or interpreter shutdown
-            pass
 
     def __reduce__(self) -> Any:
         raise TypeError("a Segment cannot be pickled; send segment.fd over a shmshare.wire "

@@ -43,6 +43,7 @@ from typing import Any, Iterable
 import msgpack
 
 from ._errors import FdLimitError, PeerDied, PeerRefused, ProtocolError, ShmshareTimeout
+from ._lifetime import Closeable
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -68,7 +69,7 @@ _NOSIGNAL, _DONTWAIT, _CTRUNC, _TRUNC = map(int, (socket.MSG_NOSIGNAL, socket.MS
 _PEERCRED = struct.Struct("3i")
 
 
-class Fd:
+class Fd(Closeable):
     """An owned file descriptor: closed on ``close()``, on ``__exit__`` or when collected.
 
     ``take()`` moves ownership out (the Fd forgets the number), so every fd
@@ -103,17 +104,6 @@ class Fd:
         if fd >= 0:
             os.close(fd)
 
-    def __enter__(self) -> Fd:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         return f"<Fd {self._fd}>" if self._fd >= 0 else "<Fd closed>"
@@ -149,7 +139,7 @@ class Statistics:
     bytes_received: int
 
 
-class Connection:
+class Connection(Closeable):
     """One end of a shmshare connection: ``send(header, fds)`` / ``recv()``.
 
     Build one with :func:`pipe`, :func:`connect` or :meth:`Listener.accept`.
@@ -376,14 +366,8 @@ class Connection:
         self.state = State.CLOSED
         self._sock.close()
 
-    def __enter__(self) -> Connection:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def __del__(self) -> None:
-        try:
+        try:  # only the socket: the state of a collected object matters to no one
             self._sock.close()
         except Exception:
             pass
@@ -437,7 +421,7 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-class Listener:
+class Listener(Closeable):
     """Accept connections from unrelated processes on a Unix socket path.
 
     The socket file is 0600. With `path` None it lives in a fresh 0700
@@ -498,17 +482,6 @@ class Listener:
             except OSError:
                 pass
 
-    def __enter__(self) -> Listener:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def pipe(**conn_kw: Any) -> tuple[Connection, Connection]:

@@ -31,6 +31,7 @@ import numpy as np
 
 from .. import _native, tensors, wire
 from .._errors import PeerDied, ProtocolError, ShmshareTimeout
+from .._lifetime import Closeable
 from ..segment import Flags, Segment
 from ._protocol import (BATCH, BYE, DROP, GROW, KIND, NEW, RELEASE, RELEASE_CHUNK, LEASES,
                         TREE)
@@ -104,7 +105,7 @@ class _Release:
                 pass
 
 
-class Receiver:
+class Receiver(Closeable):
     """Receive batches sent by one sender (``channel()``) or many (``listen()``).
 
     ``recv()`` returns the batch with the same structure; arrays are views of
@@ -218,17 +219,6 @@ class Receiver:
         for fd in (self._wake_r, self._wake_w):
             os.close(fd)
 
-    def __enter__(self) -> Receiver:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __reduce__(self) -> Any:
         if self._listener is not None:

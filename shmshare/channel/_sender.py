@@ -36,6 +36,7 @@ import numpy as np
 
 from .. import _native, tensors, wire
 from .._errors import PeerDied, PoolExhausted, ShmshareTimeout
+from .._lifetime import Closeable
 from ..memory import CachingAllocator, OutOfMemoryError, ShmProvider, ShmSegment
 from ._protocol import BATCH, BYE, DROP, GROW, KIND, LEASES, NEW, RELEASE, TREE
 
@@ -74,7 +75,7 @@ class SenderStatistics:
     allocated_bytes: int  # of which in use
 
 
-class Sender:
+class Sender(Closeable):
     """Send numpy arrays, torch CPU tensors and nested batches of them, without copies.
 
     Made by :func:`shmshare.channel` or :func:`shmshare.connect`. One process
@@ -220,17 +221,6 @@ class Sender:
             self._drain_local()
             self._alloc.empty_cache()
 
-    def __enter__(self) -> Sender:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __reduce__(self) -> Any:
         return _rebuild, (self._conn, self._limit, self._config, self._backend)
