@@ -24,6 +24,20 @@ synchronization), so blocks are cached and reused. The policy is PyTorch's:
 
 The allocator is thread safe (one re-entrant lock). Blocks belong to the
 allocator that made them; ``free`` checks that.
+
+Note [Hot path]
+~~~~~~~~~~~~~~~
+A malloc+free pair served from the cache is the steady state of every pool,
+and in Python each call, attribute lookup and allocation in it shows: the
+aim is a pair in a few microseconds. So ``malloc``/``free`` and what they
+always run (``_get_free_block``, ``_alloc_found_block``, ``_free_block``)
+read settings from plain attributes set once (``_max_split``...), round
+sizes inline unless ``roundup_power2_divisions`` is set, count statistics
+through ``HotStats`` (Note [Statistics on the hot path] in ``_stats.py``),
+and test each optional feature (events, callbacks, history, observers,
+debug checks, user pools) with one ``if`` before doing anything for it.
+Everything else (the retry chain, expandable mapping, releasing) is
+written for clarity. ``scripts/bench_pool.py`` measures the pair.
 """
 
 from __future__ import annotations
@@ -34,6 +48,7 @@ from collections.abc import Callable, Hashable
 from os import PathLike
 from typing import Any, NoReturn
 
+from . import _mempool
 from ._block import Block, BlockPool, SegmentRecord
 from ._config import UNLIMITED, AllocatorConfig, get_config, parse_config
 from ._core import Observer
@@ -50,7 +65,7 @@ from ._policy import (
 from ._provider import ExpandableProvider, Provider, ProviderOutOfMemory
 from ._reclaim import ReclaimMixin
 from ._snapshot import TraceRecorder, build_segments, capture_frames
-from ._stats import ALL, LARGE_POOL, SMALL_POOL, decrease, increase
+from ._stats import ALL, increase
 
 __all__ = ["CachingAllocator"]
 
@@ -99,8 +114,14 @@ class CachingAllocator(ReclaimMixin):
                 stream, sid = self._default_stream, 0
             else:
                 sid = self._stream_id(stream)
-            size = round_size(nbytes, self.config)
-            pool = self._get_pool(size)
+            if self._rounding:
+                size = round_size(nbytes, self.config)
+            else:  # round_size without roundup_power2_divisions, inline (see Note [Hot path])
+                size = MIN_BLOCK_SIZE if nbytes < MIN_BLOCK_SIZE else -(-nbytes // MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
+            if _mempool.open_contexts:  # some thread is in use_mem_pool: maybe this one
+                pool = self._get_pool(size)
+            else:
+                pool = self._small if size <= SMALL_SIZE else self._large
             block = self._get_free_block(pool, sid, size)
             if block is None and self._callbacks and self._trigger_free_memory_callbacks():
                 block = self._get_free_block(pool, sid, size)
@@ -120,10 +141,9 @@ class CachingAllocator(ReclaimMixin):
                 raise ValueError(f"free() of {block!r}, which this allocator has not allocated")
             block.allocated = False
             pool = block.pool
-            stats = self.stats
-            stats.on_free_requested(SMALL_POOL if pool.is_small else LARGE_POOL, block.size)
-            if block.size >= self.config.max_split_size:
-                stats.oversize_allocations.decrease(1)
+            self._hot[pool.stat_type].on_free_requested(block.size)
+            if block.size >= self._max_split:
+                self.stats.oversize_allocations.decrease(1)
             if self._trace is not None:
                 self._trace.record("free_requested", block.address, block.requested_size, block.stream_id,
                                    self._pool_id(pool))  # with stacks: where free() was called
@@ -251,16 +271,16 @@ class CachingAllocator(ReclaimMixin):
         """Take the best-fitting cached block of ``pool`` for ``size`` bytes on stream ``sid``."""
         if self._gc_on:
             pool.get_free_blocks_call_count += 1  # the clock garbage collection ages blocks by
-        index = pool.lower_bound(sid, size)
-        block = pool.block_at(index)
-        if block is None or block.stream_id != sid:
+        index, block = pool.best_fit(sid, size)
+        if block is None:
             return None
         if block.segment.expandable:
             index, block = _least_expandable(pool, sid, index, block)
-        max_split = self.config.max_split_size
-        if size < max_split and block.size >= max_split:
-            return None  # an oversize block is never used for a smaller request
-        if size >= max_split and block.size >= size + self.config.max_non_split_rounding:
+        max_split = self._max_split
+        if size < max_split:
+            if block.size >= max_split:
+                return None  # an oversize block is never used for a smaller request
+        elif block.size >= size + self._max_non_split:
             return None  # nor for an oversize request it would waste too much on
         return pool.pop_at(index)
 
@@ -270,49 +290,50 @@ class CachingAllocator(ReclaimMixin):
             freed = bool(callback()) or freed
         return freed
 
-    def _should_split(self, block: Block, size: int) -> bool:
-        remaining = block.size - size
-        if block.pool.is_small or self.config.expandable_segments:
-            return remaining >= MIN_BLOCK_SIZE
-        return size < self.config.max_split_size and remaining > SMALL_SIZE
-
     def _alloc_found_block(self, block: Block, size: int, requested: int) -> Block:
         """Split ``block`` if worth it and hand its first ``size`` bytes out."""
         pool = block.pool
-        types = self._stat_types(pool)
-        stats = self.stats
+        hot = self._hot[pool.stat_type]
         counts_split = not block.segment.expandable  # see _free_block on inactive_split
-        already_split = block.is_split()
-        if self._should_split(block, size):
-            remaining = block
-            block = self._new_block(pool, remaining.stream, remaining.stream_id, size, remaining.address,
-                                    remaining.segment)
-            block.prev, block.next = remaining.prev, remaining
-            if block.prev is not None:
-                block.prev.next = block
-            remaining.prev = block
-            remaining.address += size
-            remaining.size -= size
-            pool.insert(remaining)
-            if counts_split and already_split:
-                decrease(stats.inactive_split_bytes, types, size)
-            elif counts_split:
-                increase(stats.inactive_split_bytes, types, remaining.size)
-                increase(stats.inactive_split, types, 1)
+        already_split = block.prev is not None or block.next is not None
+        remaining = block.size - size
+        if pool.is_small or self._expandable:  # split on any 512 B remainder
+            split = remaining >= MIN_BLOCK_SIZE
+        else:  # large pool: never an oversize request, and only a remainder over 1 MiB
+            split = size < self._max_split and remaining > SMALL_SIZE
+        if split:
+            block = self._split(block, size)
+            if counts_split and already_split:  # the free piece shrank by what was cut off
+                hot.on_split(0, -size)
+            elif counts_split:  # the segment is split now: its free remainder counts
+                hot.on_split(1, block.next.size)  # type: ignore[union-attr]
         elif counts_split and already_split:
-            decrease(stats.inactive_split_bytes, types, block.size)
-            decrease(stats.inactive_split, types, 1)
+            hot.on_split(-1, -block.size)
         block.allocated = True
         block.requested_size = requested
         self._active.add(block)
-        stats.on_alloc(types[1], block.size, requested)
-        if block.size >= self.config.max_split_size:
-            stats.oversize_allocations.increase(1)
+        hot.on_alloc(block.size, requested)
+        if block.size >= self._max_split:
+            self.stats.oversize_allocations.increase(1)
         if self._trace is not None:
             if self._trace.stacks:
                 block.frames = capture_frames()
             self._trace.record("alloc", block.address, requested, block.stream_id, self._pool_id(pool),
                                block.frames)
+        return block
+
+    def _split(self, remaining: Block, size: int) -> Block:
+        """Cut the first ``size`` bytes off a free block; cache the rest and return the new front block."""
+        pool = remaining.pool  # Block() directly, not _new_block(): one call less on the hot path
+        block = Block(pool, remaining.stream, remaining.stream_id, size, remaining.address, remaining.segment,
+                      next(self._counter))
+        block.prev, block.next = remaining.prev, remaining
+        if block.prev is not None:
+            block.prev.next = block
+        remaining.prev = block
+        remaining.address += size
+        remaining.size -= size
+        pool.insert(remaining)
         return block
 
     def _allocate_slow(self, pool: BlockPool, stream: Hashable, sid: int, size: int, requested: int) -> Block:
@@ -348,10 +369,9 @@ class CachingAllocator(ReclaimMixin):
         self._segments.add(segment)
         self._total_reserved += alloc_size
         stats = self.stats
-        types = self._stat_types(pool)
-        increase(stats.segment, types, 1)
-        increase(stats.reserved_bytes, types, alloc_size)
-        if alloc_size >= self.config.max_split_size:
+        increase(stats.segment, pool.stat_type, 1)
+        increase(stats.reserved_bytes, pool.stat_type, alloc_size)
+        if alloc_size >= self._max_split:
             stats.oversize_segments.increase(1)
         stats.num_device_alloc += 1
         if self._trace is not None:

@@ -10,9 +10,11 @@ in an expandable segment, unmapped (address space without memory).
 
 from __future__ import annotations
 
-import bisect
+from bisect import bisect_left, insort
 from collections.abc import Hashable, Iterator
 from typing import TYPE_CHECKING, Any
+
+from ._stats import LARGE_POOL, SMALL_POOL
 
 if TYPE_CHECKING:
     from ._mempool import PrivatePool
@@ -132,10 +134,12 @@ class BlockPool:
     block.
     """
 
-    __slots__ = ("is_small", "owner", "get_free_blocks_call_count", "_keys", "_blocks", "_ukeys", "_unmapped")
+    __slots__ = ("is_small", "stat_type", "owner", "get_free_blocks_call_count", "_keys", "_blocks", "_ukeys",
+                 "_unmapped")
 
     def __init__(self, is_small: bool, owner: PrivatePool | None = None) -> None:
         self.is_small = is_small  # True: requests <= 1 MiB
+        self.stat_type = SMALL_POOL if is_small else LARGE_POOL  # its statistics column
         self.owner = owner  # the user pool (MemPool) this belongs to; None: default pool
         self.get_free_blocks_call_count = 0  # clock for garbage collection ages
         self._keys: list[tuple[int, int, int]] = []
@@ -148,21 +152,36 @@ class BlockPool:
     def insert(self, block: Block) -> None:
         """Cache a free block; it must not be in the pool already."""
         key = (block.stream_id, block.size, block.counter)
-        if key in self._blocks:
+        blocks = self._blocks
+        if key in blocks:
             raise KeyError(f"{block!r} is already in the pool")
-        bisect.insort(self._keys, key)
-        self._blocks[key] = block
+        insort(self._keys, key)
+        blocks[key] = block
         block.gc_count_base = self.get_free_blocks_call_count
 
     def remove(self, block: Block) -> None:
         """Take a cached block out; it must be there with its current size."""
         key = (block.stream_id, block.size, block.counter)
         del self._blocks[key]
-        del self._keys[bisect.bisect_left(self._keys, key)]
+        keys = self._keys
+        del keys[bisect_left(keys, key)]
 
     def lower_bound(self, stream_id: int, size: int) -> int:
         """Return the index of the first block of ``stream_id`` with at least ``size`` bytes."""
-        return bisect.bisect_left(self._keys, (stream_id, size, -1))
+        return bisect_left(self._keys, (stream_id, size, -1))
+
+    def best_fit(self, stream_id: int, size: int) -> tuple[int, Block | None]:
+        """Return (index, block) of the smallest block of ``stream_id`` with ``size`` bytes, or (index, None).
+
+        ``lower_bound`` and ``block_at`` in one call, for malloc's hot path.
+        """
+        keys = self._keys
+        index = bisect_left(keys, (stream_id, size, -1))
+        if index < len(keys):
+            key = keys[index]
+            if key[0] == stream_id:
+                return index, self._blocks[key]
+        return index, None
 
     def block_at(self, index: int) -> Block | None:
         """Return the block at ``index`` in (stream, size) order, or None past the end."""
@@ -194,19 +213,19 @@ class BlockPool:
         key = (block.stream_id, block.address)
         if key in self._unmapped:
             raise KeyError(f"{block!r} is already in the unmapped set")
-        bisect.insort(self._ukeys, key)
+        insort(self._ukeys, key)
         self._unmapped[key] = block
 
     def remove_unmapped(self, block: Block) -> None:
         """Take an unmapped block out; it must be there at its current address."""
         key = (block.stream_id, block.address)
         del self._unmapped[key]
-        del self._ukeys[bisect.bisect_left(self._ukeys, key)]
+        del self._ukeys[bisect_left(self._ukeys, key)]
 
     def unmapped_from(self, stream_id: int) -> list[Block]:
         """Return the unmapped blocks of ``stream_id`` in address order."""
-        start = bisect.bisect_left(self._ukeys, (stream_id, -1))
-        end = bisect.bisect_left(self._ukeys, (stream_id + 1, -1))
+        start = bisect_left(self._ukeys, (stream_id, -1))
+        end = bisect_left(self._ukeys, (stream_id + 1, -1))
         return [self._unmapped[k] for k in self._ukeys[start:end]]
 
     def unmapped(self) -> list[Block]:

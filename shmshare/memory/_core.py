@@ -24,12 +24,9 @@ from ._config import AllocatorConfig
 from ._mempool import PrivatePool
 from ._provider import Provider, ProviderOutOfMemory
 from ._snapshot import TraceRecorder
-from ._stats import ALL, LARGE_POOL, SMALL_POOL, MemoryStats, adjust
+from ._stats import ALL, MemoryStats
 
 __all__ = ["AllocatorCore", "MemoryEvent"]
-
-_SMALL_TYPES = (ALL, SMALL_POOL)
-_LARGE_TYPES = (ALL, LARGE_POOL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +58,13 @@ class AllocatorCore:
         self.config = config  # settings, fixed for the allocator's life
         self.name: str = getattr(provider, "name", type(provider).__name__)
         self.stats = MemoryStats()
+        self._hot = self.stats.hot  # [pool.stat_type]: what malloc and free count
+        # The settings the hot path reads, as plain attributes: the config is
+        # frozen for the allocator's life, and two lookups per use add up.
+        self._max_split = config.max_split_size
+        self._max_non_split = config.max_non_split_rounding
+        self._expandable = config.expandable_segments
+        self._rounding = bool(config.roundup_power2_divisions)
         self._lock = threading.RLock()
         self._small = BlockPool(True)  # default pool, requests <= 1 MiB
         self._large = BlockPool(False)  # default pool, larger requests
@@ -88,10 +92,6 @@ class AllocatorCore:
         if sid is None:
             sid = self._stream_ids[stream] = len(self._stream_ids)
         return sid
-
-    @staticmethod
-    def _stat_types(pool: BlockPool) -> tuple[int, int]:
-        return _SMALL_TYPES if pool.is_small else _LARGE_TYPES
 
     @staticmethod
     def _pool_id(pool: BlockPool) -> tuple[int, int]:
@@ -160,27 +160,29 @@ class AllocatorCore:
                                self._pool_id(block.pool), block.frames)
         original_size, requested = block.size, block.requested_size
         pool = block.pool
-        net_blocks = net_bytes = 0
-        for neighbour in (block.prev, block.next):
-            absorbed = self._try_merge_blocks(block, neighbour, pool)
-            if absorbed:
-                net_blocks -= 1
-                net_bytes -= absorbed
+        merged = absorbed = 0  # neighbours merged in, and their bytes
+        if block.prev is not None:
+            absorbed = self._try_merge_blocks(block, block.prev, pool)
+            merged = 1 if absorbed else 0
+        if block.next is not None:
+            nbytes = self._try_merge_blocks(block, block.next, pool)
+            if nbytes:
+                merged += 1
+                absorbed += nbytes
         self._active.remove(block)
         block.requested_size = 0
-        block.frames = []
+        if block.frames:  # nothing mutates a frames list in place, so an empty one can stay
+            block.frames = []
         pool.insert(block)
-        if block.is_split():
-            net_blocks += 1
-            net_bytes += block.size
-        stats = self.stats
+        hot = self._hot[pool.stat_type]
         # inactive_split means "cannot be given back"; whole pages of an
         # expandable segment always can be, so PyTorch leaves them out.
-        if (net_blocks or net_bytes) and not block.segment.expandable:
-            types = self._stat_types(pool)
-            adjust(stats.inactive_split, types, net_blocks)
-            adjust(stats.inactive_split_bytes, types, net_bytes)
-        stats.on_free_completed(SMALL_POOL if pool.is_small else LARGE_POOL, original_size, requested)
+        if not block.segment.expandable:
+            if block.prev is not None or block.next is not None:  # still split: a free piece now
+                hot.on_split(1 - merged, block.size - absorbed)
+            elif merged:
+                hot.on_split(-merged, -absorbed)
+        hot.on_free_completed(original_size, requested)
 
     # --- events ----------------------------------------------------------------
 

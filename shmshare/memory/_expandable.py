@@ -147,7 +147,7 @@ class ExpandableMixin(AllocatorCore):
             return None
         segment = ExpandableSegment(address, nbytes, handle, pool, stream, sid, page)
         self._segments.add(segment)
-        increase(self.stats.segment, self._stat_types(pool), 1)
+        increase(self.stats.segment, pool.stat_type, 1)
         block = self._new_block(pool, stream, sid, nbytes, address, segment)
         block.mapped = False
         pool.insert_unmapped(block)
@@ -176,7 +176,7 @@ class ExpandableMixin(AllocatorCore):
         self._try_merge_blocks(to_map, to_map.next, pool)
         pool.insert(to_map)
         self._total_reserved += mapped
-        increase(self.stats.reserved_bytes, self._stat_types(pool), mapped)
+        increase(self.stats.reserved_bytes, pool.stat_type, mapped)
         self.stats.num_device_alloc += 1
         if self._trace is not None:
             self._trace.record("segment_map", address, mapped, to_map.stream_id, self._pool_id(pool))
@@ -205,7 +205,7 @@ class ExpandableMixin(AllocatorCore):
         self._try_merge_blocks(block, block.next, pool)
         pool.insert_unmapped(block)
         self._total_reserved -= length
-        decrease(self.stats.reserved_bytes, self._stat_types(pool), length)
+        decrease(self.stats.reserved_bytes, pool.stat_type, length)
         self.stats.num_device_free += 1
         if self._trace is not None:
             self._trace.record("segment_unmap", start, length, block.stream_id, self._pool_id(pool))
@@ -219,7 +219,7 @@ class ExpandableMixin(AllocatorCore):
         provider.release(segment.handle)
         block.pool.remove_unmapped(block)
         self._segments.remove(segment)
-        decrease(self.stats.segment, self._stat_types(block.pool), 1)
+        decrease(self.stats.segment, block.pool.stat_type, 1)
 
 
 def _allocatable(block: Block | None) -> bool:

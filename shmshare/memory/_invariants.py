@@ -185,7 +185,10 @@ def _check_stats(alloc: AllocatorCore, tiles: dict[SegmentRecord, list[Block]]) 
     stats = alloc.stats
     for name, values in walk.items():
         values[ALL] = values[SMALL_POOL] + values[LARGE_POOL]
-        for t, value in enumerate(values):
+        # pools first: "all" is kept as their sum (_stats.py), so a wrong pool
+        # column shows in "all" too, and naming the pool says where it went wrong
+        for t in (SMALL_POOL, LARGE_POOL, ALL):
+            value = values[t]
             label = f"{name}.{TYPE_NAMES[t]}"
             _compare(label, getattr(stats, name)[t].current, value)
             if getattr(stats, name)[t].peak < value:

@@ -25,6 +25,12 @@ __all__ = ["MemPool", "PrivatePool", "current_mem_pool", "use_mem_pool"]
 
 _ids = itertools.count(1)
 _tls = threading.local()
+# use_mem_pool contexts open on any thread. While it is 0, nobody allocates
+# from a MemPool, so current_mem_pool() (and malloc, which reads it directly)
+# skips the thread-local lookup. Changed under _open_lock: "+= 1" on a global
+# is not atomic. A thread always sees its own increment.
+open_contexts = 0
+_open_lock = threading.Lock()
 
 
 class MemPool:
@@ -60,16 +66,23 @@ def use_mem_pool(pool: MemPool) -> Iterator[MemPool]:
     """
     if not isinstance(pool, MemPool):
         raise TypeError(f"use_mem_pool expects a MemPool, got {type(pool).__name__}")
+    global open_contexts
     stack: list[MemPool] = _tls.__dict__.setdefault("stack", [])
-    stack.append(pool)
+    with _open_lock:
+        stack.append(pool)
+        open_contexts += 1
     try:
         yield pool
     finally:
-        stack.pop()
+        with _open_lock:
+            open_contexts -= 1
+            stack.pop()
 
 
 def current_mem_pool() -> MemPool | None:
     """Return the pool this thread allocates from, or None for the default pools."""
+    if not open_contexts:
+        return None
     stack = _tls.__dict__.get("stack")
     return stack[-1] if stack else None
 

@@ -50,10 +50,9 @@ class ReclaimMixin(ExpandableMixin):
         self._total_reserved -= block.size
         stats = self.stats
         stats.num_device_free += 1
-        types = self._stat_types(block.pool)
-        decrease(stats.segment, types, 1)
-        decrease(stats.reserved_bytes, types, block.size)
-        if block.size >= self.config.max_split_size:
+        decrease(stats.segment, block.pool.stat_type, 1)
+        decrease(stats.reserved_bytes, block.pool.stat_type, block.size)
+        if block.size >= self._max_split:
             stats.oversize_segments.decrease(1)
         if self._trace is not None:
             self._trace.record("segment_free", block.address, block.size, block.stream_id,

@@ -1,12 +1,40 @@
 """Allocator statistics, kept and named as PyTorch's ``memory_stats()`` does.
 
-Each statistic is a :class:`Stat` (current, peak, allocated, freed) kept
-three times: for all pools, for small pools and for large pools. The flat
-view (``"allocated_bytes.all.current"``...) is what ``memory_stats()``
-returns, sorted by key like ``torch.cuda.memory_stats()``.
+Each statistic has three columns: all pools, small pools, large pools, each
+with four fields (current, peak, allocated, freed). A pool column is a
+:class:`PoolStat`, the "all" column a :class:`SumStat` over the two; single
+statistics (``oversize_*``) are a :class:`Stat`. The flat view
+(``"allocated_bytes.all.current"``...) is what ``memory_stats()`` returns,
+sorted by key like ``torch.cuda.memory_stats()``.
+
+Note [Statistics on the hot path]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A malloc+free pair changes seven statistics (allocation, allocated_bytes,
+active, active_bytes, requested_bytes and, when a block is split or merged,
+inactive_split and inactive_split_bytes) up and down again. Kept the plain
+way, for both the pool column and "all", that is 28 ``Stat`` updates of
+two or three fields each: about 2 us of a pair that should take a few.
+Three things make it cheap:
+
+- Every change to a statistic goes to exactly one pool (a block lives in
+  one), so "all" is the sum of the two pool columns. Only its peak, a
+  maximum over time, has to be kept: it is raised after each increase, and
+  decreases do not touch "all" at all (:class:`SumStat`).
+- In a pool column, ``current == base + allocated - freed`` always holds
+  (``base`` being the value at the last ``reset_accumulated``), so ``freed``
+  is computed when read and a decrease is one subtraction
+  (:class:`PoolStat`).
+- The hot updates are written out in straight lines over Stats bound once
+  per pool (``HotStats``), with no helper call per Stat: a Python call
+  costs as much as the update it would make.
+
+The values are the same as PyTorch's bookkeeping gives; ``check_invariants()``
+compares every one of them with a walk of the blocks.
 """
 
 from __future__ import annotations
+
+from typing import Final, cast
 
 __all__ = [
     "ALL",
@@ -14,14 +42,18 @@ __all__ = [
     "SMALL_POOL",
     "STAT_NAMES",
     "TYPE_NAMES",
+    "HotStats",
     "MemoryStats",
+    "PoolStat",
     "Stat",
-    "adjust",
+    "SumStat",
     "decrease",
     "increase",
 ]
 
-ALL, SMALL_POOL, LARGE_POOL = 0, 1, 2
+ALL: Final = 0  # the columns of a statistic (Final: mypy then knows what column[ALL] is)
+SMALL_POOL: Final = 1
+LARGE_POOL: Final = 2
 TYPE_NAMES = ("all", "small_pool", "large_pool")
 STAT_NAMES = (
     "allocation",  # blocks handed to callers
@@ -35,6 +67,8 @@ STAT_NAMES = (
     "requested_bytes",  # what callers asked for, before rounding
 )
 COUNTERS = ("num_alloc_retries", "num_ooms", "num_sync_all_streams", "num_device_alloc", "num_device_free")
+_HOT_NAMES = ("allocation", "allocated_bytes", "active", "active_bytes", "requested_bytes", "inactive_split",
+              "inactive_split_bytes")  # the order of HotStats
 
 
 class Stat:
@@ -65,68 +99,133 @@ class Stat:
         return {"current": self.current, "peak": self.peak, "allocated": self.allocated, "freed": self.freed}
 
 
+class PoolStat:
+    """The small- or large-pool column of a statistic: a Stat whose ``freed`` is derived.
+
+    See Note [Statistics on the hot path]: ``freed`` is
+    ``base + allocated - current``, so decreasing touches ``current`` only.
+    """
+
+    __slots__ = ("current", "peak", "allocated", "base")
+
+    def __init__(self) -> None:
+        self.current = 0  # value now
+        self.peak = 0  # highest value since the last reset_peak
+        self.allocated = 0  # total added since the last reset_accumulated
+        self.base = 0  # current at the last reset_accumulated
+
+    @property
+    def freed(self) -> int:
+        """Return the total removed since the last reset_accumulated."""
+        return self.base + self.allocated - self.current
+
+    def increase(self, amount: int) -> None:
+        """Add ``amount`` and raise the peak if needed."""
+        self.current += amount
+        self.allocated += amount
+        if self.current > self.peak:
+            self.peak = self.current
+
+    def decrease(self, amount: int) -> None:
+        """Remove ``amount``."""
+        self.current -= amount
+
+    def reset_accumulated(self) -> None:
+        """Zero ``allocated`` and ``freed``."""
+        self.allocated = 0
+        self.base = self.current
+
+    def as_dict(self) -> dict[str, int]:
+        """Return the four fields by name."""
+        return {"current": self.current, "peak": self.peak, "allocated": self.allocated, "freed": self.freed}
+
+
+class SumStat:
+    """The "all" column of a statistic: the sum of its two pool columns, with a peak of its own.
+
+    ``current``, ``allocated`` and ``freed`` are computed when read (see Note
+    [Statistics on the hot path]); ``peak`` is kept, raised by whoever
+    increases a pool column. Assigning ``current`` (as tests that corrupt the
+    statistics do) keeps the difference from the sum as an offset, so the
+    value reads back as written; the hot path's peak updates leave the
+    offset out (three loads per statistic), so after such a write only
+    ``check_invariants()`` is meaningful, and it reports the write.
+    """
+
+    __slots__ = ("small", "large", "peak", "offset")
+
+    def __init__(self, small: PoolStat, large: PoolStat) -> None:
+        self.small = small  # the small-pool column
+        self.large = large  # the large-pool column
+        self.peak = 0  # highest sum since the last reset_peak
+        self.offset = 0  # 0 unless current was assigned directly
+
+    @property
+    def current(self) -> int:
+        """Return the value now, over both pools."""
+        return self.small.current + self.large.current + self.offset
+
+    @current.setter
+    def current(self, value: int) -> None:
+        self.offset = value - self.small.current - self.large.current
+
+    @property
+    def allocated(self) -> int:
+        """Return the total added since the last reset_accumulated, over both pools."""
+        return self.small.allocated + self.large.allocated
+
+    @property
+    def freed(self) -> int:
+        """Return the total removed since the last reset_accumulated, over both pools."""
+        return self.small.freed + self.large.freed
+
+    def raise_peak(self) -> None:
+        """Raise the peak to the current value if it is higher (after an increase)."""
+        current = self.current
+        if current > self.peak:
+            self.peak = current
+
+    def as_dict(self) -> dict[str, int]:
+        """Return the four fields by name."""
+        return {"current": self.current, "peak": self.peak, "allocated": self.allocated, "freed": self.freed}
+
+
+Column = tuple[SumStat, PoolStat, PoolStat]  # indexed by ALL, SMALL_POOL, LARGE_POOL
+HotColumn = tuple[PoolStat, PoolStat, SumStat]  # this pool's column, the other pool's, "all"
+
+
 class MemoryStats:
     """Hold every statistic of one allocator."""
 
-    __slots__ = STAT_NAMES + COUNTERS + ("oversize_allocations", "oversize_segments")
+    __slots__ = STAT_NAMES + COUNTERS + ("oversize_allocations", "oversize_segments", "hot")
 
     def __init__(self) -> None:
         for name in STAT_NAMES:
-            setattr(self, name, [Stat(), Stat(), Stat()])
+            small, large = PoolStat(), PoolStat()
+            setattr(self, name, (SumStat(small, large), small, large))
         for name in COUNTERS:
             setattr(self, name, 0)
         self.oversize_allocations = Stat()  # allocated blocks >= max_split_size
         self.oversize_segments = Stat()  # classic segments >= max_split_size
+        # hot[t]: what malloc and free update for pool type t
+        self.hot: dict[int, HotStats] = {SMALL_POOL: HotStats(self, SMALL_POOL), LARGE_POOL: HotStats(self, LARGE_POOL)}
 
-    allocation: list[Stat]
-    segment: list[Stat]
-    active: list[Stat]
-    inactive_split: list[Stat]
-    allocated_bytes: list[Stat]
-    reserved_bytes: list[Stat]
-    active_bytes: list[Stat]
-    inactive_split_bytes: list[Stat]
-    requested_bytes: list[Stat]
+    allocation: Column
+    segment: Column
+    active: Column
+    inactive_split: Column
+    allocated_bytes: Column
+    reserved_bytes: Column
+    active_bytes: Column
+    inactive_split_bytes: Column
+    requested_bytes: Column
     num_alloc_retries: int  # retries after releasing everything (PyTorch's "malloc retries")
     num_ooms: int  # OutOfMemoryError raised
     num_sync_all_streams: int  # synchronizations of every stream with pending events
     num_device_alloc: int  # provider allocate + map calls
     num_device_free: int  # provider free + unmap calls
 
-    # The three calls below are malloc's and free's whole bookkeeping, with
-    # the "all" and the per-pool Stat updated in one call: they run on every
-    # malloc and free, where a loop of Stat method calls costs half as much again.
-
-    def on_alloc(self, t: int, size: int, requested: int) -> None:
-        """Count a block of ``size`` bytes handed out in pool type ``t``."""
-        stats = self.allocation
-        _up(stats[ALL], stats[t], 1)
-        stats = self.allocated_bytes
-        _up(stats[ALL], stats[t], size)
-        stats = self.active
-        _up(stats[ALL], stats[t], 1)
-        stats = self.active_bytes
-        _up(stats[ALL], stats[t], size)
-        stats = self.requested_bytes
-        _up(stats[ALL], stats[t], requested)
-
-    def on_free_requested(self, t: int, size: int) -> None:
-        """Count a block the caller freed (it may still wait for events)."""
-        stats = self.allocation
-        _down(stats[ALL], stats[t], 1)
-        stats = self.allocated_bytes
-        _down(stats[ALL], stats[t], size)
-
-    def on_free_completed(self, t: int, size: int, requested: int) -> None:
-        """Count a freed block that has no events left, back in its pool."""
-        stats = self.active
-        _down(stats[ALL], stats[t], 1)
-        stats = self.active_bytes
-        _down(stats[ALL], stats[t], size)
-        stats = self.requested_bytes
-        _down(stats[ALL], stats[t], requested)
-
-    def stat_arrays(self) -> dict[str, list[Stat]]:
+    def stat_arrays(self) -> dict[str, Column]:
         """Return each per-pool statistic by name."""
         return {name: getattr(self, name) for name in STAT_NAMES}
 
@@ -134,7 +233,8 @@ class MemoryStats:
         """Return the statistics flattened and sorted like ``torch.cuda.memory_stats()``."""
         out: dict[str, int] = {}
         for name, stats in self.stat_arrays().items():
-            for type_name, stat in zip(TYPE_NAMES, stats):
+            columns: tuple[SumStat | PoolStat, ...] = stats
+            for type_name, stat in zip(TYPE_NAMES, columns):
                 for field, value in stat.as_dict().items():
                     out[f"{name}.{type_name}.{field}"] = value
         for name in ("oversize_allocations", "oversize_segments"):
@@ -147,54 +247,134 @@ class MemoryStats:
 
     def reset_peak(self) -> None:
         """Set every peak to its current value."""
-        for stat in self._all_stats():
+        for column in self.stat_arrays().values():
+            for one in column:
+                one.peak = one.current
+        for stat in (self.oversize_allocations, self.oversize_segments):
             stat.peak = stat.current
 
     def reset_accumulated(self) -> None:
-        """Zero the allocated/freed totals and the event counters."""
-        for stat in self._all_stats():
+        """Zero the allocated/freed totals and the event counters ("all" follows its pools)."""
+        for column in self.stat_arrays().values():
+            column[SMALL_POOL].reset_accumulated()
+            column[LARGE_POOL].reset_accumulated()
+        for stat in (self.oversize_allocations, self.oversize_segments):
             stat.allocated = stat.freed = 0
         for name in COUNTERS:
             setattr(self, name, 0)
 
-    def _all_stats(self) -> list[Stat]:
-        stats = [s for arr in self.stat_arrays().values() for s in arr]
-        return stats + [self.oversize_allocations, self.oversize_segments]
+
+class HotStats:
+    """The statistics that malloc and free change, for one pool type, bound once.
+
+    Each ``_HOT_NAMES`` statistic is held as (this pool's column, the other
+    pool's column, the SumStat), so that an increase raises both peaks with
+    locals only. The methods are straight lines on purpose (and ``if``, not
+    ``max()``: a call costs more than the compare); see Note [Statistics on
+    the hot path].
+    """
+
+    __slots__ = _HOT_NAMES
+
+    allocation: HotColumn
+    allocated_bytes: HotColumn
+    active: HotColumn
+    active_bytes: HotColumn
+    requested_bytes: HotColumn
+    inactive_split: HotColumn
+    inactive_split_bytes: HotColumn
+
+    def __init__(self, stats: MemoryStats, t: int) -> None:
+        other = LARGE_POOL if t == SMALL_POOL else SMALL_POOL
+        for name in _HOT_NAMES:
+            column = getattr(stats, name)
+            setattr(self, name, (column[t], column[other], column[ALL]))
+
+    def on_alloc(self, size: int, requested: int) -> None:
+        """Count a block of ``size`` bytes handed out (``requested`` asked for)."""
+        (n, n_o, n_all), (b, b_o, b_all) = self.allocation, self.allocated_bytes
+        (an, an_o, an_all), (ab, ab_o, ab_all) = self.active, self.active_bytes
+        rq, rq_o, rq_all = self.requested_bytes
+        x = n.current = n.current + 1
+        n.allocated += 1
+        if x > n.peak:
+            n.peak = x
+        x += n_o.current
+        if x > n_all.peak:
+            n_all.peak = x
+        x = b.current = b.current + size
+        b.allocated += size
+        if x > b.peak:
+            b.peak = x
+        x += b_o.current
+        if x > b_all.peak:
+            b_all.peak = x
+        x = an.current = an.current + 1
+        an.allocated += 1
+        if x > an.peak:
+            an.peak = x
+        x += an_o.current
+        if x > an_all.peak:
+            an_all.peak = x
+        x = ab.current = ab.current + size
+        ab.allocated += size
+        if x > ab.peak:
+            ab.peak = x
+        x += ab_o.current
+        if x > ab_all.peak:
+            ab_all.peak = x
+        x = rq.current = rq.current + requested
+        rq.allocated += requested
+        if x > rq.peak:
+            rq.peak = x
+        x += rq_o.current
+        if x > rq_all.peak:
+            rq_all.peak = x
+
+    def on_free_requested(self, size: int) -> None:
+        """Count a block the caller freed (it may still wait for events)."""
+        self.allocation[0].current -= 1
+        self.allocated_bytes[0].current -= size
+
+    def on_free_completed(self, size: int, requested: int) -> None:
+        """Count a freed block that has no events left, back in its pool."""
+        self.active[0].current -= 1
+        self.active_bytes[0].current -= size
+        self.requested_bytes[0].current -= requested
+
+    def on_split(self, blocks: int, nbytes: int) -> None:
+        """Change inactive_split by ``blocks`` and inactive_split_bytes by ``nbytes`` (signed)."""
+        n, n_o, n_all = self.inactive_split
+        b, b_o, b_all = self.inactive_split_bytes
+        if blocks > 0:
+            x = n.current = n.current + blocks
+            n.allocated += blocks
+            if x > n.peak:
+                n.peak = x
+            x += n_o.current
+            if x > n_all.peak:
+                n_all.peak = x
+        elif blocks < 0:
+            n.current += blocks
+        if nbytes > 0:
+            x = b.current = b.current + nbytes
+            b.allocated += nbytes
+            if x > b.peak:
+                b.peak = x
+            x += b_o.current
+            if x > b_all.peak:
+                b_all.peak = x
+        elif nbytes < 0:
+            b.current += nbytes
 
 
-def increase(stats: list[Stat], types: tuple[int, ...], amount: int) -> None:
-    """Increase ``stats[t]`` by ``amount`` for every pool type ``t`` in ``types``."""
-    for t in types:
-        stats[t].increase(amount)
+def increase(stats: Column, t: int, amount: int) -> None:
+    """Increase the pool-type ``t`` column of a statistic by ``amount`` ("all" follows)."""
+    cast(PoolStat, stats[t]).increase(amount)
+    stats[ALL].raise_peak()
 
 
-def decrease(stats: list[Stat], types: tuple[int, ...], amount: int) -> None:
-    """Decrease ``stats[t]`` by ``amount`` for every pool type ``t`` in ``types``."""
-    for t in types:
-        stats[t].decrease(amount)
+def decrease(stats: Column, t: int, amount: int) -> None:
+    """Decrease the pool-type ``t`` column of a statistic by ``amount`` ("all" follows)."""
+    cast(PoolStat, stats[t]).decrease(amount)
 
-
-def adjust(stats: list[Stat], types: tuple[int, ...], amount: int) -> None:
-    """Increase or decrease by a signed ``amount`` (a Stat counts the two apart)."""
-    if amount > 0:
-        increase(stats, types, amount)
-    elif amount < 0:
-        decrease(stats, types, -amount)
-
-
-def _up(a: Stat, b: Stat, amount: int) -> None:
-    current = a.current = a.current + amount
-    a.allocated += amount
-    if current > a.peak:
-        a.peak = current
-    current = b.current = b.current + amount
-    b.allocated += amount
-    if current > b.peak:
-        b.peak = current
-
-
-def _down(a: Stat, b: Stat, amount: int) -> None:
-    a.current -= amount
-    a.freed += amount
-    b.current -= amount
-    b.freed += amount

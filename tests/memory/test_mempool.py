@@ -115,3 +115,38 @@ def test_pools_show_in_stats(device: SimulatedDevice) -> None:
         alloc.malloc(3 * MiB)
     assert alloc.memory_stats()["allocated_bytes.large_pool.current"] == 3 * MiB
     assert repr(MemPool(use_on_oom=True)).endswith("use_on_oom=True)")
+
+
+def test_a_pool_open_on_another_thread_routes_only_that_thread(device: SimulatedDevice) -> None:
+    alloc = CachingAllocator(device)
+    pool = MemPool()
+    entered, release = threading.Event(), threading.Event()
+    theirs: list[object] = []
+
+    def other() -> None:
+        with use_mem_pool(pool):
+            theirs.append(alloc.malloc(3 * MiB))
+            entered.set()
+            release.wait(timeout=10)
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    try:
+        assert entered.wait(timeout=10)
+        mine = alloc.malloc(3 * MiB)  # another thread's context is open; this one has none
+        assert current_mem_pool() is None and mine.pool.owner is None
+        with use_mem_pool(MemPool()) as own:
+            assert alloc.malloc(3 * MiB).pool.owner.id == own.id  # type: ignore[union-attr]
+    finally:
+        release.set()
+        thread.join(timeout=10)
+    assert not thread.is_alive() and theirs[0].pool.owner.id == pool.id  # type: ignore[attr-defined]
+    assert current_mem_pool() is None and alloc.malloc(3 * MiB).pool.owner is None
+    alloc.check_invariants()
+
+
+def test_a_context_left_by_an_exception_is_closed(device: SimulatedDevice) -> None:
+    alloc = CachingAllocator(device)
+    with pytest.raises(RuntimeError), use_mem_pool(MemPool()):
+        raise RuntimeError("leave")
+    assert current_mem_pool() is None and alloc.malloc(3 * MiB).pool.owner is None

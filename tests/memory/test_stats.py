@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shmshare.memory import CachingAllocator, SimulatedDevice
+from shmshare.memory import CachingAllocator, SimulatedDevice, round_size
 
 MiB = 1 << 20
 NAMES = ("allocation", "segment", "active", "inactive_split", "allocated_bytes", "reserved_bytes",
@@ -99,3 +99,52 @@ def test_repr_shows_the_totals(device: SimulatedDevice) -> None:
     alloc = CachingAllocator(device)
     alloc.malloc(3 * MiB)
     assert repr(alloc) == "<CachingAllocator over simulated device: 3.00 MiB allocated, 20.00 MiB reserved>"
+
+
+def test_all_is_the_sum_of_the_pools_with_a_peak_of_its_own(device: SimulatedDevice) -> None:
+    alloc = CachingAllocator(device)
+    small = alloc.malloc(MiB)
+    alloc.free(small)
+    large = alloc.malloc(3 * MiB)  # the pools peak at different times: "all" never holds 4 MiB
+    stats = alloc.memory_stats()
+    assert stats["allocated_bytes.small_pool.peak"] == MiB
+    assert stats["allocated_bytes.large_pool.peak"] == 3 * MiB
+    assert stats["allocated_bytes.all.peak"] == 3 * MiB
+    for name in NAMES:
+        for field in ("current", "allocated", "freed"):
+            pools = stats[f"{name}.small_pool.{field}"] + stats[f"{name}.large_pool.{field}"]
+            assert stats[f"{name}.all.{field}"] == pools, (name, field)
+        assert stats[f"{name}.all.peak"] >= stats[f"{name}.all.current"]
+    alloc.free(large)
+    alloc.check_invariants()
+
+
+def test_freed_counts_from_the_last_reset(device: SimulatedDevice) -> None:
+    alloc = CachingAllocator(device)
+    a, b = alloc.malloc(3 * MiB), alloc.malloc(1000)
+    alloc.reset_accumulated_stats()
+    alloc.free(a)
+    stats = alloc.memory_stats()
+    assert stats["allocated_bytes.all.freed"] == stats["allocated_bytes.large_pool.freed"] == 3 * MiB
+    assert stats["allocated_bytes.all.allocated"] == 0 and stats["allocated_bytes.small_pool.freed"] == 0
+    assert stats["active.all.freed"] == 1 and stats["requested_bytes.all.freed"] == 3 * MiB
+    alloc.free(b)
+    c = alloc.malloc(1000)
+    alloc.reset_accumulated_stats()
+    stats = alloc.memory_stats()
+    assert {k: v for k, v in stats.items() if k.endswith((".allocated", ".freed"))} == dict.fromkeys(
+        [k for k in stats if k.endswith((".allocated", ".freed"))], 0)
+    assert stats["allocated_bytes.all.current"] == 1024 and stats["requested_bytes.small_pool.current"] == 1000
+    alloc.free(c)
+    assert alloc.memory_stats()["allocated_bytes.small_pool.freed"] == 1024
+    alloc.check_invariants()
+
+
+def test_a_malloc_rounds_as_round_size_does() -> None:
+    for config in ("", "roundup_power2_divisions:4"):
+        alloc = CachingAllocator(SimulatedDevice(1 << 30), config)
+        for nbytes in (0, 1, 511, 512, 513, 1000, 4095, MiB - 1, MiB, MiB + 1, 3 * MiB + 7):
+            block = alloc.malloc(nbytes)
+            assert block.size == round_size(nbytes, alloc.config), (config, nbytes)
+            alloc.free(block)
+        alloc.check_invariants()
