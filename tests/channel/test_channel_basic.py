@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import selectors
 
 import numpy as np
@@ -248,3 +249,20 @@ def test_bad_descriptors_are_protocol_errors():
     seg.close()
     a.close()
     rx.close()
+
+
+def test_segments_the_sender_gives_back_are_unmapped_by_the_receiver(chan):
+    from shmshare._procfs import shm_mappings
+
+    tx, rx = chan
+    tag = f"shmshare_{os.getpid()}_"
+    tx.send(np.ones(3 << 20, dtype=np.uint8))  # a 20 MiB large-pool segment
+    got = rx.recv(timeout=5)
+    both = len(shm_mappings(contains=tag))  # the sender's mapping and the receiver's
+    del got
+    assert settle(tx)
+    tx.empty_cache()  # the sender gives the segment back to the host...
+    assert len(shm_mappings(contains=tag)) == both - 1
+    tx.send(1)  # ...and says so with its next message
+    assert rx.recv(timeout=5) == 1
+    assert len(shm_mappings(contains=tag)) == both - 2
