@@ -239,30 +239,17 @@ def _check_scm_rights() -> Check:
 def _check_cuda() -> Check:
     # CUDA is optional: a missing module is fine (CPU only); a module whose
     # driver or device is missing is a warning, since someone meant to use it.
-    try:
-        try:
-            from cuda.bindings import driver as cu  # type: ignore[import-not-found]
-        except ImportError:
-            from cuda import cuda as cu  # type: ignore[import-not-found]  # cuda-python < 12.6
-    except ImportError:
-        return _no_cuda(OK, "cuda-python is not installed", "CPU only, which is all shmshare needs; "
-                        "pip install 'shmshare[cuda]' for GPU pools")
-    except Exception as exc:
-        return _no_cuda(WARN, f"importing cuda-python failed: {exc}")
-    count = 0
-    try:
-        (err,) = cu.cuInit(0)
-        if err == cu.CUresult.CUDA_SUCCESS:
-            err, count = cu.cuDeviceGetCount()
-    except Exception as exc:  # cuda-python raises when libcuda.so.1 cannot be loaded
-        return _no_cuda(WARN, f"the driver library could not be used: {exc}",
-                        "no NVIDIA driver (libcuda.so.1) here; GPU features are off, CPU paths work")
-    if err != cu.CUresult.CUDA_SUCCESS:
-        name = getattr(err, "name", str(err))
-        why = "no CUDA device" if name == "CUDA_ERROR_NO_DEVICE" else f"cuInit failed: {name}"
-        return _no_cuda(WARN, why)
-    if count == 0:
-        return _no_cuda(WARN, "no CUDA device")
+    from . import cuda
+
+    reason = cuda.why_unavailable()
+    if reason is not None:
+        if reason.startswith("cuda-python is not installed"):
+            return _no_cuda(OK, reason, "CPU only, which is all shmshare needs; "
+                            "pip install 'shmshare[cuda]' for GPU pools")
+        meaning = ("no NVIDIA driver (libcuda.so.1) here; GPU features are off, CPU paths work"
+                   if "libcuda" in reason else "GPU features are off; CPU paths work")
+        return _no_cuda(WARN, reason, meaning)
+    _, count = cuda._driver.driver().cuDeviceGetCount()
     return Check("cuda", OK, f"CUDA available: {count} device(s)",
                  "GPU pools and pinned copies can be used", {"available": True, "devices": count})
 

@@ -76,9 +76,10 @@ def test_doctor_text_prints_status_fact_and_meaning_per_check() -> None:
 
 
 STUB_DRIVER = {
-    "no_device": ("return (CUresult.CUDA_ERROR_NO_DEVICE,)", "warn", "no CUDA device"),
+    "no_device": ("return (CUresult.CUDA_ERROR_NO_DEVICE,)", "warn",
+                  "cuInit(0) failed with CUDA_ERROR_NO_DEVICE"),
     "no_driver": ("raise RuntimeError('Function \"cuInit\" not found')", "warn",
-                  "driver library could not be used"),
+                  "driver library libcuda.so could not be loaded"),
     "two_devices": ("return (CUresult.CUDA_SUCCESS,)", "ok", "CUDA available: 2 device(s)"),
 }
 

@@ -25,6 +25,10 @@ from ._config import (
 )
 from ._core import MemoryEvent
 from ._exceptions import InvariantError, OutOfMemoryError
+from ._host import CachingHostAllocator
+from ._host_block import HostBlock, HostProvider
+from ._host_fallback import AnonymousMemory, HostFallbackProvider, HostFallbackStats
+from ._host_stats import DurationStat, HostStats
 from ._mempool import MemPool, current_mem_pool, use_mem_pool
 from ._policy import allocation_size, format_size, round_size
 from ._provider import ExpandableProvider, Provider, ProviderOutOfMemory
@@ -39,6 +43,14 @@ from ._simulated import (
 
 __all__ = [
     "CachingAllocator",
+    "CachingHostAllocator",
+    "HostBlock",
+    "HostProvider",
+    "HostFallbackProvider",
+    "HostFallbackStats",
+    "AnonymousMemory",
+    "HostStats",
+    "DurationStat",
     "Block",
     "BlockPool",
     "MemoryEvent",

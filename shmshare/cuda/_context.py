@@ -1,0 +1,336 @@
+"""Thin owners of driver objects: a device's primary context, streams, pooled events.
+
+Note [Current context]
+    The driver's current context is per thread, and every driver call acts
+    on it. shmshare uses each device's *primary* context (the one the CUDA
+    runtime, torch and CuPy use too), so making it current never changes
+    what those libraries see. Before driver calls an owner runs
+    ``Context.make_current()``, which asks the driver and sets the context
+    only when another one (or none) is current on this thread; the pinned
+    pool's background thread relies on that.
+
+Note [Event pool]
+    ``cuEventCreate`` is slow and, called from many threads, contended
+    (PyTorch's ``EventPool`` comment), so events come from a per-context
+    pool and go back to it. A pooled :class:`Event` hands its raw event back
+    as soon as a query finds it done (it then answers True for ever, as the
+    allocator's rules require), or when it is released or collected.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from ._driver import call, driver, query
+
+__all__ = ["Context", "Event", "EventPool", "Stream", "stream_handle"]
+
+_primary: dict[int, Context] = {}
+_primary_lock = threading.Lock()
+
+
+class Context:
+    """Own one retain of a device's primary context (``cuDevicePrimaryCtxRetain``).
+
+    Parameters
+    ----------
+    device : int
+        Device ordinal, as the driver numbers them (after ``CUDA_VISIBLE_DEVICES``).
+    """
+
+    def __init__(self, device: int = 0) -> None:
+        if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+            raise ValueError(f"device must be a non-negative int, got {device!r}")
+        count = call("cuDeviceGetCount")
+        if device >= count:
+            raise ValueError(f"device {device} does not exist: the driver sees {count} device(s)")
+        self.device = device  # ordinal
+        self._dev = call("cuDeviceGet", device)
+        self._ctx = call("cuDevicePrimaryCtxRetain", self._dev)
+        self.handle = int(self._ctx)  # the CUcontext, as an int
+
+    @classmethod
+    def primary(cls, device: int = 0) -> Context:
+        """Return the process-wide owner of ``device``'s primary context (retained once)."""
+        with _primary_lock:
+            ctx = _primary.get(device)
+            if ctx is None or ctx.closed:
+                ctx = _primary[device] = cls(device)
+            return ctx
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` released the context."""
+        return self._ctx is None
+
+    def make_current(self) -> None:
+        """Make this context current on the calling thread (Note [Current context])."""
+        if self._ctx is None:
+            raise ValueError(f"context of device {self.device} is closed")
+        if int(call("cuCtxGetCurrent")) != self.handle:
+            call("cuCtxSetCurrent", self._ctx)
+
+    def synchronize(self) -> None:
+        """Wait for all work of this context, on every stream."""
+        self.make_current()
+        call("cuCtxSynchronize")
+
+    def attribute(self, name: str) -> int:
+        """Return device attribute ``name`` (``"CU_DEVICE_ATTRIBUTE_..."``) as an int."""
+        drv = driver()
+        return int(call("cuDeviceGetAttribute", getattr(drv.CUdevice_attribute, name), self._dev))
+
+    def total_memory(self) -> int:
+        """Return the device's memory in bytes."""
+        return int(call("cuDeviceTotalMem", self._dev))
+
+    def memory_info(self) -> tuple[int, int]:
+        """Return (free, total) bytes of device memory, as the driver sees them now."""
+        self.make_current()
+        free, total = call("cuMemGetInfo")
+        return int(free), int(total)
+
+    def uuid(self) -> bytes:
+        """Return the device's 16-byte UUID (its MIG UUID in MIG mode)."""
+        return bytes(call("cuDeviceGetUuid", self._dev).bytes)
+
+    def name(self) -> str:
+        """Return the device's name."""
+        raw = call("cuDeviceGetName", 256, self._dev)
+        return bytes(raw).split(b"\0", 1)[0].decode(errors="replace")
+
+    def close(self) -> None:
+        """Release the retain (``cuDevicePrimaryCtxRelease``). Idempotent.
+
+        Everything made in the context (streams, events, memory) must be
+        gone first; the process-wide owner from :meth:`primary` is normally
+        never closed.
+        """
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            call("cuDevicePrimaryCtxRelease", self._dev)
+
+    def __repr__(self) -> str:
+        return f"<Context device {self.device} 0x{self.handle:x}{' closed' if self.closed else ''}>"
+
+
+class Stream:
+    """Own a stream made with ``cuStreamCreate``, or wrap a handle that someone else owns.
+
+    Streams compare and hash by handle, and equal the int handle itself, so
+    a raw handle such as ``torch.cuda.current_stream().cuda_stream`` names
+    the same stream in an allocator's books.
+
+    Parameters
+    ----------
+    context : Context, optional
+        The primary context of device 0 when None.
+    non_blocking : bool
+        ``CU_STREAM_NON_BLOCKING``: do not synchronize with the legacy default stream.
+    """
+
+    __slots__ = ("context", "handle", "_owned", "_raw")
+
+    def __init__(self, context: Context | None = None, *, non_blocking: bool = True) -> None:
+        self.context = context or Context.primary(0)
+        self.context.make_current()
+        self._raw = call("cuStreamCreate", 1 if non_blocking else 0)  # CU_STREAM_NON_BLOCKING is 1
+        self.handle = int(self._raw)  # the CUstream, as an int
+        self._owned = True
+
+    @classmethod
+    def wrap(cls, stream: Any, context: Context | None = None) -> Stream:
+        """Return a non-owning Stream for any stream object or handle (see :func:`stream_handle`)."""
+        self = object.__new__(cls)
+        self.context = context or Context.primary(0)
+        self.handle = stream_handle(stream)
+        self._raw = None
+        self._owned = False
+        return self
+
+    def synchronize(self) -> None:
+        """Wait until the work enqueued on the stream has completed."""
+        self.context.make_current()
+        call("cuStreamSynchronize", self.handle)
+
+    def query(self) -> bool:
+        """Return whether the work enqueued so far has completed, without blocking."""
+        self.context.make_current()
+        return query("cuStreamQuery", self.handle)
+
+    def close(self) -> None:
+        """Destroy the stream if this object created it. Idempotent."""
+        raw, self._raw = self._raw, None
+        if raw is not None and self._owned:
+            self.context.make_current()
+            call("cuStreamDestroy", raw)
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        """Return (0, handle): the CUDA stream protocol of cuda.core and CuPy."""
+        return (0, self.handle)
+
+    def __int__(self) -> int:
+        return self.handle
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, Stream):
+            return self.handle == other.handle
+        if isinstance(other, int) and not isinstance(other, bool):
+            return self.handle == other
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self.handle)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown or a dead context: nothing left to free
+            pass
+
+    def __repr__(self) -> str:
+        return f"<Stream 0x{self.handle:x}{'' if self._owned else ' (wrapped)'}>"
+
+
+def stream_handle(stream: Any) -> int:
+    """Return the ``CUstream`` handle of any stream object as an int.
+
+    Accepts an int handle (0 is the legacy default stream), a :class:`Stream`,
+    a cuda-python ``CUstream``, anything with ``__cuda_stream__()`` (CuPy,
+    cuda.core), a torch stream (``.cuda_stream``), a CuPy stream (``.ptr``),
+    or None for the legacy default stream.
+    """
+    if stream is None:
+        return 0
+    if isinstance(stream, bool):
+        raise TypeError("a stream cannot be a bool")
+    if isinstance(stream, (int, Stream)):
+        handle = int(stream)
+    elif hasattr(stream, "__cuda_stream__"):
+        handle = int(stream.__cuda_stream__()[1])
+    elif hasattr(stream, "cuda_stream"):
+        handle = int(stream.cuda_stream)
+    elif hasattr(stream, "ptr"):
+        handle = int(stream.ptr)
+    elif type(stream).__name__ == "CUstream":
+        handle = int(stream)
+    else:
+        raise TypeError(f"not a CUDA stream: {stream!r} (pass an int handle, a shmshare Stream, "
+                        "a torch or CuPy stream, or a cuda-python CUstream)")
+    if handle < 0:
+        raise ValueError(f"a stream handle cannot be negative, got {handle}")
+    return handle
+
+
+class EventPool:
+    """Hand out events of one context and take them back (Note [Event pool])."""
+
+    def __init__(self, context: Context | None = None) -> None:
+        self.context = context or Context.primary(0)
+        self._free: list[Any] = []  # raw CUevents ready for reuse
+        self._lock = threading.RLock()  # re-entrant: an Event collected under it gives itself back
+        self.created = 0  # events ever created with cuEventCreate
+
+    def get(self) -> Event:
+        """Return an event, reused from the pool when one is there."""
+        with self._lock:
+            raw = self._free.pop() if self._free else None
+        if raw is None:
+            self.context.make_current()
+            raw = call("cuEventCreate", 2)  # CU_EVENT_DISABLE_TIMING: cheaper to record and query
+            self.created += 1
+        return Event(self, raw)
+
+    def put(self, raw: Any) -> None:
+        """Take back a raw event that nobody uses any more."""
+        with self._lock:
+            self._free.append(raw)
+
+    def close(self) -> None:
+        """Destroy the events in the pool (those handed out come back later and stay)."""
+        with self._lock:
+            free, self._free = self._free, []
+        if free:
+            self.context.make_current()
+        for raw in free:
+            call("cuEventDestroy", raw)
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+
+class Event:
+    """One pooled event: record it on a stream, query it, give it back (Note [Event pool])."""
+
+    __slots__ = ("_pool", "_raw", "_done", "__weakref__")
+
+    def __init__(self, pool: EventPool, raw: Any) -> None:
+        self._pool: EventPool | None = pool
+        self._raw = raw  # the CUevent, None once given back
+        self._done = False  # a query found it complete
+
+    def record(self, stream: Any) -> Event:
+        """Record the event on ``stream`` (any stream object or handle); return self."""
+        if self._raw is None:
+            raise ValueError("record() on an event that was released")
+        self._pool.context.make_current()  # type: ignore[union-attr]
+        call("cuEventRecord", self._raw, stream_handle(stream))
+        self._done = False
+        return self
+
+    def query(self) -> bool:
+        """Return whether the work before the event completed; stays True once it is."""
+        if self._done:
+            return True
+        if self._raw is None:
+            raise ValueError("query() on an event that was released before completing")
+        self._pool.context.make_current()  # type: ignore[union-attr]
+        if not query("cuEventQuery", self._raw):
+            return False
+        self._done = True
+        self.release()
+        return True
+
+    def synchronize(self) -> None:
+        """Wait until the work before the event has completed."""
+        if self._done:
+            return
+        if self._raw is None:
+            raise ValueError("synchronize() on an event that was released before completing")
+        self._pool.context.make_current()  # type: ignore[union-attr]
+        call("cuEventSynchronize", self._raw)
+        self._done = True
+        self.release()
+
+    def wait_on(self, stream: Any) -> None:
+        """Make ``stream`` wait for the event (``cuStreamWaitEvent``) without blocking the host."""
+        if self._done:
+            return
+        self._pool.context.make_current()  # type: ignore[union-attr]
+        call("cuStreamWaitEvent", stream_handle(stream), self._raw, 0)
+
+    def release(self) -> None:
+        """Give the raw event back to its pool. Idempotent."""
+        raw, self._raw = self._raw, None
+        pool = self._pool
+        if raw is not None and pool is not None:
+            pool.put(raw)
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        state = "done" if self._done else "released" if self._raw is None else "pending"
+        return f"<Event {state}>"
+
+
+def _forget_primary_after_fork() -> None:
+    _primary.clear()  # a forked child's contexts are not usable (see Note [Lazy driver])
+
+
+os.register_at_fork(after_in_child=_forget_primary_after_fork)

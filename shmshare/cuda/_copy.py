@@ -1,0 +1,73 @@
+"""Copies and fills between host and device memory, for tests, benchmarks and users.
+
+The host side of an asynchronous copy must be page-locked (a pinned pool
+block, or a registered segment) for the copy to overlap with other work;
+from pageable memory the driver stages the data and the call returns only
+once the source can be reused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ._context import Context, stream_handle
+from ._driver import call
+
+__all__ = ["address_of", "copy_device_to_host", "copy_host_to_device", "memset_device"]
+
+
+def copy_host_to_device(dst: Any, src: Any, nbytes: int, *, stream: Any = None,
+                        context: Context | None = None) -> None:
+    """Copy ``nbytes`` from host ``src`` to device ``dst``; asynchronous on ``stream`` when given."""
+    _check_nbytes(nbytes)
+    (context or Context.primary(0)).make_current()
+    if stream is None:
+        call("cuMemcpyHtoD", address_of(dst), address_of(src), nbytes)
+    else:
+        call("cuMemcpyHtoDAsync", address_of(dst), address_of(src), nbytes, stream_handle(stream))
+
+
+def copy_device_to_host(dst: Any, src: Any, nbytes: int, *, stream: Any = None,
+                        context: Context | None = None) -> None:
+    """Copy ``nbytes`` from device ``src`` to host ``dst``; asynchronous on ``stream`` when given."""
+    _check_nbytes(nbytes)
+    (context or Context.primary(0)).make_current()
+    if stream is None:
+        call("cuMemcpyDtoH", address_of(dst), address_of(src), nbytes)
+    else:
+        call("cuMemcpyDtoHAsync", address_of(dst), address_of(src), nbytes, stream_handle(stream))
+
+
+def memset_device(dst: Any, value: int, nbytes: int, *, stream: Any = None,
+                  context: Context | None = None) -> None:
+    """Set ``nbytes`` of device memory at ``dst`` to the byte ``value``."""
+    _check_nbytes(nbytes)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 255:
+        raise ValueError(f"value must be a byte (0..255), got {value!r}")
+    (context or Context.primary(0)).make_current()
+    if stream is None:
+        call("cuMemsetD8", address_of(dst), value, nbytes)
+    else:
+        call("cuMemsetD8Async", address_of(dst), value, nbytes, stream_handle(stream))
+
+
+def address_of(obj: Any) -> int:
+    """Return the address of an int, a block (``.address``), a numpy array or a DeviceArray."""
+    if isinstance(obj, bool):
+        raise TypeError("an address cannot be a bool")
+    if isinstance(obj, int):
+        return obj
+    if isinstance(obj, np.ndarray):
+        return int(obj.__array_interface__["data"][0])
+    address = getattr(obj, "address", None)
+    if isinstance(address, int):
+        return address
+    raise TypeError(f"cannot take the address of {type(obj).__name__}: pass an int, a block, "
+                    "a numpy array or a DeviceArray")
+
+
+def _check_nbytes(nbytes: Any) -> None:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+        raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")

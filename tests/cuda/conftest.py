@@ -1,0 +1,105 @@
+"""Fixtures of the CUDA tests: the ``cuda`` marker's skip, a warmed-up driver, the driver model.
+
+Tests marked ``cuda`` need a GPU; without one they are skipped with the
+reason from :func:`shmshare.cuda.why_unavailable`, never silently.
+
+The driver opens fds (``/dev/nvidia*``, event fds) and threads on first use.
+The session fixture below makes that first use happen before any test's leak
+check starts, as the root conftest does for multiprocessing's tracker.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from shmshare import Segment, cuda
+from shmshare.cuda import _array, _context, _driver, _pinned
+from shmshare.memory import _config
+
+from .driver_model import DriverModel
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip every ``cuda`` test, with the reason, where CUDA cannot be used."""
+    reason = cuda.why_unavailable()
+    if reason is None:
+        return
+    skip = pytest.mark.skip(reason=f"needs a GPU: {reason}")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_driver() -> Iterator[None]:
+    """Open what the driver keeps for the whole process before the first leak check."""
+    if cuda.available():
+        _warm_up()
+    yield
+
+
+@pytest.fixture(autouse=True)
+def fresh_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start every test from PyTorch's defaults, whatever the environment says."""
+    monkeypatch.delenv("SHMSHARE_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("SHMSHARE_DEBUG", raising=False)
+    monkeypatch.setattr(_config, "_current", None)
+
+
+@pytest.fixture
+def driver_model(monkeypatch: pytest.MonkeyPatch) -> Iterator[DriverModel]:
+    """Install the driver model (tests/cuda/driver_model.py) in place of cuda-python: NOT a GPU."""
+    if cuda.available():
+        pytest.skip("a real driver is present here; the model would shadow it (the cuda tests cover this)")
+    model = DriverModel(_real_binding())
+    monkeypatch.setattr(_driver, "_state", (model, None))
+    monkeypatch.setattr(_driver, "_forked_after_init", False)
+    monkeypatch.setattr(_context, "_primary", {})
+    monkeypatch.setattr(_pinned, "_default_pool", None)
+    monkeypatch.setattr(_array, "_pools", {})
+    yield model  # leaked fds (an exported chunk's, say) are the root conftest's leak check's to find
+
+
+def _real_binding() -> Any:
+    """Return cuda-python's driver module when installed (for signature checks), else None."""
+    try:
+        return _driver._import_driver()
+    except ImportError:
+        return None
+
+
+def _warm_up() -> None:
+    """Touch each driver path once: context, streams, events, both pinned paths, a registered
+    segment, both device paths, copies and fills, and a VMM chunk exported as a fd."""
+    ctx = cuda.Context.primary(0)
+    stream = cuda.Stream(ctx)
+    pool = cuda.EventPool(ctx)
+    pool.get().record(stream).synchronize()
+    for register in (False, True):
+        host = cuda.CudaHostProvider(ctx, register=register)
+        host.free(host.allocate(1 << 20)[1])
+        host.close()
+    shareable = ctx.attribute("CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED") == 1
+    for ipc in {False, shareable}:
+        device = cuda.CudaDeviceProvider(ipc=ipc, context=ctx)
+        address, handle = device.allocate(2 << 20)
+        buffer = np.zeros(4096, np.uint8)
+        cuda.memset_device(address, 1, 4096, stream=stream)
+        cuda.copy_device_to_host(buffer, address, 4096, stream=stream)
+        cuda.copy_host_to_device(address, buffer, 4096)
+        stream.synchronize()
+        if ipc:
+            _, fds = device.range_of(address)[0].export(0, 2 << 20)
+            for fd in fds:
+                os.close(fd)
+        device.free(handle)
+        device.close()
+    with Segment.create(1 << 20) as seg:
+        cuda.register_segment(seg, ctx).unregister()
+    stream.close()
+    pool.close()

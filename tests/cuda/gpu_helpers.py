@@ -1,0 +1,93 @@
+"""Helpers of the GPU tests: a stream held busy on demand, and the child that sends device memory."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+from shmshare import cuda, wire
+from shmshare.cuda import _driver
+
+_PORTABLE_DEVICEMAP = 1 | 2  # CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP
+_WAIT_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ
+WATCHDOG = 60.0  # s: a stream is never held longer, so a failing test cannot hang a synchronize
+
+
+class BusyStream:
+    """A real stream that waits (``cuStreamWaitValue32``) on a pinned word until ``release()``.
+
+    Work and events enqueued on it after construction do not complete until
+    the host writes the word, which makes "this block is still in use on
+    another stream" deterministic on a real GPU. A watchdog writes it after
+    ``WATCHDOG`` seconds in any case: every wait on the stream is bounded.
+    """
+
+    def __init__(self, context: cuda.Context) -> None:
+        self.stream = cuda.Stream(context)
+        context.make_current()
+        self._word = int(_driver.call("cuMemHostAlloc", 4, _PORTABLE_DEVICEMAP))
+        ctypes.c_uint32.from_address(self._word).value = 0
+        device_word = _driver.call("cuMemHostGetDevicePointer", self._word, 0)
+        try:
+            _driver.call("cuStreamWaitValue32", self.stream.handle, device_word, 1, _WAIT_GEQ)
+        except cuda.CudaError as exc:
+            self.close()
+            pytest.skip(f"stream memory operations are not usable here: {exc}")
+        self.held = True
+        self._watchdog = threading.Timer(WATCHDOG, self._write)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    def _write(self) -> None:
+        if self._word:
+            ctypes.c_uint32.from_address(self._word).value = 1
+
+    @property
+    def handle(self) -> int:
+        return self.stream.handle
+
+    def release(self) -> None:
+        """Let the stream run, and wait for it."""
+        if self._word:
+            self._write()
+            self.stream.synchronize()
+        self.held = False
+
+    def close(self) -> None:
+        watchdog = getattr(self, "_watchdog", None)
+        if watchdog is not None:
+            watchdog.cancel()
+        self.release()
+        self.stream.close()
+        word, self._word = self._word, 0
+        if word:
+            _driver.call("cuMemFreeHost", word)
+
+
+def pattern(nbytes: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def read_device(address: int, nbytes: int) -> np.ndarray:
+    out = np.empty(nbytes, np.uint8)
+    cuda.copy_device_to_host(out, address, nbytes)
+    return out
+
+
+def send_pattern_then_exit(conn: wire.Connection, nbytes: int, seed: int, config: str) -> None:
+    """Child (spawned): allocate device memory, fill it, send it by fd, wait for the ack, exit at once."""
+    from shmshare.memory import CachingAllocator
+
+    provider = cuda.CudaDeviceProvider(ipc=True)
+    allocator = CachingAllocator(provider, config)
+    block = allocator.malloc(nbytes)
+    data = pattern(nbytes, seed)
+    cuda.copy_host_to_device(block.address, data, nbytes)
+    cuda.send_device_memory(conn, provider, block, nbytes, meta={"seed": seed}, timeout=60)
+    reply: Any = conn.recv(timeout=120)[0]
+    os._exit(0 if reply == {"imported": True} else 3)  # no cleanup: the receiver must not need us
