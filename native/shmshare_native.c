@@ -344,22 +344,29 @@ typedef struct {
     Py_ssize_t exports;     /* live Py_buffer exports */
     int readonly;           /* refuse writable exports */
     int released;           /* on_release already called */
+    int unmap;              /* munmap [address, address+nbytes) on release */
+    int fd;                 /* closed on release, or -1 */
     PyObject *weakreflist;  /* so that owners can watch leases */
 } LeaseObject;
 
 static int Lease_init(LeaseObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"owner", "address", "nbytes", "readonly", "on_release", NULL};
+    static char *kwlist[] = {"owner", "address", "nbytes", "readonly", "on_release", "unmap", "fd",
+                             NULL};
     PyObject *owner, *on_release = Py_None;
     unsigned long long address;
     Py_ssize_t nbytes;
-    int readonly = 0;
+    int readonly = 0, unmap = 0, fd = -1;
     if (self->owner != NULL || self->exports != 0) {
         PyErr_SetString(PyExc_RuntimeError, "Lease is already initialized");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKn|pO:Lease", kwlist, &owner, &address, &nbytes,
-                                     &readonly, &on_release))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OKn|pOpi:Lease", kwlist, &owner, &address, &nbytes,
+                                     &readonly, &on_release, &unmap, &fd))
         return -1;
+    if (unmap && (nbytes <= 0 || address % (unsigned long long)page_size_value != 0)) {
+        PyErr_SetString(PyExc_ValueError, "Lease: unmap=True needs a page-aligned address and nbytes > 0");
+        return -1;
+    }
     if (nbytes < 0) {
         PyErr_Format(PyExc_ValueError, "Lease: nbytes must be >= 0, got %zd", nbytes);
         return -1;
@@ -379,24 +386,43 @@ static int Lease_init(LeaseObject *self, PyObject *args, PyObject *kw) {
     self->address = (void *)(uintptr_t)address;
     self->nbytes = nbytes;
     self->readonly = readonly;
+    self->unmap = unmap;
+    self->fd = fd;
     return 0;
 }
 
-/* PEP 442 finalizer: runs exactly once, before tp_clear for cyclic garbage
- * and from dealloc otherwise; exports hold a reference, so none is alive. */
-static void Lease_finalize(LeaseObject *self) {
+/* Release once: munmap and close in C (no Python object that a garbage
+ * collector could have cleared first), then call on_release. */
+static void Lease_fire(LeaseObject *self) {
     if (self->released) return;
     self->released = 1;
+    if (self->owner == NULL) return; /* never initialized: it owns nothing */
+    if (self->unmap) munmap(self->address, (size_t)self->nbytes); /* EINVAL only: nothing to do */
+    if (self->fd >= 0) {
+        int fd = self->fd;
+        self->fd = -1;
+        close(fd);
+    }
     PyObject *cb = self->on_release;
     if (cb == NULL || cb == Py_None) return;
+    Py_INCREF(cb);
     PyObject *type, *value, *tb;
-    PyErr_Fetch(&type, &value, &tb); /* the finalizer must not clobber a pending error */
+    PyErr_Fetch(&type, &value, &tb); /* the callback must not clobber a pending error */
     PyObject *res = PyObject_CallNoArgs(cb);
     if (res == NULL)
         PyErr_WriteUnraisable(cb);
     else
         Py_DECREF(res);
     PyErr_Restore(type, value, tb);
+    Py_DECREF(cb);
+}
+
+/* PEP 442 finalizer. For cyclic garbage the collector runs every finalizer of
+ * the cycle before clearing anything, so a memoryview of this lease may still
+ * be read by another object's __del__: while exports are alive, wait; the
+ * callback then runs from tp_clear or tp_dealloc, once the exports are gone. */
+static void Lease_finalize(LeaseObject *self) {
+    if (self->exports == 0) Lease_fire(self);
 }
 
 static int Lease_traverse(LeaseObject *self, visitproc visit, void *arg) {
@@ -406,6 +432,8 @@ static int Lease_traverse(LeaseObject *self, visitproc visit, void *arg) {
 }
 
 static int Lease_clear(LeaseObject *self) {
+    if (self->exports > 0) return 0; /* a view still points into the memory: keep its owner */
+    Lease_fire(self);
     Py_CLEAR(self->owner);
     Py_CLEAR(self->on_release);
     return 0;
@@ -415,7 +443,7 @@ static void Lease_dealloc(LeaseObject *self) {
     if (PyObject_CallFinalizerFromDealloc((PyObject *)self) < 0) return; /* resurrected */
     PyObject_GC_UnTrack(self);
     if (self->weakreflist != NULL) PyObject_ClearWeakRefs((PyObject *)self);
-    Lease_clear(self);
+    Lease_clear(self); /* no export can be alive here: each holds a reference */
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -487,10 +515,11 @@ static PyObject *Lease_repr(LeaseObject *self) {
 }
 
 PyDoc_STRVAR(Lease_doc,
-"Lease(owner, address, nbytes, readonly=False, on_release=None)\n--\n\n"
+"Lease(owner, address, nbytes, readonly=False, on_release=None, unmap=False, fd=-1)\n--\n\n"
 "Export [address, address+nbytes) through the buffer protocol while keeping\n"
-"`owner` alive. `on_release()` is called exactly once, when the lease and every\n"
-"buffer exported from it (memoryview, numpy array, torch tensor) are gone.\n"
+"`owner` alive. When the lease and every buffer exported from it (memoryview,\n"
+"numpy array, torch tensor) are gone, exactly once: the range is munmap'ed if\n"
+"`unmap`, `fd` is closed if >= 0 (the lease owns it), and `on_release()` is called.\n"
 "The caller guarantees the range stays mapped while `owner` lives.");
 
 static PyTypeObject LeaseType = {

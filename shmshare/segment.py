@@ -357,8 +357,7 @@ class Segment(Closeable):
         shared = bool(f & (_SHAREDMEM | _SHARED)) or self.backend in _BACKENDS
         address = _native.mmap(size, fd, 0, writable=writable, shared=shared,
                                populate=bool(f & _POPULATE))
-        self._root = _native.Lease(None, address, size, readonly=not writable,
-                                   on_release=_Unmapper(address, size))
+        self._root = _native.Lease(None, address, size, readonly=not writable, unmap=True)
         self.address, self.size = address, size
         if shared and size >= _HUGE_HINT_BYTES and self.backend != "file":
             try:  # a hint: ignored where shmem THP is off
@@ -393,18 +392,6 @@ class Segment(Closeable):
 
     def _what(self) -> str:
         return f"{self.backend} object {self.name!r}"
-
-
-class _Unmapper:
-    """on_release callback of a segment's root lease: munmap once the last view is gone."""
-
-    __slots__ = ("address", "size")
-
-    def __init__(self, address: int, size: int) -> None:
-        self.address, self.size = address, size
-
-    def __call__(self) -> None:
-        _native.unmap(self.address, self.size, release=True)
 
 
 def shm_free_bytes(path: str = _SHM_DIR) -> tuple[int, int]:

@@ -207,3 +207,40 @@ def test_torch_frombuffer_keeps_lease_alive():
     del t
     gc.collect()
     assert calls == [1]
+
+
+def test_lease_unmaps_and_closes_only_after_the_last_view(memfd):
+    dup = os.dup(memfd)
+    addr = _native.mmap(16 * PAGE, memfd)
+    lease = _native.Lease(None, addr, 16 * PAGE, unmap=True, fd=dup)
+    mv = memoryview(lease)
+    del lease
+    gc.collect()
+    assert len(shm_mappings(contains="shmshare_native_test")) == 1 and os.fstat(dup)
+    mv.release()
+    assert shm_mappings(contains="shmshare_native_test") == []
+    with pytest.raises(OSError):
+        os.fstat(dup)  # the lease owned it and closed it
+    with pytest.raises(ValueError, match="page-aligned"):
+        _native.Lease(None, addr + 1, 10, unmap=True)
+
+
+def test_a_view_in_a_garbage_cycle_stays_readable_in_del():
+    from shmshare import Segment
+
+    seg = Segment.create(1 << 20)
+    seg.view(np.uint64, 8)[:] = 7
+    mv = seg.buffer
+    seg.close()
+    seen = []
+
+    class Holder:
+        def __del__(self):
+            seen.append(bytes(self.mv[:8]))  # runs in the collector, after the lease's finalizer
+
+    h = Holder()
+    h.mv, h.me = mv, h
+    del mv, h
+    gc.collect()
+    assert seen == [b"\x07" + b"\x00" * 7]
+    gc.collect()

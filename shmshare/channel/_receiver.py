@@ -293,7 +293,7 @@ class Receiver(Closeable):
             if expandable:
                 address = _native.reserve(size)
                 own = fd.take()
-                root = _native.Lease(None, address, size, on_release=_Unreserve(address, size, own))
+                root = _native.Lease(None, address, size, unmap=True, fd=own)  # gone with the last array
                 peer.segments[seg_id] = _RxSegment(root, address, size, own)
             else:
                 seg = Segment.from_fd(fd, size, Flags.FROMFD)  # mapped writable, fd not kept
@@ -378,19 +378,6 @@ class Receiver(Closeable):
             except OSError:
                 pass
         self._new_flusher_state()
-
-
-class _Unreserve:
-    """on_release of an expandable segment's root: give the range back, close the memfd."""
-
-    __slots__ = ("address", "size", "fd")
-
-    def __init__(self, address: int, size: int, fd: int) -> None:
-        self.address, self.size, self.fd = address, size, fd
-
-    def __call__(self) -> None:
-        _native.unmap(self.address, self.size, release=True)
-        os.close(self.fd)
 
 
 def _flusher_main(ref: weakref.ref[Receiver], wake_r: int) -> None:
