@@ -77,6 +77,8 @@ int ss_madvise(void *address, size_t nbytes, int advice) {
     return madvise(address, nbytes, advice) == 0 ? 0 : errno;
 }
 
+static int populate_supported; /* MADV_POPULATE_READ works here (set at import) */
+
 typedef struct {
     char *start;      /* first byte of this thread's share */
     size_t nbytes;    /* length of the share, a multiple of page_size or the tail */
@@ -90,11 +92,12 @@ static void *prefault_worker(void *arg) {
     job->result = 0;
     if (job->nbytes == 0) return NULL;
     /* MADV_POPULATE_* (Linux 5.14) faults the range in without touching it
-     * from user space; older kernels answer EINVAL and we touch by hand. */
-    int advice = job->writable ? MADV_POPULATE_WRITE : MADV_POPULATE_READ;
-    if (madvise(job->start, job->nbytes, advice) == 0) return NULL;
-    if (errno != EINVAL) {
-        job->result = errno;
+     * from user space, and fails with an errno (EFAULT, EINVAL, ENOMEM) where a
+     * touch would crash: a read-only or PROT_NONE range. Only kernels without
+     * it (probed once at import) are touched by hand. */
+    if (populate_supported) {
+        int advice = job->writable ? MADV_POPULATE_WRITE : MADV_POPULATE_READ;
+        if (madvise(job->start, job->nbytes, advice) != 0) job->result = errno;
         return NULL;
     }
     for (size_t off = 0; off < job->nbytes; off += job->page_size) {
@@ -572,8 +575,17 @@ static struct PyModuleDef native_module = {
     .m_methods = native_methods,
 };
 
+static void probe_populate(void) {
+    void *p = mmap(NULL, (size_t)page_size_value, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return;
+    populate_supported = madvise(p, (size_t)page_size_value, MADV_POPULATE_READ) == 0;
+    munmap(p, (size_t)page_size_value);
+}
+
 PyMODINIT_FUNC PyInit__native(void) {
     page_size_value = sysconf(_SC_PAGESIZE);
+    probe_populate();
     if (PyType_Ready(&LeaseType) < 0) return NULL;
     PyObject *m = PyModule_Create(&native_module);
     if (m == NULL) return NULL;

@@ -178,6 +178,9 @@ class Segment(Closeable):
         if nbytes is not None:
             nbytes = _check_nbytes(nbytes)
         oflag = os.O_RDONLY if flags & Flags.READONLY else os.O_RDWR
+        if not flags & Flags.NOCREATE and nbytes is None and flags & Flags.SHAREDMEM:
+            raise ValueError("opening shared memory without Flags.NOCREATE may create it: pass "
+                             "nbytes, or add Flags.NOCREATE to open an existing object")
         if not flags & Flags.NOCREATE:
             oflag |= os.O_CREAT | (os.O_EXCL if flags & Flags.EXCLUSIVE else 0)
         if flags & Flags.SHAREDMEM:
@@ -278,7 +281,8 @@ class Segment(Closeable):
         root, self._root = getattr(self, "_root", None), None
         owns_name, self._owns_name = getattr(self, "_owns_name", False), False
         try:
-            if owns_name:
+            if owns_name and getattr(self, "_pid", None) == os.getpid():
+                # a forked child dropping its copy must not remove its parent's name
                 _unlink(self.backend, self.name)
         finally:
             if fd is not None:
@@ -328,7 +332,7 @@ class Segment(Closeable):
                 *, may_resize: bool, created: bool = False, seal: int = 0) -> Segment:
         """Run resize -> map -> finalize over an owned `fd`; close it (and unlink) on failure."""
         self = object.__new__(cls)
-        self.fd, self._root, self._owns_name = fd, None, created
+        self.fd, self._root, self._owns_name, self._pid = fd, None, created, os.getpid()
         self.size, self.name, self.flags, self.backend, self.address = 0, name, flags, backend, 0
         try:
             self._resize_and_map(nbytes, may_resize, seal)

@@ -36,6 +36,7 @@ import socket
 import struct
 import tempfile
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -64,8 +65,9 @@ MAX_FRAME = 128 * 1024  # bytes in one frame; SEQPACKET messages must fit the so
 MAX_FDS = 64  # fds in one message (the kernel's SCM_MAX_FD is 253)
 _KIND_HELLO, _KIND_MSG = 0, 1
 # socket.MSG_* are IntFlag members: arithmetic on them costs ~1 us, so keep plain ints.
-_NOSIGNAL, _DONTWAIT, _CTRUNC, _TRUNC = map(int, (socket.MSG_NOSIGNAL, socket.MSG_DONTWAIT,
-                                                socket.MSG_CTRUNC, socket.MSG_TRUNC))
+_NOSIGNAL, _DONTWAIT, _CTRUNC, _TRUNC, _CMSG_CLOEXEC = map(int, (
+    socket.MSG_NOSIGNAL, socket.MSG_DONTWAIT, socket.MSG_CTRUNC, socket.MSG_TRUNC,
+    socket.MSG_CMSG_CLOEXEC))
 _PEERCRED = struct.Struct("3i")
 
 
@@ -228,14 +230,17 @@ class Connection(Closeable):
     def _send_frame(self, frame: bytes, fds: list[int], timeout: float | None) -> None:
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
         flags = _NOSIGNAL
+        deadline = None
         if timeout is not None:
             flags |= _DONTWAIT  # try first; wait only when the socket is full
+            deadline = time.monotonic() + timeout
         while True:
             try:
                 self._sock.sendmsg([frame], anc, flags)
                 return
             except BlockingIOError:
-                self._wait(self._pollout, timeout, "send")
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self._wait(self._pollout, left, "send", timeout)
             except (BrokenPipeError, ConnectionResetError) as exc:
                 raise PeerDied(f"the peer ({self._peer_name()}) closed the connection") from exc
             except OSError as exc:
@@ -292,18 +297,21 @@ class Connection(Closeable):
 
     def _recv_frame(self, timeout: float | None) -> tuple[int, Any, list[Fd]] | None:
         # With a timeout, try first and wait only when nothing is queued: one syscall, not two.
-        mode = 0 if timeout is None else _DONTWAIT
+        # MSG_CMSG_CLOEXEC: received fds must not leak into programs this process execs.
+        mode = _CMSG_CLOEXEC | (0 if timeout is None else _DONTWAIT)
         if timeout is not None and timeout <= 0:
             if not self._pollin.poll(0):
                 return None  # nothing queued: no exception raised and caught for it
-            mode = 0  # a frame (or end of stream) is there, and we hold the receive lock
+            mode = _CMSG_CLOEXEC  # a frame (or end of stream) is there, and we hold the lock
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             try:
                 nbytes, anc, flags, _ = self._sock.recvmsg_into([self._buf], self._cmsg_space,
                                                                 mode)
                 break
             except BlockingIOError:
-                if not self._pollin.poll(None if timeout is None else _ms(timeout)):
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                if not self._pollin.poll(None if left is None else _ms(left)):
                     return None
             except ConnectionResetError as exc:
                 raise PeerDied(f"the peer ({self._peer_name()}) reset the connection") from exc
@@ -396,8 +404,8 @@ class Connection(Closeable):
         if self.state is State.CLOSED:
             raise ValueError("this Connection is closed")
 
-    def _wait(self, poller: Any, timeout: float | None, what: str) -> None:
-        if not poller.poll(None if timeout is None else _ms(timeout)):
+    def _wait(self, poller: Any, left: float | None, what: str, timeout: float | None) -> None:
+        if not poller.poll(None if left is None else _ms(left)):
             raise ShmshareTimeout(f"{what} timed out after {timeout} s (peer {self._peer_name()})")
 
     def _peer_name(self) -> str:
@@ -442,6 +450,7 @@ class Listener(Closeable):
             self._made_dir = parent
         self._allow_uids = tuple(allow_uids)
         self._conn_kw = conn_kw
+        self._pid = os.getpid()  # only this process removes the socket file
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self._sock.bind(self.path)
@@ -472,6 +481,8 @@ class Listener(Closeable):
         if self._sock.fileno() < 0:
             return
         self._sock.close()
+        if os.getpid() != self._pid:
+            return  # a forked child's copy: the listener lives on in its parent
         try:
             os.unlink(self.path)
         except FileNotFoundError:

@@ -244,3 +244,12 @@ def test_a_view_in_a_garbage_cycle_stays_readable_in_del():
     gc.collect()
     assert seen == [b"\x07" + b"\x00" * 7]
     gc.collect()
+
+
+def test_prefault_of_a_range_it_cannot_touch_raises_instead_of_crashing():
+    addr = _native.reserve(16 * PAGE)  # PROT_NONE
+    try:
+        with pytest.raises(OSError, match="madvise failed"):
+            _native.prefault(addr, 16 * PAGE, threads=2)
+    finally:
+        _native.unmap(addr, 16 * PAGE, release=True)

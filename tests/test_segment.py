@@ -224,3 +224,26 @@ def test_keepfd_absent_closes_fd_after_mapping():
 def test_populate_flag_prefaults():
     with Segment.create(1 << 20, DEFAULT | Flags.POPULATE) as seg:
         assert seg.view(np.uint8, 1 << 20).sum() == 0
+
+
+def _drop_segment_in_child(seg):
+    seg.close()  # the child's copy: must not remove the parent's name
+    os._exit(0)
+
+
+def test_a_forked_child_closing_its_copy_keeps_the_parents_name():
+    from shmshare.testing import start_child
+
+    seg = Segment.create(4096, Flags.SHAREDMEM | Flags.EXCLUSIVE | Flags.KEEPFD, backend="posix")
+    with start_child(_drop_segment_in_child, seg) as child:
+        assert child.join(30) == 0
+    assert seg.name[1:] in shm_names()
+    Segment.open(seg.name).close()
+    seg.close()
+    assert seg.name[1:] not in shm_names()
+
+
+def test_opening_shared_memory_that_may_be_created_needs_a_size():
+    with pytest.raises(ValueError, match="pass nbytes"):
+        Segment.open("/shmshare_never_made", flags=Flags.SHAREDMEM)
+    assert "shmshare_never_made" not in shm_names()

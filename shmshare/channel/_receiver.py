@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import fcntl
 import os
 import selectors
 import threading
@@ -30,7 +31,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from .. import _native, tensors, wire
-from .._errors import PeerDied, ProtocolError, ShmshareTimeout
+from .._errors import FdLimitError, PeerDied, ProtocolError, SegmentError, ShmshareTimeout
 from .._lifetime import Closeable
 from ..segment import Flags, Segment
 from ._protocol import (BATCH, BYE, DROP, GROW, KIND, NEW, RELEASE, RELEASE_CHUNK, LEASES,
@@ -99,10 +100,7 @@ class _Release:
         rx._released.append((self.peer, self.lease))
         if not rx._armed:
             rx._armed = True
-            try:
-                os.write(rx._wake_w, b"\0")
-            except OSError:  # closed receiver, or the pipe is full: the flusher is awake anyway
-                pass
+            rx._wake.poke()
 
 
 class Receiver(Closeable):
@@ -158,18 +156,24 @@ class Receiver(Closeable):
                     continue
                 how = "closed the channel" if peer.bye else "died"
                 raise PeerDied(f"the sender (pid {peer.pid}) {how}") from exc
+            except (ProtocolError, FdLimitError) as exc:
+                raise self._drop(peer, exc) from None
             if got is None:
                 continue
             header, fds = got
             kind = header.get(KIND)
             if kind == BATCH:
-                return self._decode(peer, header, fds)
+                peer.bye = False  # someone still sends (a goodbye from a parent that forked does not count)
+                try:
+                    return self._decode(peer, header, fds)
+                except Exception as exc:
+                    raise self._drop(peer, exc) from None
             for f in fds:
                 f.close()
             if kind == BYE:
                 peer.bye = True
                 continue
-            raise ProtocolError(f"unexpected message kind {kind!r} from pid {peer.pid}")
+            raise self._drop(peer, ProtocolError(f"unexpected message kind {kind!r}"))
 
     def __iter__(self) -> Iterator[Any]:
         """Yield batches until the sender closes the channel (PeerDied if it died)."""
@@ -207,17 +211,16 @@ class Receiver(Closeable):
             return
         self._flush()
         self._closed = True
-        os.write(self._wake_w, b"\0")  # wake the flusher so that it sees _closed
+        self._wake.poke()  # wake the flusher so that it sees _closed
         if self._flusher is not None and self._flusher is not threading.current_thread():
             self._flusher.join(5)
+        self._wake.close()
         for p in list(self._peers):
             self._forget(p)
         if self._sel is not None:
             self._sel.close()
         if self._listener is not None:
             self._listener.close()
-        for fd in (self._wake_r, self._wake_w):
-            os.close(fd)
 
 
     def __reduce__(self) -> Any:
@@ -254,6 +257,20 @@ class Receiver(Closeable):
         self._peers.append(peer)
         self._sel.register(conn, selectors.EVENT_READ, peer)
 
+    def _drop(self, peer: _Peer, exc: Exception) -> Exception:
+        """Forget a sender whose batch could not be taken in; return the error to raise.
+
+        Once a batch is lost the two ends no longer agree on segments and
+        leases, so the connection goes: the sender sees PeerDied and takes back
+        everything it lent, and a ``listen()`` receiver goes on with the others.
+        """
+        self._forget(peer)
+        if not isinstance(exc, (ProtocolError, FdLimitError, SegmentError)):
+            exc = ProtocolError(f"{type(exc).__name__}: {exc}")
+        exc.add_note(f"shmshare: the connection to the sender (pid {peer.pid}) was dropped; it "
+                     "takes back what it lent, and arrays already received stay valid")
+        return exc
+
     def _forget(self, peer: _Peer) -> None:
         if peer in self._peers:
             self._peers.remove(peer)
@@ -279,6 +296,7 @@ class Receiver(Closeable):
                 raise ProtocolError(f"growth announced for segment {seg_id}, which is not expandable")
             if offset < 0 or nbytes <= 0 or offset + nbytes > rec.size:
                 raise ProtocolError(f"growth [{offset}, +{nbytes}) outside segment {seg_id}")
+            _check_sealed(rec.fd, offset + nbytes, need_seal=True)
             _native.map_fd(rec.address + offset, nbytes, rec.fd, offset)
             rec.add_range(offset, offset + nbytes)
         for seg_id in header.get(DROP, ()):
@@ -290,6 +308,7 @@ class Receiver(Closeable):
         if len(new) != len(fds):
             raise ProtocolError(f"{len(new)} new segments were announced with {len(fds)} fds")
         for (seg_id, size, expandable), fd in zip(new, fds):
+            _check_sealed(fd.fileno(), 0 if expandable else size, need_seal=expandable)
             if expandable:
                 address = _native.reserve(size)
                 own = fd.take()
@@ -309,7 +328,11 @@ class Receiver(Closeable):
 
     def _view(self, peer: _Peer, d: tensors.ArrayDesc) -> Any:
         dt = tensors.decode_dtype(d.dtype)
+        if dt.hasobject:  # bytes in shared memory would be taken for PyObject pointers
+            raise ProtocolError(f"an array of dtype {dt} holds object references; refused")
         if d.segment == 0:
+            if 0 not in d.shape:
+                raise ProtocolError(f"a descriptor without memory has shape {d.shape}, not empty")
             arr = np.empty(d.shape, dt)  # nothing to share in an empty array
             return _as_torch(arr, d.torch_dtype) if d.torch_dtype else arr
         rec = self._segment(peer, d.segment)
@@ -328,7 +351,7 @@ class Receiver(Closeable):
 
     def _new_flusher_state(self) -> None:
         self._released: collections.deque[tuple[_Peer, int]] = collections.deque()
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._wake = _WakePipe()
         self._armed = False  # the flusher is awake and will look at the queue again
         self._last_flush = 0.0
         self._flush_lock = threading.Lock()
@@ -338,7 +361,7 @@ class Receiver(Closeable):
     def _ensure_flusher(self) -> None:
         if self._flusher is None:
             self._flusher = threading.Thread(target=_flusher_main, args=(weakref.ref(self),
-                                             self._wake_r), name="shmshare-releases", daemon=True)
+                                             self._wake), name="shmshare-releases", daemon=True)
             self._flusher.start()
 
     def _flush(self) -> None:
@@ -356,13 +379,13 @@ class Receiver(Closeable):
                 if peer not in self._peers:
                     continue  # its sender is gone: it took all its leases back
                 for i in range(0, len(ids), RELEASE_CHUNK):
-                    try:
+                    try:  # never wait: a sender stuck on a full socket must not stall recv()
                         peer.conn.send({KIND: RELEASE, LEASES: ids[i:i + RELEASE_CHUNK]},
-                                       timeout=5.0)
+                                       timeout=0)
                     except (PeerDied, OSError, ValueError):
                         break  # it died: recv() reports that; its leases are void
                     except ShmshareTimeout:
-                        q.extend((peer, x) for x in ids[i:])  # not reading: try next time
+                        q.extend((peer, x) for x in ids[i:])  # its socket is full: next time
                         break
 
     def _check_open(self) -> None:
@@ -372,17 +395,64 @@ class Receiver(Closeable):
     def _after_fork_in_child(self) -> None:
         # Arrays inherited by a child never release the parent's leases (see
         # _Release); the child gets its own wake-up pipe and, on use, flusher.
-        for fd in (self._wake_r, self._wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        self._wake.close()
         self._new_flusher_state()
+        if self._sel is not None:
+            # The epoll instance is shared with the parent: an unregister here would remove
+            # the parent's registrations too. The child's copy gets a selector of its own.
+            old, self._sel = self._sel, selectors.DefaultSelector()
+            old.close()  # closes only this process's fd of the shared instance
+            if self._listener is not None:
+                self._sel.register(self._listener, selectors.EVENT_READ, None)
+            for p in self._peers:
+                self._sel.register(p.conn, selectors.EVENT_READ, p)
 
 
-def _flusher_main(ref: weakref.ref[Receiver], wake_r: int) -> None:
+class _WakePipe:
+    """The flusher's wake-up pipe.
+
+    ``poke`` runs in Lease callbacks, at any bytecode (the garbage collector):
+    it only *tries* the lock, so it can never deadlock with ``close`` on the
+    same thread, and it never writes after ``close`` -- into a fd number that
+    may belong to someone else by then.
+    """
+
+    __slots__ = ("r", "w", "lock")
+
+    def __init__(self) -> None:
+        self.r, self.w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.lock = threading.Lock()
+
+    def poke(self) -> None:
+        """Write one byte, unless the pipe is closed or being closed."""
+        if self.lock.acquire(blocking=False):
+            try:
+                if self.w >= 0:
+                    os.write(self.w, b"\0")
+            except OSError:  # full: the flusher has bytes to read anyway
+                pass
+            finally:
+                self.lock.release()
+
+    def close(self) -> None:
+        """Close both ends. Idempotent."""
+        with self.lock:
+            r, w, self.r, self.w = self.r, self.w, -1, -1  # forget first: never close twice
+        for fd in (r, w):
+            if fd >= 0:
+                os.close(fd)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except OSError:
+            pass
+
+
+def _flusher_main(ref: weakref.ref[Receiver], wake: _WakePipe) -> None:
     import select
 
+    wake_r = wake.r  # the receiver closes the pipe only after this thread has returned
     poller = select.poll()
     poller.register(wake_r, select.POLLIN)
     while True:
@@ -406,6 +476,20 @@ def _flusher_main(ref: weakref.ref[Receiver], wake_r: int) -> None:
                 continue
             break
         del rx
+
+
+def _check_sealed(fd: int, size: int, need_seal: bool) -> None:
+    """Refuse a fd that a peer could shrink under our mapping (a SIGBUS on the next read)."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = None  # not a memfd: POSIX shm cannot be sealed; its peer is trusted (same uid)
+    if (seals is None and need_seal) or (seals is not None and not seals & fcntl.F_SEAL_SHRINK):
+        raise ProtocolError("a segment fd arrived that is not a memfd sealed F_SEAL_SHRINK: its "
+                            "sender could shrink it under our arrays")
+    actual = os.fstat(fd).st_size
+    if actual < size:
+        raise ProtocolError(f"a segment fd of {actual} bytes was announced as {size} bytes")
 
 
 def _as_torch(arr: np.ndarray, torch_dtype: str) -> Any:

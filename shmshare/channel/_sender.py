@@ -126,7 +126,7 @@ class Sender(Closeable):
             try:
                 tree = tensors.encode(obj, partial(self._place, deadline=deadline, taken=taken))
                 header, fds = self._header(tree)
-                self._conn.send(header, fds, _remaining(deadline))
+                self._send_draining(header, fds, deadline)
             except PeerDied as exc:
                 self._on_peer_death()
                 raise PeerDied("the receiver is gone; its arrays stay valid, but nothing more "
@@ -258,6 +258,24 @@ class Sender(Closeable):
         return tensors.ArrayDesc(held.seg.id, lease, ptr - held.seg.address, dt, arr.shape,
                                  strides, torch_dtype)
 
+    def _send_draining(self, header: dict[str, Any], fds: list[int], deadline: float | None) -> None:
+        """Send one frame; while the socket is full, keep taking in the receiver's releases.
+
+        A receiver whose own releases cannot get through would otherwise wait
+        on us while we wait on it.
+        """
+        while True:
+            left = _remaining(deadline)
+            try:
+                self._conn.send(header, fds, _POLL_SLICE if left is None else min(left, _POLL_SLICE))
+                return
+            except ShmshareTimeout:
+                if left is not None and left <= _POLL_SLICE:
+                    raise
+                self._drain()
+                if self._peer_dead:
+                    raise PeerDied("the receiver went away while the socket was full") from None
+
     def _find(self, start: int, span: int) -> _Held | None:
         i = bisect.bisect_right(self._addrs, start) - 1
         if i < 0:
@@ -281,6 +299,11 @@ class Sender(Closeable):
             try:
                 return self._alloc.malloc(nbytes)
             except OutOfMemoryError as exc:
+                if not self._held and not self._local_done:
+                    raise PoolExhausted(
+                        f"an array of {nbytes} bytes cannot fit in this sender's pool of "
+                        f"{self._limit} bytes even when it is empty (the pool rounds requests up "
+                        f"to whole segments: {exc.size} bytes here); raise limit=") from exc
                 left = _remaining(deadline)
                 if left is not None and left <= 0:
                     raise self._exhausted(nbytes, deadline) from exc
@@ -343,8 +366,16 @@ class Sender(Closeable):
             self._alloc.free(held.block)
 
     def _on_peer_death(self) -> None:
-        """The receiver is gone: every lease is back (its mapping, not us, keeps its arrays)."""
+        """The receiver is gone: every lease is back (its mapping, not us, keeps its arrays).
+
+        It may have closed the channel and kept its arrays, so the pages of
+        every segment it saw must never be hole-punched, only unmapped here:
+        its mapping keeps them for as long as it needs them.
+        """
         self._peer_dead = True
+        for seg in self._provider.segments.values():
+            if seg.id in self._announced or seg in self._to_announce:
+                seg.keep_pages = True
         self._return_leases(list(self._leases))
 
     # -- segment announcements ---------------------------------------------------
@@ -408,7 +439,9 @@ class Sender(Closeable):
         self._held: dict[int, _Held] = {}  # block address -> held block
         self._addrs: list[int] = []  # sorted addresses of held blocks
         self._leases: dict[int, _Held] = {}  # lease id -> held block
-        self._lease_ids = itertools.count(1)
+        # Unique per process, like segment ids: a forked child sharing this socket must never
+        # take a release of its parent's lease 1 for its own lease 1.
+        self._lease_ids = itertools.count((os.getpid() << 32) + 1)
         self._local_done: collections.deque[_Held] = collections.deque()
         self._announced: set[int] = set()
         self._to_announce: list[ShmSegment] = []
@@ -421,6 +454,8 @@ class Sender(Closeable):
         # The child must never hand out or release the parent's blocks: give it a
         # pool of its own, and drop (without unmapping: inherited arrays may
         # still point there) the fds of the parent's segments.
+        in_use = {h.seg.id for h in self._held.values() if h.local}
+        kept = []
         for seg in self._provider.segments.values():
             if seg.segment is not None:
                 fd, seg.segment.fd = seg.segment.fd, None
@@ -428,7 +463,14 @@ class Sender(Closeable):
                 fd, seg.fd = seg.fd, -1
             if fd is not None and fd >= 0:
                 os.close(fd)
-        _inherited.append(self._provider)  # its mappings stay for inherited arrays, never reused
+            if seg.id in in_use:
+                kept.append(seg)  # an array from empty() may still point here: keep it mapped
+            elif seg.segment is not None:
+                seg.segment.close()  # unmaps: nothing of the child's points into it
+                seg.segment = None
+            else:
+                _native.unmap(seg.address, seg.size, release=True)
+        _inherited.append(kept)  # mappings that inherited arrays need, never reused
         self._new_pool()
 
     def _check_usable(self) -> None:
@@ -440,7 +482,7 @@ class Sender(Closeable):
 
 
 _live: weakref.WeakSet[Sender] = weakref.WeakSet()
-_inherited: list[ShmProvider] = []  # in a forked child: the parent's pools, kept mapped
+_inherited: list[list[ShmSegment]] = []  # in a forked child: parent segments still mapped
 
 
 def _after_fork() -> None:

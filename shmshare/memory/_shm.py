@@ -62,6 +62,7 @@ class ShmSegment:
     expandable: bool
     segment: Segment | None = None  # classic segments only
     mapped: dict[int, int] = field(default_factory=dict)  # expandable: offset -> nbytes mapped
+    keep_pages: bool = False  # a peer may still read it: unmap here, never punch holes
 
     def close(self) -> None:
         """Unmap and close everything this record owns. Idempotent."""
@@ -176,7 +177,8 @@ class ShmProvider:
         rec = self._record(handle)
         self._notify("segment_unmap", rec, offset, nbytes)
         _native.unmap(rec.address + offset, nbytes)
-        _native.punch_hole(rec.fd, offset, nbytes)
+        if not rec.keep_pages:
+            _native.punch_hole(rec.fd, offset, nbytes)
         _forget_range(rec.mapped, offset, nbytes)
         self._refund(nbytes)
 

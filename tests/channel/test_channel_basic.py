@@ -6,6 +6,7 @@ import gc
 import os
 import selectors
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -228,25 +229,44 @@ def _raw_sender():
     return a, Receiver([b])
 
 
-def test_bad_descriptors_are_protocol_errors():
+def _bad_batches(seg, unsealed):
     from shmshare.tensors import ArrayDesc
 
-    a, rx = _raw_sender()
-    a.send({"k": "m", "b": ArrayDesc(77, 1, 0, "<f4", (4,), (4,)).pack()})
-    with pytest.raises(ProtocolError, match="segment 77, which it never announced"):
-        rx.recv(timeout=5)
-    a.send({"k": "zz"})
-    with pytest.raises(ProtocolError, match="unexpected message kind"):
-        rx.recv(timeout=5)
+    yield ({"k": "m", "b": ArrayDesc(77, 1, 0, "<f4", (4,), (4,)).pack()}, [],
+           "segment 77, which it never announced")
+    yield {"k": "zz"}, [], "unexpected message kind 'zz'"
+    yield ({"k": "m", "s": [[5, 4096, False]],
+            "b": ArrayDesc(5, 1, 4000, "<f8", (100,), (8,)).pack()}, [seg],
+           "outside the mapped part of segment 5")
+    yield {"k": "m", "s": [[6, 4096, False]], "b": None}, [], "1 new segments were announced with 0"
+    yield ({"k": "m", "s": [[5, 4096, False]], "b": ArrayDesc(5, 1, 0, "|O", (4,), (8,)).pack()},
+           [seg], "holds object references")
+    yield ({"k": "m", "b": ArrayDesc(0, 0, 0, "<f8", (1 << 30,), (8,)).pack()}, [],
+           "without memory has shape")
+    yield {"k": "m", "s": [[7, 4096, False]], "b": None}, [unsealed], "not a memfd sealed"
+    yield ({"k": "m", "s": [[8, 1 << 20, True]], "g": [[8, 0, 8192]], "b": None}, [seg],
+           "of 4096 bytes was announced as 8192 bytes")
+    yield {"k": "m", "b": msgpack.ExtType(1, b"short")}, [], "malformed array descriptor"
+
+
+@pytest.mark.parametrize("case", range(9))
+def test_a_bad_batch_drops_the_connection_and_says_why(case):
     seg = shmshare.Segment.create(4096)
-    a.send({"k": "m", "s": [[5, 4096, False]],
-            "b": ArrayDesc(5, 1, 4000, "<f8", (100,), (8,)).pack()}, fds=[seg])
-    with pytest.raises(ProtocolError, match="outside the mapped part of segment 5"):
-        rx.recv(timeout=5)
-    a.send({"k": "m", "s": [[6, 4096, False]], "b": None})  # an fd is missing
-    with pytest.raises(ProtocolError, match="1 new segments were announced with 0 fds"):
-        rx.recv(timeout=5)
+    unsealed = os.memfd_create("shmshare_unsealed")
+    os.ftruncate(unsealed, 4096)
+    header, fds, match = list(_bad_batches(seg, unsealed))[case]
+    a, rx = _raw_sender()
+    a.send(header, fds=fds)
     seg.close()
+    os.close(unsealed)
+    with pytest.raises(ProtocolError, match=match) as err:
+        rx.recv(timeout=5)
+    assert any("connection to the sender" in n for n in err.value.__notes__)
+    with pytest.raises(PeerDied):
+        rx.recv(timeout=5)  # the receiver let go of the connection...
+    with pytest.raises(PeerDied):
+        for _ in range(100):
+            a.send({"k": "m", "b": 1})  # ...so its sender learns it at once
     a.close()
     rx.close()
 
@@ -266,3 +286,68 @@ def test_segments_the_sender_gives_back_are_unmapped_by_the_receiver(chan):
     tx.send(1)  # ...and says so with its next message
     assert rx.recv(timeout=5) == 1
     assert len(shm_mappings(contains=tag)) == both - 2
+
+
+@pytest.mark.parametrize("how", ["sender closes", "receiver closes"])
+def test_expandable_pages_a_receiver_holds_survive_the_channel_closing(how):
+    tx, rx = shmshare.channel(config="expandable_segments:True")
+    tx.send(np.full(7 << 20, 1, dtype=np.uint8))
+    got = rx.recv(timeout=5)
+    if how == "sender closes":
+        tx.close()
+    else:
+        rx.close()
+        tx.poll_releases()  # the sender sees the receiver go and takes every lease back
+    tx.empty_cache()  # unmaps the pages on the sender's side: they must not be hole-punched
+    assert int(got.sum()) == 7 << 20
+    del got
+    tx.close()
+    rx.close()
+
+
+def test_arrays_dying_after_close_write_nowhere():
+    tx, rx = shmshare.channel()
+    tx.send(np.ones(10))
+    got = rx.recv(timeout=5)
+    rx.close()
+    r, w = os.pipe()  # likely to reuse the wake-up pipe's fd numbers
+    try:
+        del got
+        gc.collect()
+        os.set_blocking(r, False)
+        with pytest.raises(BlockingIOError):
+            os.read(r, 1)  # nothing was written into the new pipe
+    finally:
+        os.close(r)
+        os.close(w)
+    tx.close()
+
+
+def test_a_request_larger_than_an_empty_pool_fails_at_once():
+    tx, rx = shmshare.channel(limit=1 << 20)
+    with pytest.raises(PoolExhausted, match="even when it is empty.*raise limit="):
+        tx.send(np.ones((1 << 20) - 64, np.uint8))  # the small pool's segment is 2 MiB
+    tx.close()
+    rx.close()
+
+
+def test_received_fds_are_close_on_exec():
+    import fcntl
+
+    a, b = wire.pipe()
+    seg = shmshare.Segment.create(4096)
+    a.send({}, fds=[seg])
+    _, fds = b.recv(timeout=5)
+    assert fcntl.fcntl(fds[0].fileno(), fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+    fds[0].close()
+    seg.close()
+    a.close()
+    b.close()
+
+
+def test_lease_ids_are_unique_per_process(chan):
+    tx, rx = chan
+    tx.send(np.ones(4))
+    (lease,) = tx._leases
+    assert lease >> 32 == os.getpid()  # a forked child's ids never collide with its parent's
+    del rx

@@ -174,3 +174,41 @@ def test_forked_child_gets_a_fresh_pool():
     gc.collect()
     tx.close()
     rx.close()
+
+
+def _keep_sending(tx):
+    i = 1
+    while True:
+        tx.send({"tag": 0, "i": i, "x": pattern(i, N)}, timeout=60)
+        i += 1
+
+
+def test_a_parents_goodbye_does_not_hide_its_forked_childs_crash():
+    tx, rx = shmshare.channel(limit=32 << 20)
+    tx.send({"tag": 0, "i": 0, "x": pattern(0, N)})
+    with start_child(_keep_sending, tx) as child:
+        tx.close()  # the parent sent before the fork, so it says goodbye for itself
+        seen = [rx.recv(timeout=30) for _ in range(50)]
+        assert [b["i"] for b in seen] == list(range(50)) and all(check_pattern(b, N) for b in seen)
+        del seen
+        child.kill()
+        with pytest.raises(PeerDied, match="died"):
+            for _ in rx:  # iteration must not end as if the channel were closed on purpose
+                pass
+    rx.close()
+
+
+def _drop_listener_copy(rx):
+    rx.close()  # the child's copy: the socket file belongs to the parent
+    os._exit(0)
+
+
+def test_a_forked_child_closing_its_copy_keeps_the_listener():
+    rx = shmshare.listen()
+    with start_child(_drop_listener_copy, rx) as child:
+        assert child.join(30) == 0
+    tx = shmshare.connect(rx.path, timeout=10)
+    tx.send({"still": "listening"})
+    assert rx.recv(timeout=10) == {"still": "listening"}
+    tx.close()
+    rx.close()
