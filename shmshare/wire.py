@@ -44,6 +44,7 @@ from typing import Any, Iterable
 import msgpack
 
 from ._errors import FdLimitError, PeerDied, PeerRefused, ProtocolError, ShmshareTimeout
+from ._fd import Fd
 from ._lifetime import Closeable
 
 __all__ = [
@@ -69,46 +70,6 @@ _NOSIGNAL, _DONTWAIT, _CTRUNC, _TRUNC, _CMSG_CLOEXEC = map(int, (
     socket.MSG_NOSIGNAL, socket.MSG_DONTWAIT, socket.MSG_CTRUNC, socket.MSG_TRUNC,
     socket.MSG_CMSG_CLOEXEC))
 _PEERCRED = struct.Struct("3i")
-
-
-class Fd(Closeable):
-    """An owned file descriptor: closed on ``close()``, on ``__exit__`` or when collected.
-
-    ``take()`` moves ownership out (the Fd forgets the number), so every fd
-    has exactly one owner at any moment.
-    """
-
-    __slots__ = ("_fd",)
-
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
-
-    def fileno(self) -> int:
-        """Return the fd number; the Fd still owns it."""
-        if self._fd < 0:
-            raise ValueError("this Fd was taken or closed")
-        return self._fd
-
-    def take(self) -> int:
-        """Return the fd number and give up ownership: the caller must close it."""
-        fd = self.fileno()
-        self._fd = -1
-        return fd
-
-    @property
-    def closed(self) -> bool:
-        """Whether the Fd no longer owns a fd."""
-        return self._fd < 0
-
-    def close(self) -> None:
-        """Close the fd if still owned. Idempotent."""
-        fd, self._fd = self._fd, -1  # forget first: a second close is a no-op, never EBADF
-        if fd >= 0:
-            os.close(fd)
-
-
-    def __repr__(self) -> str:
-        return f"<Fd {self._fd}>" if self._fd >= 0 else "<Fd closed>"
 
 
 class State(enum.Enum):

@@ -9,7 +9,7 @@ import shmshare
 
 # rank: a module may import modules of the same or a lower rank only
 LAYERS = {
-    "_errors": 0, "_native": 0, "_procfs": 0, "_lifetime": 0,
+    "_errors": 0, "_native": 0, "_procfs": 0, "_lifetime": 0, "_fd": 0,
     "segment": 1,
     "wire": 2,
     "memory": 3, "cuda": 3,
