@@ -22,6 +22,7 @@ def copy_host_to_device(dst: Any, src: Any, nbytes: int, *, stream: Any = None,
                         context: Context | None = None) -> None:
     """Copy ``nbytes`` from host ``src`` to device ``dst``; asynchronous on ``stream`` when given."""
     _check_nbytes(nbytes)
+    _check_host(src, nbytes, "src", writable=False)
     (context or Context.primary(0)).make_current()
     if stream is None:
         call("cuMemcpyHtoD", address_of(dst), address_of(src), nbytes)
@@ -33,6 +34,7 @@ def copy_device_to_host(dst: Any, src: Any, nbytes: int, *, stream: Any = None,
                         context: Context | None = None) -> None:
     """Copy ``nbytes`` from device ``src`` to host ``dst``; asynchronous on ``stream`` when given."""
     _check_nbytes(nbytes)
+    _check_host(dst, nbytes, "dst", writable=True)
     (context or Context.primary(0)).make_current()
     if stream is None:
         call("cuMemcpyDtoH", address_of(dst), address_of(src), nbytes)
@@ -66,6 +68,18 @@ def address_of(obj: Any) -> int:
         return address
     raise TypeError(f"cannot take the address of {type(obj).__name__}: pass an int, a block, "
                     "a numpy array or a DeviceArray")
+
+
+def _check_host(arr: Any, nbytes: int, name: str, writable: bool) -> None:
+    """Refuse a numpy host buffer that the copy would overrun, skip over or write read-only."""
+    if not isinstance(arr, np.ndarray):
+        return  # an address or a block: the caller vouches for its size
+    if not arr.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous: a copy moves one flat range of bytes")
+    if nbytes > arr.nbytes:
+        raise ValueError(f"{name} holds {arr.nbytes} bytes, {nbytes} were asked to be copied")
+    if writable and not arr.flags.writeable:
+        raise ValueError(f"{name} is read-only; the device-to-host copy would write into it")
 
 
 def _check_nbytes(nbytes: Any) -> None:

@@ -215,9 +215,12 @@ class CachingHostAllocator:
         with self._lock:
             self._process_events()
             victims: list[HostBlock] = []
-            for index, blocks in self._free.items():
-                victims += [b for b in blocks if not b.carved]
-                self._free[index] = [b for b in blocks if b.carved]
+            # A snapshot: an array dying here (the lock is re-entrant for it) may add a block.
+            for index, blocks in list(self._free.items()):
+                keep: list[HostBlock] = []
+                for b in blocks:
+                    (keep if b.carved else victims).append(b)
+                self._free[index] = keep
             for block in victims:
                 self._forget(block)
         for block in victims:
@@ -323,13 +326,18 @@ class CachingHostAllocator:
     def _process_events_for_size(self, size: int) -> None:
         """Query only events of ``size`` blocks, until one block becomes free."""
         done, kept, found = self.provider.event_done, deque(), False
-        while self._events:
-            event, block = item = self._events.popleft()
-            if found or block.size != size or not done(event):
-                kept.append(item)
-            else:
-                found = self._event_completed(block)
-        self._events = kept
+        try:
+            while self._events:
+                event, block = item = self._events[0]
+                if found or block.size != size or not done(event):
+                    kept.append(item)
+                    self._events.popleft()
+                else:
+                    self._events.popleft()
+                    found = self._event_completed(block)
+        finally:  # a query that raised must not lose the events not looked at yet
+            kept.extend(self._events)
+            self._events = kept
 
     def _event_completed(self, block: HostBlock) -> bool:
         block.event_count -= 1

@@ -35,3 +35,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "another_process" in item.name:
             item.add_marker(skip)
+
+
+_BANNER = "DRIVER MODEL -- NOT A GPU: these results say nothing about what a GPU does"
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Say at the top of the run that the driver is a model."""
+    return _BANNER
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Say it again under the counts, where a reader quotes from."""
+    terminalreporter.write_line(_BANNER, yellow=True, bold=True)

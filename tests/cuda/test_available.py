@@ -197,3 +197,19 @@ def test_dlpack_refuses_dtypes_it_cannot_describe(dtype: str) -> None:
 def test_dlpack_refuses_strides_that_are_not_whole_items() -> None:
     with pytest.raises(ValueError, match="whole items"):
         _dlpack.make_capsule(0x10, (2,), np.dtype(np.int32), (6,), _dlpack.CPU, 0, None)
+
+
+def test_copies_refuse_host_buffers_they_would_overrun():
+    import numpy as np
+
+    from shmshare.cuda import copy_device_to_host, copy_host_to_device
+
+    small = np.zeros(16, np.uint8)
+    with pytest.raises(ValueError, match="holds 16 bytes, 64 were asked"):
+        copy_host_to_device(0x1000, small, 64)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        copy_host_to_device(0x1000, np.zeros((4, 4), np.uint8)[:, 1], 2)
+    ro = np.zeros(16, np.uint8)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        copy_device_to_host(ro, 0x1000, 8)
