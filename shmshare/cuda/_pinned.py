@@ -149,10 +149,8 @@ class _Pinned:
         if self.memory is None:
             call("cuMemFreeHost", address)
             return
-        try:
-            call("cuMemHostUnregister", address)
-        finally:
-            self.memory.close()
+        call("cuMemHostUnregister", address)  # if this fails the memory stays mapped, on purpose
+        self.memory.close()
 
     def __repr__(self) -> str:
         kind = "cuMemHostAlloc" if self.memory is None else "registered"

@@ -83,13 +83,20 @@ class Registration:
             return
         try:
             self.context.synchronize()  # Note [Unregister waits]
-            call("cuMemHostUnregister", self.address)
-        finally:
-            del hold  # the mapping may be unmapped from here on
+        finally:  # unpin even when the wait failed (a sticky error): never unmap pinned pages
+            try:
+                call("cuMemHostUnregister", self.address)
+            except BaseException:
+                _leaked_holds.append(hold)  # still pinned: keeping the mapping beats unmapping it
+                raise
+        del hold  # unpinned: the mapping may go from here on
 
     def __repr__(self) -> str:
         state = "registered" if self.registered else "unregistered"
         return f"<Registration 0x{self.address:x}+{self.size} {state}>"
+
+
+_leaked_holds: list[object] = []  # mappings whose unregister failed: kept mapped on purpose
 
 
 def register_segment(segment: Segment, context: Context | None = None) -> Registration:
