@@ -12,12 +12,14 @@ fi
 extras="${1:-}"
 spec="."
 [ -n "$extras" ] && spec=".[$extras]"
-# Reinstall only when the build inputs changed since the last install.
-stamp=".venv/.shmshare-install-$(cat pyproject.toml setup.py native/* | sha1sum | cut -c1-16)-${extras:-none}"
-if [ ! -f "$stamp" ] || ! .venv/bin/python -c 'import shmshare._native' 2>/dev/null; then
+# Reinstall only when the build inputs changed since the last install, or when
+# extras are asked for that the last install did not include.
+stamp=".venv/.shmshare-install-$(cat pyproject.toml setup.py native/* | sha1sum | cut -c1-16)"
+have_extras() { [ -f "$stamp" ] && { [ -z "$extras" ] || grep -qx "$extras" "$stamp"; }; }
+if ! have_extras || ! .venv/bin/python -c 'import shmshare._native' 2>/dev/null; then
     echo "+ installing shmshare${extras:+ [$extras]} into .venv"
     .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
     .venv/bin/python -m pip install -q -e "$spec"
-    rm -f .venv/.shmshare-install-*
-    touch "$stamp"
+    [ -f "$stamp" ] || { rm -f .venv/.shmshare-install-*; : > "$stamp"; }
+    [ -z "$extras" ] || echo "$extras" >> "$stamp"
 fi

@@ -47,6 +47,7 @@ _POLL_SLICE = 0.05  # s: back-pressure waits in slices, so local views dying els
 # s between looks at the socket for releases: they come in batches (receiver's _MAX_AGE), so
 # looking on every send would cost a syscall a message for nothing
 _DRAIN_EVERY = 0.0005
+_BYE_WAIT = 30.0  # s close() waits for room for its goodbye behind batches still queued
 
 
 class _Held:
@@ -212,10 +213,10 @@ class Sender(Closeable):
             # Goodbye only from a process that sent: a parent closing its copy of an end it
             # handed to a child must not end the child's stream.
             if not self._peer_dead and self._sent:
-                try:
-                    self._conn.send({KIND: BYE}, timeout=1.0)
+                try:  # behind every batch still queued: wait (taking releases in) for room
+                    self._send_draining({KIND: BYE}, [], time.monotonic() + _BYE_WAIT)
                 except (PeerDied, ShmshareTimeout, OSError):
-                    pass
+                    pass  # the receiver will see a crash rather than a goodbye: it stopped reading
             self._conn.close()
             self._on_peer_death()
             self._drain_local()
