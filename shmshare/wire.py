@@ -265,6 +265,7 @@ class Connection(Closeable):
                 return None  # nothing queued: no exception raised and caught for it
             mode = _CMSG_CLOEXEC  # a frame (or end of stream) is there, and we hold the lock
         deadline = None if timeout is None else time.monotonic() + timeout
+        resets = 0
         while True:
             try:
                 nbytes, anc, flags, _ = self._sock.recvmsg_into([self._buf], self._cmsg_space,
@@ -275,7 +276,13 @@ class Connection(Closeable):
                 if not self._pollin.poll(None if left is None else _ms(left)):
                     return None
             except ConnectionResetError as exc:
-                raise PeerDied(f"the peer ({self._peer_name()}) reset the connection") from exc
+                # Note [Reset before the queue is empty]: a peer that closed with frames of
+                # ours unread makes the kernel report ECONNRESET once -- ahead of frames it
+                # had already queued for us. The error is consumed by reporting it, so read
+                # on: what was sent comes first, then end of stream.
+                resets += 1
+                if resets > 1:
+                    raise PeerDied(f"the peer ({self._peer_name()}) reset the connection") from exc
         fds = _take_fds(anc)
         if flags & _CTRUNC:
             _close_all(fds)

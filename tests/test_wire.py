@@ -357,3 +357,17 @@ def test_pickling_outside_a_child_start_is_refused(pair):
 
     with pytest.raises(TypeError, match="only to pass it to a multiprocessing child"):
         pickle.dumps(pair[0])
+
+
+def test_a_peer_that_closes_with_frames_unread_still_delivers_what_it_sent():
+    a, b = wire.pipe()
+    b.send({"never": "read"})  # left in a's queue: closing a makes the kernel reset b
+    for i in range(5):
+        a.send({"i": i})
+    a.close()
+    got = []
+    with pytest.raises(PeerDied, match="closed the connection"):
+        while True:
+            got.append(b.recv(timeout=5)[0]["i"])
+    assert got == [0, 1, 2, 3, 4]
+    b.close()
