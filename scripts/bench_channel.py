@@ -217,7 +217,7 @@ def run_ring(size: int, warm: int, count: int, queue: bool = False) -> float:
         else:
             a.close()
             free_tx.close()
-        del views
+        views.clear()  # drop the exports before closing the slots
         for s in slots:
             s.close()
             s.unlink()

@@ -45,6 +45,8 @@ from typing import Any
 
 import numpy as np
 
+from _bench import table as _table  # scripts/_bench.py: run from scripts/ or by path
+
 from shmshare import Segment, _native
 from shmshare._procfs import meminfo_kb
 from shmshare.memory import CachingAllocator, ShmProvider, SimulatedDevice
@@ -405,14 +407,6 @@ def _ratio(ours: list[float], anchor: list[float]) -> str:
 
 def _mib(nbytes: float) -> str:
     return f"{nbytes / MiB:,.1f} MiB"
-
-
-def _table(head: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    for r in [head, ["-" * w for w in widths], *rows]:
-        cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))]
-        print("    " + "  ".join(cells))
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

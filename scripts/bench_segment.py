@@ -48,6 +48,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from _bench import table as _table  # scripts/_bench.py: run from scripts/ or by path
+
 from shmshare import Segment, wire
 from shmshare._errors import PeerDied
 
@@ -339,14 +341,6 @@ def _ratio(ours: list[float], anchor: list[float]) -> str:
 
 def _size(nbytes: int) -> str:
     return f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
-
-
-def _table(head: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    for r in [head, ["-" * w for w in widths], *rows]:
-        cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))]
-        print("    " + "  ".join(cells))
-    sys.stdout.flush()
 
 
 if __name__ == "__main__":

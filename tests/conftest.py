@@ -1,4 +1,5 @@
-"""Every test runs under the leak checker: it must leave no fd, shm mapping or /dev/shm name."""
+"""Every test runs under the leak checker (no fd, shm mapping or /dev/shm name left behind)
+and from the allocator's default settings."""
 
 from __future__ import annotations
 
@@ -15,6 +16,16 @@ def process_wide_singletons():
 
     resource_tracker.ensure_running()
     yield
+
+
+@pytest.fixture(autouse=True)
+def fresh_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Start every test from PyTorch's allocator defaults, whatever the environment says."""
+    from shmshare.memory import _config
+
+    monkeypatch.delenv("SHMSHARE_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("SHMSHARE_DEBUG", raising=False)
+    monkeypatch.setattr(_config, "_current", None)
 
 
 @pytest.fixture(autouse=True)

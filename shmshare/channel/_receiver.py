@@ -408,7 +408,7 @@ class Receiver(Closeable):
                 self._sel.register(p.conn, selectors.EVENT_READ, p)
 
 
-class _WakePipe:
+class _WakePipe(Closeable):
     """The flusher's wake-up pipe.
 
     ``poke`` runs in Lease callbacks, at any bytecode (the garbage collector):
@@ -441,12 +441,6 @@ class _WakePipe:
         for fd in (r, w):
             if fd >= 0:
                 os.close(fd)
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except OSError:
-            pass
 
 
 def _flusher_main(ref: weakref.ref[Receiver], wake: _WakePipe) -> None:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from .. import _native
 from .._errors import SegmentError
+from .._lifetime import Closeable
 from ..segment import DEFAULT_FLAGS, Segment, shm_free_bytes
 from ._provider import ProviderOutOfMemory
 
@@ -52,7 +53,7 @@ def _new_id() -> int:
 
 
 @dataclass(eq=False)
-class ShmSegment:
+class ShmSegment(Closeable):
     """A segment the provider made: its id, fd and address range."""
 
     id: int  # unique across processes of this host
@@ -73,12 +74,6 @@ class ShmSegment:
             fd, self.fd = self.fd, -1
             _native.unmap(self.address, self.size, release=True)
             os.close(fd)
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 class ShmProvider:

@@ -19,7 +19,6 @@ import pytest
 
 from shmshare import Segment, cuda
 from shmshare.cuda import _array, _context, _driver, _pinned
-from shmshare.memory import _config
 
 from .driver_model import DriverModel
 
@@ -41,14 +40,6 @@ def warm_driver() -> Iterator[None]:
     if cuda.available():
         _warm_up()
     yield
-
-
-@pytest.fixture(autouse=True)
-def fresh_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Start every test from PyTorch's defaults, whatever the environment says."""
-    monkeypatch.delenv("SHMSHARE_ALLOC_CONF", raising=False)
-    monkeypatch.delenv("SHMSHARE_DEBUG", raising=False)
-    monkeypatch.setattr(_config, "_current", None)
 
 
 @pytest.fixture

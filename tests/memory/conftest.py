@@ -4,17 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from shmshare.memory import SimulatedDevice, _config
+from shmshare.memory import SimulatedDevice
 
 GiB = 1 << 30
-
-
-@pytest.fixture(autouse=True)
-def fresh_settings(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Start every test from PyTorch's defaults, whatever the environment says."""
-    monkeypatch.delenv("SHMSHARE_ALLOC_CONF", raising=False)
-    monkeypatch.delenv("SHMSHARE_DEBUG", raising=False)
-    monkeypatch.setattr(_config, "_current", None)
 
 
 @pytest.fixture
