@@ -458,8 +458,8 @@ class Sender(Closeable):
         in_use = {h.seg.id for h in self._held.values() if h.local}
         kept = []
         for seg in self._provider.segments.values():
-            if seg.segment is not None:
-                fd, seg.segment.fd = seg.segment.fd, None
+            if seg.segment is not None:  # forget the fd everywhere before closing it
+                fd, seg.segment.fd, seg.fd = seg.segment.fd, None, -1
             else:
                 fd, seg.fd = seg.fd, -1
             if fd is not None and fd >= 0:

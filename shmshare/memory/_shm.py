@@ -66,10 +66,16 @@ class ShmSegment(Closeable):
     keep_pages: bool = False  # a peer may still read it: unmap here, never punch holes
 
     def close(self) -> None:
-        """Unmap and close everything this record owns. Idempotent."""
-        if self.segment is not None:
-            self.segment.close()
-            self.segment = None
+        """Unmap and close everything this record owns. Idempotent.
+
+        Forget before acting: a second call (``__del__``, maybe much later
+        from the garbage collector) must not unmap an address range or close
+        a fd number that by then belongs to someone else.
+        """
+        seg, self.segment = self.segment, None
+        if seg is not None:
+            self.fd = -1  # the Segment owns it
+            seg.close()
         elif self.fd >= 0:
             fd, self.fd = self.fd, -1
             _native.unmap(self.address, self.size, release=True)

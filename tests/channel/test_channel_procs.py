@@ -191,6 +191,7 @@ def test_a_parents_goodbye_does_not_hide_its_forked_childs_crash():
         seen = [rx.recv(timeout=30) for _ in range(50)]
         assert [b["i"] for b in seen] == list(range(50)) and all(check_pattern(b, N) for b in seen)
         del seen
+        assert child.exitcode is None  # still sending: it did not crash on its own
         child.kill()
         with pytest.raises(PeerDied, match="died"):
             for _ in rx:  # iteration must not end as if the channel were closed on purpose

@@ -97,3 +97,29 @@ def test_provider_refuses_foreign_handles_and_bad_arguments():
     with pytest.raises(ProviderOutOfMemory, match="pool limit of 1048576"):
         prov.allocate(2 * MiB)
     prov.close()
+
+
+@pytest.mark.parametrize("expandable", [False, True], ids=["classic", "expandable"])
+def test_a_record_closed_again_touches_nothing_it_no_longer_owns(expandable):
+    # A record's __del__ closes it again, maybe much later (a garbage cycle): by then its
+    # address range and fd number may belong to a new segment. That second close once
+    # unmapped the range and closed the fd a second time (a SIGSEGV in a forked child).
+    p = ShmProvider()
+    if expandable:
+        _, rec = p.reserve(4 << 20)
+        p.map(rec, 0, 2 << 20)
+        p.release(rec)
+    else:
+        _, rec = p.allocate(2 << 20)
+        p.free(rec)
+    q = ShmProvider()
+    _, new = q.allocate(2 << 20)  # the kernel hands out the range and fd number just freed
+    fd = os.open("/dev/null", os.O_RDONLY)
+    try:
+        rec.close()
+        assert any(m.start == new.address for m in shm_mappings(os.getpid()))  # still mapped
+        os.fstat(fd)  # still ours
+        os.fstat(new.fd)
+    finally:
+        os.close(fd)
+        q.free(new)
