@@ -351,6 +351,9 @@ class CachingAllocator(ReclaimMixin):
             block = self._alloc_block(pool, stream, sid, size, alloc_size, True)
         if block is None:
             self._raise_oom(stream, sid, pool, size, alloc_size, requested)
+        # A kept provider error would keep its traceback's frames -- the caller's among
+        # them, with every local they hold (arrays, leases) -- until the next slow path.
+        self._last_provider_error = None
         return block
 
     def _alloc_block(self, pool: BlockPool, stream: Hashable, sid: int, size: int, alloc_size: int,
@@ -399,11 +402,12 @@ class CachingAllocator(ReclaimMixin):
             self._notify("oom", 0, size, stream)
         allocated = stats.allocated_bytes[ALL].current
         reserved = stats.reserved_bytes[ALL].current
+        cause, self._last_provider_error = self._last_provider_error, None
         raise OutOfMemoryError(
             self._oom_message(requested, size, alloc_size, capacity, free, allocated, reserved),
             requested=requested, size=size, capacity=capacity, free=free, allocated=allocated,
             reserved=reserved,
-        ) from self._last_provider_error
+        ) from cause
 
     def _oom_message(self, requested: int, size: int, alloc_size: int, capacity: int | None,
                      free: int | None, allocated: int, reserved: int) -> str:

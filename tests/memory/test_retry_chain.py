@@ -243,3 +243,25 @@ def test_other_provider_errors_propagate_unchanged(device: SimulatedDevice) -> N
         alloc.malloc(MiB)
     assert alloc.memory_stats()["num_ooms"] == 0
     alloc.check_invariants()
+
+
+def test_a_retry_that_succeeds_keeps_nothing_of_its_caller_alive() -> None:
+    # The provider's failure on the first try must not be kept: its traceback holds the
+    # caller's frame, and with it every local of the caller (a sender's pool array once).
+    import weakref
+
+    device = SimulatedDevice(64 * MiB)
+    alloc = CachingAllocator(device)
+    alloc.free(alloc.malloc(40 * MiB))  # cached: the next large request needs it released
+
+    class Local:
+        pass
+
+    def caller():
+        local = Local()
+        return weakref.ref(local), alloc.malloc(50 * MiB)  # provider OOM, then a retry
+
+    ref, block = caller()
+    assert alloc.memory_stats()["num_alloc_retries"] == 1
+    assert ref() is None
+    alloc.free(block)
