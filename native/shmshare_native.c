@@ -336,6 +336,38 @@ static PyObject *py_prefault(PyObject *mod, PyObject *args, PyObject *kw) {
 }
 
 /* ------------------------------------------------------------------------ */
+/* buffers (not an OS primitive: the channel's hot path, Note [Hot path] in  */
+/* shmshare/channel/__init__.py)                                             */
+/* ------------------------------------------------------------------------ */
+
+/* extent(obj) -> (address, lo, span): the address of element [0, ..., 0] of
+ * a buffer-protocol object (a numpy array of any strides), and the bytes its
+ * elements cover relative to that address: [address + lo, address + lo + span).
+ * An empty buffer spans (0, 0). In Python this costs a dict
+ * (__array_interface__) and a loop; here, one buffer request. */
+static PyObject *py_extent(PyObject *mod, PyObject *obj) {
+    (void)mod;
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_STRIDES) < 0) return NULL;
+    Py_ssize_t lo = 0, hi = 0, span = view.itemsize;
+    for (int i = 0; i < view.ndim; i++) {
+        Py_ssize_t n = view.shape[i], stride = view.strides[i];
+        if (n == 0) {
+            lo = hi = span = 0;
+            break;
+        }
+        if (stride < 0)
+            lo += (n - 1) * stride;
+        else
+            hi += (n - 1) * stride;
+    }
+    if (span) span += hi - lo;
+    unsigned long long address = (unsigned long long)(uintptr_t)view.buf;
+    PyBuffer_Release(&view);
+    return Py_BuildValue("(Knn)", address, lo, span);
+}
+
+/* ------------------------------------------------------------------------ */
 /* module                                                                    */
 /* ------------------------------------------------------------------------ */
 
@@ -356,6 +388,10 @@ static PyMethodDef native_methods[] = {
      "prefault(address, nbytes, threads=1, writable=False)\n\n"
      "Fault every page in on `threads` threads with the GIL released (a write that keeps\n"
      "the byte when writable, else a read)."},
+    {"extent", py_extent, METH_O,
+     "extent(obj) -> (address, lo, span)\n\n"
+     "Where element 0 of a strided buffer lies, and the bytes its elements cover:\n"
+     "[address + lo, address + lo + span). An empty buffer gives lo = span = 0."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,16 +1,19 @@
-"""Array descriptors and nested batches <-> msgpack-able trees.
+"""Array descriptors and nested batches <-> msgpack bytes.
 
 A batch is a nested dict / list / tuple of arrays (numpy, or CPU torch
 tensors) and plain values (None, bool, int, float, str, bytes, numpy
-scalars). :func:`encode` turns it into a tree that ``wire`` can send: each
-array becomes an :class:`ArrayDesc` (where its bytes lie, dtype, shape,
-strides) packed as a msgpack ext, tuples and numpy scalars get exts of their
-own so they come back as what they were. :func:`decode` rebuilds the batch,
-asking the caller for the memory behind each descriptor.
+scalars). :func:`encode` (or an :class:`Encoder`, which keeps its packer)
+packs it into msgpack bytes: each array becomes an :class:`ArrayDesc` (where
+its bytes lie, dtype, shape, strides) packed as a msgpack ext, tuples and
+numpy scalars get exts of their own so they come back as what they were.
+:func:`decode` rebuilds the batch, asking the caller for the memory behind
+each descriptor.
 
-The tree never carries array data itself: the caller's ``place`` callback
-decides where an array's bytes live (a pool block) and returns its
-descriptor; the receiver's ``view`` callback returns a buffer over them.
+Both walks over the batch run in msgpack's C code (Note [Hot path] in
+``shmshare/channel/__init__.py``): Python runs only for the exts. The bytes never carry array data
+itself: the caller's ``place`` callback decides where an array's bytes live
+(a pool block) and returns its descriptor; the receiver's ``view`` callback
+returns a buffer over them.
 """
 
 from __future__ import annotations
@@ -25,9 +28,13 @@ import msgpack
 import numpy as np
 from numpy.lib import format as npformat
 
+from ._errors import ShmshareError
+
 __all__ = [
     "ArrayDesc",
+    "Encoder",
     "encode",
+    "pack_desc",
     "decode",
     "encode_dtype",
     "decode_dtype",
@@ -37,9 +44,6 @@ __all__ = [
 ]
 
 EXT_ARRAY, EXT_TUPLE, EXT_SCALAR = 1, 2, 3
-_PLAIN = (type(None), bool, int, float, str, bytes)
-_PLAIN_TYPES = frozenset(_PLAIN)
-_KEY_TYPES = frozenset((str, int, bytes))
 
 
 class ArrayDesc(NamedTuple):
@@ -62,27 +66,25 @@ class ArrayDesc(NamedTuple):
 
     def pack(self) -> msgpack.ExtType:
         """Return the msgpack ext that carries this descriptor (a fixed binary layout)."""
-        ndim = len(self.shape)
-        dt = self.dtype.encode()
-        tdt = (self.torch_dtype or "").encode()
-        head = _HEAD.pack(self.segment, self.block, self.offset, ndim, len(tdt), len(dt))
-        dims = _dims(ndim).pack(*self.shape, *self.strides)
-        return msgpack.ExtType(EXT_ARRAY, head + dims + tdt + dt)
+        return pack_desc(self.segment, self.block, self.offset, self.dtype.encode(), self.shape,
+                         self.strides, (self.torch_dtype or "").encode())
 
     @classmethod
     def unpack(cls, data: bytes) -> ArrayDesc:
         """Rebuild a descriptor from an ext's payload (raises ValueError when malformed)."""
         try:
             seg, block, off, ndim, ntdt, ndt = _HEAD.unpack_from(data)
-            pos = _HEAD.size + 16 * ndim
-            dims = _dims(ndim).unpack_from(data, _HEAD.size)
-            tdt = data[pos:pos + ntdt].decode()
-            dt = data[pos + ntdt:pos + ntdt + ndt].decode()
-            if len(data) != pos + ntdt + ndt:
-                raise ValueError(f"{len(data)} bytes, {pos + ntdt + ndt} expected")
+            if len(data) != _HEAD.size + 16 * ndim + ntdt + ndt:
+                raise ValueError(f"{len(data)} bytes, {_HEAD.size + 16 * ndim + ntdt + ndt} "
+                                 "expected")
+            f = _layout(ndim, ntdt, ndt).unpack(data)
+            tdt = f[6 + 2 * ndim].decode("ascii")
+            dt = f[7 + 2 * ndim].decode("ascii")
         except (struct.error, UnicodeDecodeError, ValueError) as exc:
             raise ValueError(f"malformed array descriptor: {exc}") from exc
-        return cls(seg, block, off, dt, dims[:ndim], dims[ndim:], tdt or None)
+        # tuple.__new__: the namedtuple's own __new__ costs as much as the parsing
+        return tuple.__new__(cls, (seg, block, off, dt, f[6:6 + ndim], f[6 + ndim:6 + 2 * ndim],
+                                   tdt or None))
 
     @property
     def nbytes(self) -> int:
@@ -92,11 +94,6 @@ class ArrayDesc(NamedTuple):
 
 # segment, block, offset, ndim, len(torch dtype), len(dtype); then shape, strides, the two strings
 _HEAD = struct.Struct("<QQqBBH")
-
-
-@lru_cache(maxsize=None)
-def _dims(ndim: int) -> struct.Struct:
-    return struct.Struct(f"<{2 * ndim}q")
 
 
 def span(itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, int]:
@@ -112,69 +109,132 @@ def span(itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> tup
     return lo, hi - lo + itemsize
 
 
-def encode(obj: Any, place: Callable[[Any], ArrayDesc]) -> Any:
-    """Return `obj` as a msgpack-able tree; `place(array)` gives each array's descriptor.
+class Encoder:
+    """Packs batches into msgpack bytes; ``place(array)`` gives each array's descriptor.
+
+    The walk over dicts, lists and plain values is msgpack's C packer's; only
+    what it does not know (arrays, tuples, numpy scalars, subclasses) comes
+    back here through its ``default`` hook. ``place`` returns an
+    :class:`ArrayDesc` or the ext from :func:`pack_desc`. Dict keys may be
+    any plain value or tuple of them (they must be hashable to be keys).
+    """
+
+    __slots__ = ("_place", "_packer")
+
+    def __init__(self, place: Callable[[Any], Any]) -> None:
+        self._place = place
+        self._packer = msgpack.Packer(default=self._default, use_bin_type=True, strict_types=True)
+
+    def encode(self, obj: Any) -> bytes:
+        """Return `obj` as msgpack bytes (TypeError naming the path of what cannot be sent)."""
+        try:
+            return self._packer.pack(obj)  # type: ignore[no-any-return]
+        except ShmshareError:
+            raise  # from place(): no room in the pool, the peer died, ...
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise _explain(obj, exc) from exc
+
+    def _default(self, o: Any) -> Any:
+        t = type(o)
+        if t is np.ndarray or isinstance(o, np.ndarray) or is_torch_tensor(o):
+            got = self._place(o)
+            return got.pack() if type(got) is ArrayDesc else got
+        if isinstance(o, tuple):
+            items = msgpack.packb(list(o), default=self._default, use_bin_type=True,
+                                  strict_types=True)
+            return _ext(EXT_TUPLE, items)
+        if isinstance(o, np.generic):
+            check_shareable(o.dtype, "a numpy scalar")
+            return _ext(EXT_SCALAR, msgpack.packb([encode_dtype(o.dtype), o.tobytes()],
+                                                  use_bin_type=True))
+        for base in (dict, list, bool, int, float, str, bytes):  # subclasses, e.g. IntEnum
+            if isinstance(o, base) and t is not base:
+                return base(o)
+        raise TypeError(f"a {t.__module__}.{t.__qualname__} cannot be sent")
+
+
+def encode(obj: Any, place: Callable[[Any], Any]) -> bytes:
+    """Return `obj` as msgpack bytes; `place(array)` gives each array's descriptor.
 
     Raises TypeError naming the path of anything that cannot be sent.
     """
-    return _encode(obj, place, "batch")
+    return Encoder(place).encode(obj)
 
 
-def decode(tree: Any, view: Callable[[ArrayDesc], Any]) -> Any:
-    """Return the batch that :func:`encode` made `tree` from; `view(desc)` gives each array."""
-    if isinstance(tree, msgpack.ExtType):
-        if tree.code == EXT_ARRAY:
-            return view(ArrayDesc.unpack(tree.data))
-        if tree.code == EXT_TUPLE:
-            items = msgpack.unpackb(tree.data, raw=False, strict_map_key=False)
-            return tuple(decode(x, view) for x in items)
-        if tree.code == EXT_SCALAR:
-            dt, raw = msgpack.unpackb(tree.data, raw=False)
+def decode(data: bytes, view: Callable[[ArrayDesc], Any]) -> Any:
+    """Return the batch that :func:`encode` packed into `data`; `view(desc)` gives each array.
+
+    Raises ValueError for bytes that are not such a batch.
+    """
+    def hook(code: int, payload: bytes) -> Any:
+        if code == EXT_ARRAY:
+            return view(ArrayDesc.unpack(payload))
+        if code == EXT_TUPLE:
+            return tuple(msgpack.unpackb(payload, ext_hook=hook, raw=False,
+                                         strict_map_key=False))
+        if code == EXT_SCALAR:
+            dt, raw = msgpack.unpackb(payload, raw=False)
             return np.frombuffer(raw, dtype=decode_dtype(dt))[0]
-        raise ValueError(f"unknown ext code {tree.code} in a batch")
-    if isinstance(tree, list):
-        return [decode(x, view) for x in tree]
-    if isinstance(tree, dict):
-        return {k: decode(v, view) for k, v in tree.items()}
-    return tree
+        raise ValueError(f"unknown ext code {code} in a batch")
+
+    try:
+        return msgpack.unpackb(data, ext_hook=hook, raw=False, strict_map_key=False)
+    except (msgpack.UnpackException, ValueError, TypeError) as exc:  # msgpack's, or the hook's
+        raise ValueError(f"malformed batch: {type(exc).__name__}: {exc}") from exc
 
 
-def _encode(obj: Any, place: Callable[[Any], ArrayDesc], path: str) -> Any:
+def _ext(code: int, data: bytes) -> msgpack.ExtType:
+    return tuple.__new__(msgpack.ExtType, (code, data))  # its checks cost more than the packing
+
+
+def _explain(obj: Any, exc: Exception) -> TypeError:
+    """Return a TypeError naming where in `obj` the packer's `exc` came from."""
+    path, why = _find_bad(obj, "batch") or ("batch", f"{type(exc).__name__}: {exc}")
+    return TypeError(f"{path}: {why}; a batch holds arrays, torch CPU tensors, dict/list/tuple and "
+                     "None, bool, int (64-bit), float, str, bytes (nothing is pickled)")
+
+
+def _find_bad(obj: Any, path: str) -> tuple[str, str] | None:
+    """Return (path, reason) of the first part of `obj` that cannot be sent, or None."""
     t = type(obj)
-    if t in _PLAIN_TYPES:  # exact types first: most of a batch, and cheaper than isinstance
-        return obj
-    if t is np.ndarray:
-        return place(obj).pack()
-    if t is dict:
-        return _encode_dict(obj, place, path)
-    if isinstance(obj, _PLAIN):
-        return obj
-    if isinstance(obj, np.ndarray) or is_torch_tensor(obj):
-        return place(obj).pack()
+    if isinstance(obj, bool) or obj is None or isinstance(obj, (float, str, bytes)):
+        return None
+    if isinstance(obj, int):
+        return None if -(1 << 63) <= obj < (1 << 64) else (path, f"{obj} does not fit 64 bits")
+    if isinstance(obj, np.ndarray) or is_torch_tensor(obj) or isinstance(obj, np.generic):
+        dt = obj.dtype if not is_torch_tensor(obj) else None
+        if dt is not None and dt.hasobject:
+            return path, f"dtype {dt} holds Python object references"
+        return None
     if isinstance(obj, dict):
-        return _encode_dict(obj, place, path)
-    if isinstance(obj, list):
-        return [_encode(v, place, f"{path}[{i}]") for i, v in enumerate(obj)]
-    if isinstance(obj, tuple):
-        items = [_encode(v, place, f"{path}[{i}]") for i, v in enumerate(obj)]
-        return msgpack.ExtType(EXT_TUPLE, msgpack.packb(items, use_bin_type=True))
-    if isinstance(obj, np.generic):
-        check_shareable(obj.dtype, path)
-        return msgpack.ExtType(EXT_SCALAR, msgpack.packb(
-            [encode_dtype(obj.dtype), obj.tobytes()], use_bin_type=True))
-    raise TypeError(f"{path}: a {type(obj).__module__}.{type(obj).__qualname__} cannot be sent; "
-                    "a batch holds arrays, torch CPU tensors, dict/list/tuple and None, bool, int, "
-                    "float, str, bytes (nothing is pickled)")
+        for k, v in obj.items():
+            bad = _find_bad(k, f"{path} key {k!r}") or _find_bad(v, f"{path}[{k!r}]")
+            if bad:
+                return bad
+        return None
+    if isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            if bad := _find_bad(v, f"{path}[{i}]"):
+                return bad
+        return None
+    return path, f"a {t.__module__}.{t.__qualname__} cannot be sent"
 
 
-def _encode_dict(obj: dict[Any, Any], place: Callable[[Any], ArrayDesc], path: str) -> Any:
-    out = {}
-    for k, v in obj.items():
-        if type(k) not in _KEY_TYPES and (isinstance(k, bool)
-                                          or not isinstance(k, (str, int, bytes))):
-            raise TypeError(f"{path}: dict key {k!r} must be str, int or bytes to be sent")
-        out[k] = _encode(v, place, path + "[" + repr(k) + "]") if type(v) not in _PLAIN_TYPES else v
-    return out
+def pack_desc(segment: int, block: int, offset: int, dtype: bytes, shape: tuple[int, ...],
+              strides: tuple[int, ...], torch_dtype: bytes = b"") -> msgpack.ExtType:
+    """Return the ext of ``ArrayDesc(...).pack()`` without building the descriptor (hot path).
+
+    `dtype` and `torch_dtype` are the encoded strings as ASCII bytes.
+    """
+    n = len(shape)
+    return _ext(EXT_ARRAY, _layout(n, len(torch_dtype), len(dtype)).pack(
+        segment, block, offset, n, len(torch_dtype), len(dtype), *shape, *strides, torch_dtype,
+        dtype))
+
+
+@lru_cache(maxsize=1024)
+def _layout(ndim: int, ntdt: int, ndt: int) -> struct.Struct:
+    return struct.Struct(f"<QQqBBH{2 * ndim}q{ntdt}s{ndt}s")
 
 
 def check_shareable(dt: np.dtype, path: str = "array") -> None:

@@ -66,6 +66,8 @@ MAX_FRAME = 128 * 1024  # bytes in one frame; SEQPACKET messages must fit the so
 MAX_FDS = 64  # fds in one message (the kernel's SCM_MAX_FD is 253)
 _KIND_HELLO, _KIND_MSG = 0, 1
 # socket.MSG_* are IntFlag members: arithmetic on them costs ~1 us, so keep plain ints.
+_NO_FDS: list[int] = []
+_NO_ANC: list[Any] = []
 _NOSIGNAL, _DONTWAIT, _CTRUNC, _TRUNC, _CMSG_CLOEXEC = map(int, (
     socket.MSG_NOSIGNAL, socket.MSG_DONTWAIT, socket.MSG_CTRUNC, socket.MSG_TRUNC,
     socket.MSG_CMSG_CLOEXEC))
@@ -164,15 +166,21 @@ class Connection(Closeable):
         the peer is gone, ShmshareTimeout when the socket stays full past
         `timeout` seconds, and TypeError/ProtocolError for what cannot be sent.
         """
-        if not isinstance(header, dict):
+        if type(header) is not dict and not isinstance(header, dict):
             raise TypeError(f"header must be a dict, got {type(header).__name__}")
-        fdnums = [_fdnum(f) for f in fds] if fds else []
+        fdnums = [_fdnum(f) for f in fds] if fds else _NO_FDS
         if len(fdnums) > self._max_fds:
             raise ProtocolError(f"{len(fdnums)} fds in one message exceed max_fds={self._max_fds}; "
                                 "split them over several messages")
         with self._send_lock:
-            self._check_open()
-            frame = _pack([_KIND_MSG, header], self._packer)
+            if self.state is State.CLOSED:
+                self._check_open()
+            try:
+                frame = self._packer.pack([_KIND_MSG, header])
+            except Exception as exc:
+                self._packer.reset()
+                _pack_error(exc)
+                raise
             if len(frame) > self._max_frame:
                 raise ProtocolError(f"a frame of {len(frame)} bytes exceeds max_frame="
                                     f"{self._max_frame}; send large data through shared memory, "
@@ -189,19 +197,18 @@ class Connection(Closeable):
             c[4] += len(frame)
 
     def _send_frame(self, frame: bytes, fds: list[int], timeout: float | None) -> None:
-        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-        flags = _NOSIGNAL
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else _NO_ANC
+        # With a timeout, try first and compute a deadline only when the socket is full.
+        flags = _NOSIGNAL if timeout is None else _NOSIGNAL | _DONTWAIT
         deadline = None
-        if timeout is not None:
-            flags |= _DONTWAIT  # try first; wait only when the socket is full
-            deadline = time.monotonic() + timeout
         while True:
             try:
                 self._sock.sendmsg([frame], anc, flags)
                 return
             except BlockingIOError:
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                self._wait(self._pollout, left, "send", timeout)
+                if deadline is None:
+                    deadline = time.monotonic() + timeout  # type: ignore[operator]
+                self._wait(self._pollout, max(0.0, deadline - time.monotonic()), "send", timeout)
             except (BrokenPipeError, ConnectionResetError) as exc:
                 raise PeerDied(f"the peer ({self._peer_name()}) closed the connection") from exc
             except OSError as exc:
@@ -236,7 +243,8 @@ class Connection(Closeable):
     def _recv(self, timeout: float | None) -> tuple[dict[Any, Any], list[Fd]] | None:
         with self._recv_lock:
             while True:
-                self._check_open()
+                if self.state is State.CLOSED:
+                    self._check_open()
                 frame = self._recv_frame(timeout)
                 if frame is None:
                     return None
@@ -264,7 +272,7 @@ class Connection(Closeable):
             if not self._pollin.poll(0):
                 return None  # nothing queued: no exception raised and caught for it
             mode = _CMSG_CLOEXEC  # a frame (or end of stream) is there, and we hold the lock
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None  # computed when a wait is needed: most receives find a frame queued
         resets = 0
         while True:
             try:
@@ -272,6 +280,8 @@ class Connection(Closeable):
                                                                 mode)
                 break
             except BlockingIOError:
+                if deadline is None and timeout is not None:
+                    deadline = time.monotonic() + timeout
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 if not self._pollin.poll(None if left is None else _ms(left)):
                     return None
@@ -283,7 +293,7 @@ class Connection(Closeable):
                 resets += 1
                 if resets > 1:
                     raise PeerDied(f"the peer ({self._peer_name()}) reset the connection") from exc
-        fds = _take_fds(anc)
+        fds = _take_fds(anc) if anc else []
         if flags & _CTRUNC:
             _close_all(fds)
             raise FdLimitError(errno.EMFILE, _ctrunc_message(len(fds), self._max_fds))
@@ -498,15 +508,20 @@ def _ms(timeout: float) -> int:
     return max(0, -int(-timeout * 1000 // 1))
 
 
-def _pack(obj: Any, packer: msgpack.Packer | None = None) -> bytes:
+def _pack(obj: Any) -> bytes:
     try:
-        if packer is not None:
-            return packer.pack(obj)  # type: ignore[no-any-return]
         return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
-    except TypeError as exc:
+    except Exception as exc:
+        _pack_error(exc)
+        raise
+
+
+def _pack_error(exc: Exception) -> None:
+    """Raise the TypeError that says why a header could not be packed (or return: not ours)."""
+    if isinstance(exc, TypeError):
         raise TypeError(f"cannot send this header: {exc}. A header holds None, bool, int, float, "
                         "str, bytes, lists and dicts only (nothing is pickled)") from exc
-    except (OverflowError, ValueError) as exc:
+    if isinstance(exc, (OverflowError, ValueError)):
         raise TypeError(f"cannot send this header: {exc}") from exc
 
 

@@ -253,3 +253,29 @@ def test_prefault_of_a_range_it_cannot_touch_raises_instead_of_crashing():
             _native.prefault(addr, 16 * PAGE, threads=2)
     finally:
         _native.unmap(addr, 16 * PAGE, release=True)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: np.zeros(10),
+    lambda: np.arange(24, dtype=np.int32).reshape(4, 6)[::-2, 1::2],
+    lambda: np.zeros((3, 0)),
+    lambda: np.array(3.0),
+    lambda: np.zeros(4, "M8[ns]"),
+    lambda: np.zeros(3, [("a", "<i4"), ("b", "<f8", (2,))]),
+    lambda: np.zeros(5, "U7")[::-1],
+    lambda: np.broadcast_to(np.ones(3), (4, 3)),
+], ids=["plain", "strided", "empty", "0-d", "datetime", "structured", "reversed", "broadcast"])
+def test_extent_is_where_an_arrays_bytes_lie(make):
+    from shmshare import tensors
+
+    arr = make()
+    address, lo, span = _native.extent(arr)
+    assert address == arr.__array_interface__["data"][0]
+    assert (lo, span) == tensors.span(arr.itemsize, arr.shape, arr.strides)
+    arr.flags.writeable = False
+    assert _native.extent(arr) == (address, lo, span)  # read-only buffers too
+
+
+def test_extent_refuses_what_has_no_buffer():
+    with pytest.raises(TypeError):
+        _native.extent([1, 2, 3])

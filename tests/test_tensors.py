@@ -40,9 +40,7 @@ class Arena:
 
 def roundtrip(obj):
     arena = Arena()
-    wire_bytes = msgpack.packb(encode(obj, arena.place), use_bin_type=True)
-    tree = msgpack.unpackb(wire_bytes, raw=False, strict_map_key=False)
-    return decode(tree, arena.view)
+    return decode(encode(obj, arena.place), arena.view)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -74,6 +72,29 @@ def test_nested_batches_keep_their_structure():
     assert got["list"][2] == -3 and got["list"][2].dtype == np.int64
 
 
+def test_keys_subclasses_and_scalars_come_back_as_plain_values():
+    import enum
+
+    class Color(enum.IntEnum):
+        RED = 1
+
+    class Tagged(dict):
+        pass
+
+    got = roundtrip({(1, "a"): np.arange(3), 2.5: None, "c": Color.RED, "t": Tagged(a=1),
+                     "f": np.float64(0.5), "b": np.bool_(True)})
+    np.testing.assert_array_equal(got[(1, "a")], np.arange(3))
+    assert got[2.5] is None and got["c"] == 1 and type(got["c"]) is int
+    assert got["t"] == {"a": 1} and type(got["t"]) is dict
+    assert type(got["f"]) is np.float64 and type(got["b"]) is np.bool_
+
+
+def test_pack_desc_matches_the_descriptor():
+    d = ArrayDesc(3, 9, -8, "<i4", (2, 3), (12, -4), "bfloat16")
+    assert tensors.pack_desc(3, 9, -8, b"<i4", (2, 3), (12, -4), b"bfloat16") == d.pack()
+    assert ArrayDesc.unpack(d.pack().data) == d
+
+
 def test_descriptor_keeps_strides_and_span():
     base = np.arange(24, dtype=np.int32).reshape(4, 6)
     v = base[::-2, 1::2]
@@ -89,7 +110,8 @@ def test_descriptor_keeps_strides_and_span():
     (np.array([object()]), "object references"),
     (np.array([(1, None)], dtype=[("a", "i4"), ("b", "O")]), "object references"),
     ({"k": {1, 2}}, r"batch\['k'\]: a builtins.set cannot be sent"),
-    ({(1, 2): 3}, "dict key"),
+    ({"n": [1, 1 << 70]}, r"batch\['n'\]\[1\]: 1180591620717411303424 does not fit 64 bits"),
+    ({frozenset(): 3}, r"batch key frozenset\(\): a builtins.frozenset cannot be sent"),
     ([lambda: 0], r"batch\[0\]: a builtins.function"),
 ])
 def test_what_cannot_be_sent_is_refused_by_path(bad, match):
@@ -105,7 +127,9 @@ def test_malformed_descriptors_and_exts():
     with pytest.raises(ValueError, match="malformed array descriptor"):
         ArrayDesc.unpack(msgpack.packb([1, 2]))
     with pytest.raises(ValueError, match="unknown ext code 9"):
-        decode(msgpack.ExtType(9, b""), lambda d: None)
+        decode(msgpack.packb(msgpack.ExtType(9, b"")), lambda d: None)
+    with pytest.raises(ValueError, match="malformed batch"):
+        decode(b"\x92\x01", lambda d: None)  # a list of two with one item
     with pytest.raises(ValueError, match="malformed dtype"):
         tensors.decode_dtype("not-a-dtype")
 

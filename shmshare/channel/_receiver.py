@@ -285,11 +285,23 @@ class Receiver(Closeable):
         peer.segments.clear()  # each mapping goes when its last array does
 
     def _decode(self, peer: _Peer, header: dict[str, Any], fds: list[wire.Fd]) -> Any:
-        try:
-            self._map_new(peer, header.get(NEW, ()), fds)
-        finally:
-            for f in fds:
-                f.close()
+        if fds or NEW in header:
+            try:
+                self._map_new(peer, header.get(NEW, ()), fds)
+            finally:
+                for f in fds:
+                    f.close()
+        if GROW in header or DROP in header:
+            self._grow_and_drop(peer, header)
+        if self._flusher is None:
+            self._ensure_flusher()
+        tree = header.get(TREE)
+        if type(tree) is not bytes:
+            raise ProtocolError(f"a batch must carry its packed tree as bytes, got "
+                                f"{type(tree).__name__}")
+        return tensors.decode(tree, lambda d: self._view(peer, d))
+
+    def _grow_and_drop(self, peer: _Peer, header: dict[str, Any]) -> None:
         for seg_id, offset, nbytes in header.get(GROW, ()):
             rec = self._segment(peer, seg_id)
             if rec.fd < 0:
@@ -301,8 +313,6 @@ class Receiver(Closeable):
             rec.add_range(offset, offset + nbytes)
         for seg_id in header.get(DROP, ()):
             peer.segments.pop(seg_id, None)
-        self._ensure_flusher()
-        return tensors.decode(header.get(TREE), lambda d: self._view(peer, d))
 
     def _map_new(self, peer: _Peer, new: Any, fds: list[wire.Fd]) -> None:
         if len(new) != len(fds):
@@ -335,10 +345,11 @@ class Receiver(Closeable):
                 raise ProtocolError(f"a descriptor without memory has shape {d.shape}, not empty")
             arr = np.empty(d.shape, dt)  # nothing to share in an empty array
             return _as_torch(arr, d.torch_dtype) if d.torch_dtype else arr
-        rec = self._segment(peer, d.segment)
+        rec = peer.segments.get(d.segment) or self._segment(peer, d.segment)
         lo, nbytes = tensors.span(dt.itemsize, d.shape, d.strides)
         start = d.offset + lo
-        if not rec.covers(start, start + nbytes):
+        if not (0 <= start and start + nbytes <= rec.size if rec.fd < 0
+                else rec.covers(start, start + nbytes)):
             raise ProtocolError(f"an array of {nbytes} bytes at offset {start} lies outside the "
                                 f"mapped part of segment {d.segment} ({rec.size} bytes)")
         writable = self._writable or d.torch_dtype is not None  # torch has no read-only tensors

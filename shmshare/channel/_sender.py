@@ -11,6 +11,17 @@ Note [Leases]
     allocator because releases come back in any order (Note [Streams of the
     shm provider] in ``memory/_shm.py``).
 
+Note [Spare blocks]
+    A block whose last lease and local view are gone is not handed back to
+    the caching allocator at once: it is kept as a *spare* for the next
+    request of the same size (up to _SPARES_PER_SIZE of a size and
+    min(limit/8, _SPARE_BYTES) bytes in all). A producer sending batches of
+    one shape -- the usual case -- then skips the allocator's malloc/free
+    pair, a large share of a small message's cost (Note [Hot path] in
+    ``__init__.py``). Spares count as allocated in ``memory_stats()`` and
+    as ``spare_bytes`` in ``statistics()``; they go back to the allocator
+    before a request waits for room, on ``empty_cache()`` and on ``close()``.
+
 Note [Callbacks from the garbage collector]
     A local array's Lease calls back when its last view dies, which can be
     in the middle of any bytecode of any thread. The callback therefore only
@@ -48,18 +59,21 @@ _POLL_SLICE = 0.05  # s: back-pressure waits in slices, so local views dying els
 # looking on every send would cost a syscall a message for nothing
 _DRAIN_EVERY = 0.0005
 _BYE_WAIT = 30.0  # s close() waits for room for its goodbye behind batches still queued
+_SPARE_BYTES = 64 << 20  # at most this many bytes of spare blocks (and limit/8), ...
+_SPARES_PER_SIZE = 1024  # ... and at most this many of one size (Note [Spare blocks])
 
 
 class _Held:
-    """A pool block the sender holds: by a local view, by leases, or both."""
+    """A pool block the sender holds: by a local view, by leases, as a spare, or several."""
 
-    __slots__ = ("block", "seg", "local", "leases")
+    __slots__ = ("block", "seg", "local", "leases", "want")
 
-    def __init__(self, block: Any, seg: ShmSegment, local: bool) -> None:
+    def __init__(self, block: Any, seg: ShmSegment, local: bool, want: int) -> None:
         self.block = block  # the allocator's Block
         self.seg = seg  # the segment it lies in
         self.local = local  # an array from empty()/zeros() is alive here
         self.leases = 0  # arrays of it alive in the receiver
+        self.want = want  # the bytes asked for (its spare list's key)
 
 
 @dataclass(frozen=True)
@@ -73,7 +87,8 @@ class SenderStatistics:
     bytes_leased: int  # pool bytes those arrays pin
     segments_announced: int  # segments whose fd crossed the socket
     reserved_bytes: int  # shared memory the pool holds
-    allocated_bytes: int  # of which in use
+    allocated_bytes: int  # of which in use (spare blocks included)
+    spare_bytes: int  # blocks kept for the next request of their size (Note [Spare blocks])
 
 
 class Sender(Closeable):
@@ -114,18 +129,20 @@ class Sender(Closeable):
         array is copied into the pool once. Waits up to `timeout` s for pool
         space (PoolExhausted after) and for room on the socket.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        now = time.monotonic()
+        deadline = None if timeout is None else now + timeout
         with self._lock:
-            self._check_usable()
-            now = time.monotonic()
+            if self._closed or self._peer_dead:
+                self._check_usable()
             if now - self._last_drain >= _DRAIN_EVERY:
                 self._last_drain = now
                 self._drain()
-            else:
+            elif self._local_done:
                 self._drain_local()
-            taken: list[int] = []
+            taken = self._taken = []
+            self._deadline = deadline
             try:
-                tree = tensors.encode(obj, partial(self._place, deadline=deadline, taken=taken))
+                tree = self._encoder.encode(obj)  # calls _place for each array
                 header, fds = self._header(tree)
                 self._send_draining(header, fds, deadline)
             except PeerDied as exc:
@@ -144,15 +161,28 @@ class Sender(Closeable):
         `dtype` may be a torch dtype, to get a torch tensor.
         """
         np_dtype, torch_dtype = _dtypes(dtype)
-        shp = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
-        if any(n < 0 for n in shp):
-            raise ValueError(f"negative dimensions are not allowed: {shp}")
-        nbytes = np_dtype.itemsize * math.prod(shp)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        if type(shape) is int and shape >= 0:
+            shp: tuple[int, ...] = (shape,)
+            nbytes = np_dtype.itemsize * shape
+        else:
+            shp = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
+            if any(n < 0 for n in shp):
+                raise ValueError(f"negative dimensions are not allowed: {shp}")
+            nbytes = np_dtype.itemsize * math.prod(shp)
+        want = nbytes or 1
         with self._lock:
-            self._check_usable()
-            self._drain_local()  # releases from the receiver are taken in by send()
-            held = self._new_held(max(nbytes, 1), deadline, local=True)
+            if self._closed or self._peer_dead:
+                self._check_usable()
+            if self._local_done:
+                self._drain_local()  # releases from the receiver are taken in by send()
+            spares = self._spares.get(want)
+            if spares:
+                held = spares.pop()
+                self._spare_bytes -= held.block.size
+                held.local = True
+            else:
+                deadline = None if timeout is None else time.monotonic() + timeout
+                held = self._new_held(want, deadline, local=True)
         lease = _native.Lease(self._alloc, held.block.address, nbytes,
                               on_release=partial(self._local_done.append, held))
         arr = np.ndarray(shp, np_dtype, buffer=lease)
@@ -183,7 +213,8 @@ class Sender(Closeable):
             return SenderStatistics(
                 self._sent, self._copied, self._in_place, len(self._leases),
                 sum(h.block.size for h in set(self._leases.values())), self._n_announced,
-                stats["reserved_bytes.all.current"], stats["allocated_bytes.all.current"])
+                stats["reserved_bytes.all.current"], stats["allocated_bytes.all.current"],
+                self._spare_bytes)
 
     def memory_stats(self) -> dict[str, int]:
         """Return the pool's statistics with PyTorch's key names."""
@@ -193,6 +224,7 @@ class Sender(Closeable):
         """Give cached, unused segments back to the host."""
         with self._lock:
             self._drain()
+            self._free_spares()
             self._alloc.empty_cache()
 
     @property
@@ -220,6 +252,7 @@ class Sender(Closeable):
             self._conn.close()
             self._on_peer_death()
             self._drain_local()
+            self._free_spares()
             self._alloc.empty_cache()
 
 
@@ -232,21 +265,23 @@ class Sender(Closeable):
 
     # -- placing arrays ---------------------------------------------------------
 
-    def _place(self, obj: Any, *, deadline: float | None, taken: list[int]) -> tensors.ArrayDesc:
-        arr, torch_dtype = tensors.as_numpy(obj)
-        tensors.check_shareable(arr.dtype)
-        dt = tensors.encode_dtype(arr.dtype)
-        if arr.size == 0:
-            return tensors.ArrayDesc(0, 0, 0, dt, arr.shape, arr.strides, torch_dtype)
-        ptr = arr.__array_interface__["data"][0]
-        lo, span = tensors.span(arr.itemsize, arr.shape, arr.strides)
+    def _place(self, obj: Any) -> Any:
+        """The encoder's callback for each array: lease it to the receiver, copying it if needed."""
+        if type(obj) is np.ndarray:
+            arr, tdt = obj, b""
+        else:
+            arr, name = tensors.as_numpy(obj)
+            tdt = name.encode() if name else b""
+        dt = _dtype_bytes.get(arr.dtype)
+        if dt is None:
+            dt = _encode_dtype(arr.dtype)
+        ptr, lo, span = _native.extent(arr)
+        if span == 0:
+            return tensors.pack_desc(0, 0, 0, dt, arr.shape, arr.strides, tdt)
         held = self._find(ptr + lo, span)
         if held is None:
-            held = self._new_held(arr.nbytes, deadline, local=False)
-            dst = np.ndarray(arr.shape, arr.dtype, buffer=_native.Lease(
-                None, held.block.address, arr.nbytes))
-            np.copyto(dst, arr, casting="no")
-            ptr, strides = held.block.address, dst.strides
+            held, strides = self._copy_in(arr)
+            ptr = held.block.address
             self._copied += 1
         else:
             strides = arr.strides
@@ -254,10 +289,29 @@ class Sender(Closeable):
         lease = next(self._lease_ids)
         self._leases[lease] = held
         held.leases += 1
-        taken.append(lease)
-        self._want_announced(held.seg)
-        return tensors.ArrayDesc(held.seg.id, lease, ptr - held.seg.address, dt, arr.shape,
-                                 strides, torch_dtype)
+        self._taken.append(lease)
+        seg = held.seg
+        if seg.id not in self._announced and seg not in self._to_announce:
+            self._to_announce.append(seg)
+        return tensors.pack_desc(seg.id, lease, ptr - seg.address, dt, arr.shape, strides, tdt)
+
+    def _copy_in(self, arr: np.ndarray) -> tuple[_Held, tuple[int, ...]]:
+        """Copy an array that is not in the pool into a new block (C order)."""
+        want = arr.nbytes
+        spares = self._spares.get(want)
+        if spares:
+            held = spares.pop()
+            self._spare_bytes -= held.block.size
+        else:
+            held = self._new_held(want, self._deadline, local=False)
+        try:
+            dst = np.ndarray(arr.shape, arr.dtype, buffer=_native.Lease(None, held.block.address,
+                                                                          want))
+            np.copyto(dst, arr, casting="no")
+        except BaseException:
+            self._maybe_free(held)
+            raise
+        return held, dst.strides
 
     def _send_draining(self, header: dict[str, Any], fds: list[int], deadline: float | None) -> None:
         """Send one frame; while the socket is full, keep taking in the receiver's releases.
@@ -287,7 +341,7 @@ class Sender(Closeable):
 
     def _new_held(self, nbytes: int, deadline: float | None, local: bool) -> _Held:
         block = self._malloc(nbytes, deadline)
-        held = _Held(block, self._segment_of(block.address), local)
+        held = _Held(block, self._segment_of(block.address), local, nbytes)
         bisect.insort(self._addrs, block.address)
         self._held[block.address] = held
         return held
@@ -300,6 +354,9 @@ class Sender(Closeable):
             try:
                 return self._alloc.malloc(nbytes)
             except OutOfMemoryError as exc:
+                if self._spare_bytes:
+                    self._free_spares()  # blocks kept for other sizes: give them back first
+                    continue
                 if not self._held and not self._local_done:
                     raise PoolExhausted(
                         f"an array of {nbytes} bytes cannot fit in this sender's pool of "
@@ -351,20 +408,43 @@ class Sender(Closeable):
             self._maybe_free(held)
 
     def _return_leases(self, ids: Any) -> None:
+        leases = self._leases
         for lease in ids:
-            held = self._leases.pop(lease, None)
+            held = leases.pop(lease, None)
             if held is not None:  # unknown ids (a confused peer) change nothing
                 held.leases -= 1
-                self._maybe_free(held)
+                if not held.leases and not held.local:
+                    self._maybe_free(held)
 
     def _maybe_free(self, held: _Held) -> None:
         if held.local or held.leases:
             return
         addr = held.block.address
-        if self._held.get(addr) is held:
-            del self._held[addr]
-            del self._addrs[bisect.bisect_left(self._addrs, addr)]
-            self._alloc.free(held.block)
+        if self._held.get(addr) is not held:
+            return
+        size = held.block.size
+        if self._spare_bytes + size <= self._spare_limit and not self._peer_dead:
+            spares = self._spares.get(held.want)
+            if spares is None:
+                spares = self._spares[held.want] = []
+            if len(spares) < _SPARES_PER_SIZE:
+                spares.append(held)  # stays in _held: no view of it is alive anywhere
+                self._spare_bytes += size
+                return
+        self._free_held(held)
+
+    def _free_held(self, held: _Held) -> None:
+        addr = held.block.address
+        del self._held[addr]
+        del self._addrs[bisect.bisect_left(self._addrs, addr)]
+        self._alloc.free(held.block)
+
+    def _free_spares(self) -> None:
+        """Give every spare block back to the allocator."""
+        spares, self._spares, self._spare_bytes = self._spares, {}, 0
+        for blocks in spares.values():
+            for held in blocks:
+                self._free_held(held)
 
     def _on_peer_death(self) -> None:
         """The receiver is gone: every lease is back (its mapping, not us, keeps its arrays).
@@ -374,6 +454,7 @@ class Sender(Closeable):
         its mapping keeps them for as long as it needs them.
         """
         self._peer_dead = True
+        self._free_spares()  # nothing more will be sent
         for seg in self._provider.segments.values():
             if seg.id in self._announced or seg in self._to_announce:
                 seg.keep_pages = True
@@ -381,12 +462,10 @@ class Sender(Closeable):
 
     # -- segment announcements ---------------------------------------------------
 
-    def _want_announced(self, seg: ShmSegment) -> None:
-        if seg.id not in self._announced and seg not in self._to_announce:
-            self._to_announce.append(seg)
-
-    def _header(self, tree: Any) -> tuple[dict[str, Any], list[int]]:
+    def _header(self, tree: bytes) -> tuple[dict[str, Any], list[int]]:
         header: dict[str, Any] = {KIND: BATCH, TREE: tree}
+        if not (self._to_announce or self._grow or self._drop):
+            return header, _NO_FDS
         fds = []
         grow = list(self._grow)
         if self._to_announce:
@@ -401,6 +480,8 @@ class Sender(Closeable):
         return header, fds
 
     def _commit_header(self, header: dict[str, Any]) -> None:
+        if not (self._to_announce or self._grow or self._drop):
+            return
         for s in self._to_announce:
             self._announced.add(s.id)
         self._n_announced += len(self._to_announce)
@@ -450,6 +531,12 @@ class Sender(Closeable):
         self._drop: list[int] = []
         self._sent = self._copied = self._in_place = self._n_announced = 0
         self._last_drain = 0.0
+        self._encoder = tensors.Encoder(self._place)
+        self._taken: list[int] = []  # lease ids the send in progress took (under the lock)
+        self._deadline: float | None = None  # the send in progress's deadline
+        self._spares: dict[int, list[_Held]] = {}  # bytes asked for -> blocks kept for that size
+        self._spare_bytes = 0
+        self._spare_limit = min(self._limit // 8, _SPARE_BYTES)
 
     def _after_fork_in_child(self) -> None:
         # The child must never hand out or release the parent's blocks: give it a
@@ -527,3 +614,16 @@ def _dtypes(dtype: Any) -> tuple[np.dtype, Any]:
 
 
 _dtype_cache: dict[Any, tuple[np.dtype, Any]] = {}
+
+
+def _encode_dtype(dt: np.dtype) -> bytes:
+    """Return `dt` as a descriptor's dtype bytes, refusing object dtypes (cached)."""
+    tensors.check_shareable(dt)
+    got = tensors.encode_dtype(dt).encode()
+    if len(_dtype_bytes) < 1024:
+        _dtype_bytes[dt] = got
+    return got
+
+
+_dtype_bytes: dict[np.dtype, bytes] = {}
+_NO_FDS: list[int] = []

@@ -112,6 +112,34 @@ def test_release_and_reuse_keeps_reserved_bytes_flat(chan):
     tx.allocator.check_invariants()
 
 
+def test_spare_blocks_skip_the_allocator_and_give_way_when_room_is_short():
+    limit = 16 << 20
+    tx, rx = shmshare.channel(limit=limit)
+    for i in range(300):
+        a = tx.empty(4096, np.uint8)
+        a.fill(i & 0xFF)
+        tx.send({"x": a})
+        del a
+        assert rx.recv(timeout=5)["x"][4095] == i & 0xFF  # dropped at once: released
+    assert settle(tx)
+    st = tx.statistics()
+    assert 0 < st.spare_bytes <= limit // 8
+    assert tx.memory_stats()["allocation.all.allocated"] < 150  # most came from spares
+    held = []
+    for _ in range(14):  # 1 MiB blocks, all held by the receiver, then all released
+        tx.send(np.ones(1 << 20, np.uint8))
+        held.append(rx.recv(timeout=5))
+    del held
+    assert settle(tx)
+    assert 0 < tx.statistics().spare_bytes <= limit // 8
+    big = tx.empty(15 << 20, np.uint8, timeout=5)  # needs every byte, the spares' included
+    assert tx.statistics().spare_bytes == 0
+    del big
+    tx.allocator.check_invariants()
+    tx.close()
+    rx.close()
+
+
 def test_block_is_not_reused_while_the_receiver_holds_it(chan):
     tx, rx = chan
     tx.send(np.full(1000, 1, dtype=np.int32))
@@ -147,7 +175,11 @@ def test_failed_send_lends_nothing(chan):
     tx, rx = chan
     with pytest.raises(TypeError, match="object references"):
         tx.send({"ok": np.ones(10), "bad": np.array([object()])})
-    assert tx.statistics().leases_out == 0
+    st = tx.statistics()
+    assert st.leases_out == 0
+    assert tx.memory_stats()["allocated_bytes.all.current"] == st.spare_bytes  # kept for reuse
+    tx.empty_cache()
+    assert tx.statistics().spare_bytes == 0
     assert tx.memory_stats()["allocated_bytes.all.current"] == 0
     tx.send({"after": np.arange(3)})
     np.testing.assert_array_equal(rx.recv(timeout=5)["after"], np.arange(3))
@@ -232,24 +264,28 @@ def _raw_sender():
 def _bad_batches(seg, unsealed):
     from shmshare.tensors import ArrayDesc
 
-    yield ({"k": "m", "b": ArrayDesc(77, 1, 0, "<f4", (4,), (4,)).pack()}, [],
+    def tree(x):
+        return msgpack.packb(x)
+
+    yield ({"k": "m", "b": tree(ArrayDesc(77, 1, 0, "<f4", (4,), (4,)).pack())}, [],
            "segment 77, which it never announced")
     yield {"k": "zz"}, [], "unexpected message kind 'zz'"
     yield ({"k": "m", "s": [[5, 4096, False]],
-            "b": ArrayDesc(5, 1, 4000, "<f8", (100,), (8,)).pack()}, [seg],
+            "b": tree(ArrayDesc(5, 1, 4000, "<f8", (100,), (8,)).pack())}, [seg],
            "outside the mapped part of segment 5")
     yield {"k": "m", "s": [[6, 4096, False]], "b": None}, [], "1 new segments were announced with 0"
-    yield ({"k": "m", "s": [[5, 4096, False]], "b": ArrayDesc(5, 1, 0, "|O", (4,), (8,)).pack()},
+    yield ({"k": "m", "s": [[5, 4096, False]], "b": tree(ArrayDesc(5, 1, 0, "|O", (4,), (8,)).pack())},
            [seg], "holds object references")
-    yield ({"k": "m", "b": ArrayDesc(0, 0, 0, "<f8", (1 << 30,), (8,)).pack()}, [],
+    yield ({"k": "m", "b": tree(ArrayDesc(0, 0, 0, "<f8", (1 << 30,), (8,)).pack())}, [],
            "without memory has shape")
     yield {"k": "m", "s": [[7, 4096, False]], "b": None}, [unsealed], "not a memfd sealed"
     yield ({"k": "m", "s": [[8, 1 << 20, True]], "g": [[8, 0, 8192]], "b": None}, [seg],
            "of 4096 bytes was announced as 8192 bytes")
-    yield {"k": "m", "b": msgpack.ExtType(1, b"short")}, [], "malformed array descriptor"
+    yield {"k": "m", "b": tree(msgpack.ExtType(1, b"short"))}, [], "malformed array descriptor"
+    yield {"k": "m", "b": [1, 2]}, [], "must carry its packed tree as bytes, got list"
 
 
-@pytest.mark.parametrize("case", range(9))
+@pytest.mark.parametrize("case", range(10))
 def test_a_bad_batch_drops_the_connection_and_says_why(case):
     seg = shmshare.Segment.create(4096)
     unsealed = os.memfd_create("shmshare_unsealed")
