@@ -40,12 +40,17 @@ WAIT = 120.0  # s: the longest any one receive may wait
 
 
 def plan(size: int, quick: bool, slow: bool) -> tuple[int, int]:
-    """Return (warm-up, measured) message counts for a size; fewer for slow paths."""
-    budget = (512 * MiB if quick else 4096 * MiB) // (8 if slow else 1)
-    n = max(6, min(4000 if quick else 20000, budget // size))
+    """Return (warm-up, total) message counts for a size; fewer for slow paths.
+
+    At least 6 warm-up messages for every path: a pool settles at 3 blocks in
+    flight (one filled, one queued, one read), as a ring is made warm before
+    it is timed.
+    """
+    budget = (512 * MiB if quick else 8192 * MiB) // (8 if slow else 1)
+    n = max(12, min(4000 if quick else 20000, budget // size))
     if slow:
         n = min(n, 300 if quick else 1500)
-    return max(2, n // 10), n
+    return max(6, n // 10), n
 
 
 def consume(arr: np.ndarray) -> int:

@@ -35,6 +35,8 @@ __all__ = [
     "Encoder",
     "encode",
     "pack_desc",
+    "parse_desc",
+    "Layout",
     "decode",
     "encode_dtype",
     "decode_dtype",
@@ -72,19 +74,9 @@ class ArrayDesc(NamedTuple):
     @classmethod
     def unpack(cls, data: bytes) -> ArrayDesc:
         """Rebuild a descriptor from an ext's payload (raises ValueError when malformed)."""
-        try:
-            seg, block, off, ndim, ntdt, ndt = _HEAD.unpack_from(data)
-            if len(data) != _HEAD.size + 16 * ndim + ntdt + ndt:
-                raise ValueError(f"{len(data)} bytes, {_HEAD.size + 16 * ndim + ntdt + ndt} "
-                                 "expected")
-            f = _layout(ndim, ntdt, ndt).unpack(data)
-            tdt = f[6 + 2 * ndim].decode("ascii")
-            dt = f[7 + 2 * ndim].decode("ascii")
-        except (struct.error, UnicodeDecodeError, ValueError) as exc:
-            raise ValueError(f"malformed array descriptor: {exc}") from exc
+        seg, block, off, dt, shape, strides, tdt = _fields(data)
         # tuple.__new__: the namedtuple's own __new__ costs as much as the parsing
-        return tuple.__new__(cls, (seg, block, off, dt, f[6:6 + ndim], f[6 + ndim:6 + 2 * ndim],
-                                   tdt or None))
+        return tuple.__new__(cls, (seg, block, off, dt, shape, strides, tdt))
 
     @property
     def nbytes(self) -> int:
@@ -94,6 +86,67 @@ class ArrayDesc(NamedTuple):
 
 # segment, block, offset, ndim, len(torch dtype), len(dtype); then shape, strides, the two strings
 _HEAD = struct.Struct("<QQqBBH")
+_WHERE = struct.Struct("<QQq")  # the part that differs between arrays of one layout
+
+
+class Layout(NamedTuple):
+    """A descriptor's layout, checked once and shared by every array that has it."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    torch_dtype: str | None
+    lo: int  # lowest byte offset of an element, relative to element 0 (<= 0)
+    nbytes: int  # bytes the elements span (0 for an empty array)
+    dense: bool  # C-contiguous from element 0: a view needs no offset or strides
+
+
+def parse_desc(data: bytes) -> tuple[int, int, int, Layout]:
+    """Return (segment, block, offset, layout) of an array ext's payload.
+
+    Raises ValueError when malformed. Arrays of one shape, dtype and strides
+    share their layout bytes, so each distinct layout is parsed and checked
+    once (Note [Hot path]).
+    """
+    tail = data[_WHERE.size:]
+    layout = _layouts.get(tail)
+    if layout is None:
+        _, _, _, dt, shape, strides, tdt = _fields(data)
+        try:
+            dtype = decode_dtype(dt)
+        except ValueError as exc:
+            raise ValueError(f"malformed array descriptor: {exc}") from exc
+        lo, nbytes = span(dtype.itemsize, shape, strides)
+        dense = lo == 0 and strides == _c_strides(dtype.itemsize, shape) and nbytes > 0
+        layout = Layout(dtype, shape, strides, tdt, lo, nbytes, dense)
+        if len(_layouts) >= 4096:
+            _layouts.clear()  # a peer sending ever new shapes: start over, never grow without bound
+        _layouts[tail] = layout
+    return (*_WHERE.unpack_from(data), layout)  # type: ignore[return-value]
+
+
+_layouts: dict[bytes, Layout] = {}
+
+
+def _c_strides(itemsize: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, step = [], itemsize
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+def _fields(data: bytes) -> tuple[int, int, int, str, tuple[int, ...], tuple[int, ...], str | None]:
+    try:
+        seg, block, off, ndim, ntdt, ndt = _HEAD.unpack_from(data)
+        if len(data) != _HEAD.size + 16 * ndim + ntdt + ndt:
+            raise ValueError(f"{len(data)} bytes, {_HEAD.size + 16 * ndim + ntdt + ndt} expected")
+        f = _layout(ndim, ntdt, ndt).unpack(data)
+        tdt = f[6 + 2 * ndim].decode()
+        dt = f[7 + 2 * ndim].decode()
+    except (struct.error, UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"malformed array descriptor: {exc}") from exc
+    return seg, block, off, dt, f[6:6 + ndim], f[6 + ndim:6 + 2 * ndim], tdt or None
 
 
 def span(itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, int]:
@@ -161,14 +214,15 @@ def encode(obj: Any, place: Callable[[Any], Any]) -> bytes:
     return Encoder(place).encode(obj)
 
 
-def decode(data: bytes, view: Callable[[ArrayDesc], Any]) -> Any:
-    """Return the batch that :func:`encode` packed into `data`; `view(desc)` gives each array.
+def decode(data: bytes, view: Callable[[int, int, int, Layout], Any]) -> Any:
+    """Return the batch that :func:`encode` packed into `data`.
 
-    Raises ValueError for bytes that are not such a batch.
+    ``view(segment, block, offset, layout)`` gives each array (see
+    :func:`parse_desc`). Raises ValueError for bytes that are not such a batch.
     """
     def hook(code: int, payload: bytes) -> Any:
         if code == EXT_ARRAY:
-            return view(ArrayDesc.unpack(payload))
+            return view(*parse_desc(payload))
         if code == EXT_TUPLE:
             return tuple(msgpack.unpackb(payload, ext_hook=hook, raw=False,
                                          strict_map_key=False))
@@ -226,10 +280,20 @@ def pack_desc(segment: int, block: int, offset: int, dtype: bytes, shape: tuple[
 
     `dtype` and `torch_dtype` are the encoded strings as ASCII bytes.
     """
-    n = len(shape)
-    return _ext(EXT_ARRAY, _layout(n, len(torch_dtype), len(dtype)).pack(
-        segment, block, offset, n, len(torch_dtype), len(dtype), *shape, *strides, torch_dtype,
-        dtype))
+    key = (dtype, shape, strides, torch_dtype)
+    tail = _tails.get(key)  # what arrays of one layout share, packed once
+    if tail is None:
+        n = len(shape)
+        tail = _layout(n, len(torch_dtype), len(dtype)).pack(
+            0, 0, 0, n, len(torch_dtype), len(dtype), *shape, *strides, torch_dtype,
+            dtype)[_WHERE.size:]
+        if len(_tails) >= 4096:
+            _tails.clear()  # ever new shapes: start over rather than grow without bound
+        _tails[key] = tail
+    return _ext(EXT_ARRAY, _WHERE.pack(segment, block, offset) + tail)
+
+
+_tails: dict[tuple[bytes, tuple[int, ...], tuple[int, ...], bytes], bytes] = {}
 
 
 @lru_cache(maxsize=1024)

@@ -33,9 +33,9 @@ class Arena:
         return ArrayDesc(0, start, start, tensors.encode_dtype(arr.dtype), arr.shape,
                          dst.strides, tdt)
 
-    def view(self, d):
-        return np.ndarray(d.shape, tensors.decode_dtype(d.dtype), buffer=self.mem,
-                          offset=d.offset, strides=d.strides)
+    def view(self, segment, block, offset, layout):
+        return np.ndarray(layout.shape, layout.dtype, buffer=self.mem, offset=offset,
+                          strides=layout.strides)
 
 
 def roundtrip(obj):
@@ -89,10 +89,18 @@ def test_keys_subclasses_and_scalars_come_back_as_plain_values():
     assert type(got["f"]) is np.float64 and type(got["b"]) is np.bool_
 
 
-def test_pack_desc_matches_the_descriptor():
+def test_pack_desc_matches_the_descriptor_and_layouts_are_shared():
     d = ArrayDesc(3, 9, -8, "<i4", (2, 3), (12, -4), "bfloat16")
     assert tensors.pack_desc(3, 9, -8, b"<i4", (2, 3), (12, -4), b"bfloat16") == d.pack()
     assert ArrayDesc.unpack(d.pack().data) == d
+    seg, block, off, lay = tensors.parse_desc(d.pack().data)
+    assert (seg, block, off) == (3, 9, -8)
+    assert lay == (np.dtype("<i4"), (2, 3), (12, -4), "bfloat16", -8, 24, False)
+    assert tensors.parse_desc(ArrayDesc(1, 1, 0, "<i4", (2, 3), (12, 4)).pack().data)[3].dense
+    other = tensors.parse_desc(ArrayDesc(4, 10, 64, "<i4", (2, 3), (12, -4), "bfloat16").pack().data)
+    assert other[:3] == (4, 10, 64) and other[3] is lay  # parsed once
+    with pytest.raises(ValueError, match="malformed dtype"):
+        tensors.parse_desc(ArrayDesc(1, 1, 0, "not-a-dtype", (1,), (1,)).pack().data)
 
 
 def test_descriptor_keeps_strides_and_span():
@@ -127,9 +135,9 @@ def test_malformed_descriptors_and_exts():
     with pytest.raises(ValueError, match="malformed array descriptor"):
         ArrayDesc.unpack(msgpack.packb([1, 2]))
     with pytest.raises(ValueError, match="unknown ext code 9"):
-        decode(msgpack.packb(msgpack.ExtType(9, b"")), lambda d: None)
+        decode(msgpack.packb(msgpack.ExtType(9, b"")), lambda *a: None)
     with pytest.raises(ValueError, match="malformed batch"):
-        decode(b"\x92\x01", lambda d: None)  # a list of two with one item
+        decode(b"\x92\x01", lambda *a: None)  # a list of two with one item
     with pytest.raises(ValueError, match="malformed dtype"):
         tensors.decode_dtype("not-a-dtype")
 

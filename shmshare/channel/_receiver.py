@@ -299,7 +299,8 @@ class Receiver(Closeable):
         if type(tree) is not bytes:
             raise ProtocolError(f"a batch must carry its packed tree as bytes, got "
                                 f"{type(tree).__name__}")
-        return tensors.decode(tree, lambda d: self._view(peer, d))
+        return tensors.decode(tree, lambda seg, block, off, lay: self._view(peer, seg, block, off,
+                                                                            lay))
 
     def _grow_and_drop(self, peer: _Peer, header: dict[str, Any]) -> None:
         for seg_id, offset, nbytes in header.get(GROW, ()):
@@ -336,27 +337,31 @@ class Receiver(Closeable):
             raise ProtocolError(f"pid {peer.pid} referred to segment {seg_id}, which it never "
                                 "announced or already dropped") from None
 
-    def _view(self, peer: _Peer, d: tensors.ArrayDesc) -> Any:
-        dt = tensors.decode_dtype(d.dtype)
+    def _view(self, peer: _Peer, seg_id: int, block: int, offset: int,
+              lay: tensors.Layout) -> Any:
+        dt = lay.dtype
         if dt.hasobject:  # bytes in shared memory would be taken for PyObject pointers
             raise ProtocolError(f"an array of dtype {dt} holds object references; refused")
-        if d.segment == 0:
-            if 0 not in d.shape:
-                raise ProtocolError(f"a descriptor without memory has shape {d.shape}, not empty")
-            arr = np.empty(d.shape, dt)  # nothing to share in an empty array
-            return _as_torch(arr, d.torch_dtype) if d.torch_dtype else arr
-        rec = peer.segments.get(d.segment) or self._segment(peer, d.segment)
-        lo, nbytes = tensors.span(dt.itemsize, d.shape, d.strides)
-        start = d.offset + lo
+        if seg_id == 0:
+            if 0 not in lay.shape:
+                raise ProtocolError(f"a descriptor without memory has shape {lay.shape}, not empty")
+            arr = np.empty(lay.shape, dt)  # nothing to share in an empty array
+            return _as_torch(arr, lay.torch_dtype) if lay.torch_dtype else arr
+        rec = peer.segments.get(seg_id) or self._segment(peer, seg_id)
+        start = offset + lay.lo
+        nbytes = lay.nbytes
         if not (0 <= start and start + nbytes <= rec.size if rec.fd < 0
                 else rec.covers(start, start + nbytes)):
             raise ProtocolError(f"an array of {nbytes} bytes at offset {start} lies outside the "
-                                f"mapped part of segment {d.segment} ({rec.size} bytes)")
-        writable = self._writable or d.torch_dtype is not None  # torch has no read-only tensors
-        lease = _native.Lease(rec.root, rec.address + start, nbytes, readonly=not writable,
-                              on_release=_Release(self, peer, d.block))
-        arr = np.ndarray(d.shape, dt, buffer=lease, offset=-lo, strides=d.strides)
-        return _as_torch(arr, d.torch_dtype) if d.torch_dtype else arr
+                                f"mapped part of segment {seg_id} ({rec.size} bytes)")
+        writable = self._writable or lay.torch_dtype is not None  # torch has no read-only tensors
+        lease = _native.Lease(rec.root, rec.address + start, nbytes, not writable,
+                              _Release(self, peer, block))  # positional: cheaper to parse
+        if lay.dense:
+            arr = np.ndarray(lay.shape, dt, buffer=lease)
+        else:
+            arr = np.ndarray(lay.shape, dt, buffer=lease, offset=-lay.lo, strides=lay.strides)
+        return _as_torch(arr, lay.torch_dtype) if lay.torch_dtype else arr
 
     # -- releases ----------------------------------------------------------------
 

@@ -143,7 +143,10 @@ class Sender(Closeable):
             self._deadline = deadline
             try:
                 tree = self._encoder.encode(obj)  # calls _place for each array
-                header, fds = self._header(tree)
+                if self._to_announce or self._grow or self._drop:
+                    header, fds = self._header(tree)
+                else:  # the usual message: nothing to announce
+                    header, fds = {KIND: BATCH, TREE: tree}, _NO_FDS
                 self._send_draining(header, fds, deadline)
             except PeerDied as exc:
                 self._on_peer_death()
@@ -152,7 +155,8 @@ class Sender(Closeable):
             except BaseException:
                 self._return_leases(taken)  # nothing was sent: nothing is lent
                 raise
-            self._commit_header(header)
+            if fds or len(header) > 2:
+                self._commit_header(header)
             self._sent += 1
 
     def empty(self, shape: Any, dtype: Any = np.float64, timeout: float | None = None) -> Any:
@@ -175,16 +179,15 @@ class Sender(Closeable):
                 self._check_usable()
             if self._local_done:
                 self._drain_local()  # releases from the receiver are taken in by send()
-            spares = self._spares.get(want)
-            if spares:
-                held = spares.pop()
-                self._spare_bytes -= held.block.size
-                held.local = True
-            else:
+            held = self._spare(want)
+            if held is None:
                 deadline = None if timeout is None else time.monotonic() + timeout
                 held = self._new_held(want, deadline, local=True)
-        lease = _native.Lease(self._alloc, held.block.address, nbytes,
-                              on_release=partial(self._local_done.append, held))
+            else:
+                held.local = True
+        # positional: keyword parsing costs more than the rest of the call
+        lease = _native.Lease(self._alloc, held.block.address, nbytes, False,
+                              partial(self._local_done.append, held))
         arr = np.ndarray(shp, np_dtype, buffer=lease)
         if torch_dtype is None:
             return arr
@@ -298,11 +301,8 @@ class Sender(Closeable):
     def _copy_in(self, arr: np.ndarray) -> tuple[_Held, tuple[int, ...]]:
         """Copy an array that is not in the pool into a new block (C order)."""
         want = arr.nbytes
-        spares = self._spares.get(want)
-        if spares:
-            held = spares.pop()
-            self._spare_bytes -= held.block.size
-        else:
+        held = self._spare(want)
+        if held is None:
             held = self._new_held(want, self._deadline, local=False)
         try:
             dst = np.ndarray(arr.shape, arr.dtype, buffer=_native.Lease(None, held.block.address,
@@ -320,9 +320,10 @@ class Sender(Closeable):
         on us while we wait on it.
         """
         while True:
-            left = _remaining(deadline)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                self._conn.send(header, fds, _POLL_SLICE if left is None else min(left, _POLL_SLICE))
+                self._conn.send(header, fds, _POLL_SLICE if left is None or left > _POLL_SLICE
+                                else left)
                 return
             except ShmshareTimeout:
                 if left is not None and left <= _POLL_SLICE:
@@ -338,6 +339,25 @@ class Sender(Closeable):
         held = self._held[self._addrs[i]]
         b = held.block
         return held if start + span <= b.address + b.size else None
+
+    def _spare(self, want: int) -> _Held | None:
+        """Take a spare block for a request of `want` bytes, or None.
+
+        With none at hand, take in the releases already queued first: a
+        block the receiver has just let go of is better than a fresh one,
+        whose pages (and the receiver's mapping of them) cost far more than
+        one syscall -- a producer of large arrays would otherwise grow its
+        pool by a segment whenever a release is a moment late.
+        """
+        spares = self._spares.get(want)
+        if not spares and self._leases and not self._peer_dead:
+            self._drain()
+            spares = self._spares.get(want)
+        if not spares:
+            return None
+        held = spares.pop()
+        self._spare_bytes -= held.block.size
+        return held
 
     def _new_held(self, nbytes: int, deadline: float | None, local: bool) -> _Held:
         block = self._malloc(nbytes, deadline)
@@ -464,8 +484,6 @@ class Sender(Closeable):
 
     def _header(self, tree: bytes) -> tuple[dict[str, Any], list[int]]:
         header: dict[str, Any] = {KIND: BATCH, TREE: tree}
-        if not (self._to_announce or self._grow or self._drop):
-            return header, _NO_FDS
         fds = []
         grow = list(self._grow)
         if self._to_announce:
@@ -480,8 +498,6 @@ class Sender(Closeable):
         return header, fds
 
     def _commit_header(self, header: dict[str, Any]) -> None:
-        if not (self._to_announce or self._grow or self._drop):
-            return
         for s in self._to_announce:
             self._announced.add(s.id)
         self._n_announced += len(self._to_announce)
