@@ -6,7 +6,8 @@ Note [Releases]
     collector). The callback only appends ``(peer, lease)`` to a deque and,
     if the flusher is not armed, arms it with one byte on a wake-up pipe; it
     takes no lock. Releases go back in one frame per sender, from two places:
-    ``recv`` sends them when enough have gathered or the last batch is older
+    ``recv`` sends them when enough have gathered (_BATCH of them, or
+    _BATCH_BYTES of pool memory) or the last batch is older
     than ``_MAX_AGE``; the flusher thread, once armed, wakes every
     ``_MAX_AGE`` and sends what ``recv`` left (a consumer that stopped
     calling ``recv``), and disarms when the queue is empty. So a sender
@@ -40,7 +41,8 @@ from ._protocol import (BATCH, BYE, DROP, GROW, KIND, NEW, RELEASE, RELEASE_CHUN
 __all__ = ["Receiver"]
 
 _MAX_AGE = 0.002  # s a release may wait before it is sent
-_BATCH = 64  # releases that make recv() send at once
+_BATCH = 64  # releases that make recv() send at once, ...
+_BATCH_BYTES = 1 << 20  # ... or bytes released: a sender's pool should not grow by a batch of them
 _pid = os.getpid()  # releases are sent only by the process that received the arrays
 
 
@@ -88,16 +90,17 @@ class _Peer:
 class _Release:
     """on_release of one received array: queue its lease id (see Note [Releases])."""
 
-    __slots__ = ("rx", "peer", "lease", "pid")
+    __slots__ = ("rx", "peer", "lease", "pid", "nbytes")
 
-    def __init__(self, rx: Receiver, peer: _Peer, lease: int) -> None:
-        self.rx, self.peer, self.lease, self.pid = rx, peer, lease, _pid
+    def __init__(self, rx: Receiver, peer: _Peer, lease: int, nbytes: int) -> None:
+        self.rx, self.peer, self.lease, self.pid, self.nbytes = rx, peer, lease, _pid, nbytes
 
     def __call__(self) -> None:
         if self.pid != _pid:
             return  # an array inherited by a forked child: the lease is its parent's
         rx = self.rx
         rx._released.append((self.peer, self.lease))
+        rx._released_bytes += self.nbytes  # a hint for recv() (a race only blurs it)
         if not rx._armed:
             rx._armed = True
             rx._wake.poke()
@@ -144,7 +147,8 @@ class Receiver(Closeable):
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         self._check_open()
-        if len(self._released) >= _BATCH or time.monotonic() - self._last_flush > _MAX_AGE:
+        if (len(self._released) >= _BATCH or self._released_bytes >= _BATCH_BYTES
+                or time.monotonic() - self._last_flush > _MAX_AGE):
             self._flush()
         while True:
             peer = self._next_peer(deadline)
@@ -356,7 +360,7 @@ class Receiver(Closeable):
                                 f"mapped part of segment {seg_id} ({rec.size} bytes)")
         writable = self._writable or lay.torch_dtype is not None  # torch has no read-only tensors
         lease = _native.Lease(rec.root, rec.address + start, nbytes, not writable,
-                              _Release(self, peer, block))  # positional: cheaper to parse
+                              _Release(self, peer, block, nbytes))  # positional: cheaper to parse
         if lay.dense:
             arr = np.ndarray(lay.shape, dt, buffer=lease)
         else:
@@ -367,6 +371,7 @@ class Receiver(Closeable):
 
     def _new_flusher_state(self) -> None:
         self._released: collections.deque[tuple[_Peer, int]] = collections.deque()
+        self._released_bytes = 0  # about how many bytes the queued releases give back
         self._wake = _WakePipe()
         self._armed = False  # the flusher is awake and will look at the queue again
         self._last_flush = 0.0
@@ -385,6 +390,7 @@ class Receiver(Closeable):
         with self._flush_lock:
             self._last_flush = time.monotonic()
             q = self._released
+            self._released_bytes = 0
             if not q:
                 return
             by_peer: dict[_Peer, list[int]] = {}

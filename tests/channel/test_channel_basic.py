@@ -140,6 +140,19 @@ def test_spare_blocks_skip_the_allocator_and_give_way_when_room_is_short():
     rx.close()
 
 
+def test_large_releases_go_back_at_once_so_the_pool_stays_small(chan):
+    tx, rx = chan
+    for i in range(200):
+        a = tx.empty(1 << 20, np.uint8)
+        a[::4096] = i & 0xFF
+        tx.send(a)
+        del a
+        assert rx.recv(timeout=5)[4096] == i & 0xFF  # dropped at once: 1 MiB released
+    # Releases of 1 MiB or more are sent by the next recv(), not kept for a batch of 64
+    # (64 MiB of pool), and the sender takes them in before it asks for a fresh block.
+    assert tx.memory_stats()["reserved_bytes.all.peak"] <= 8 << 20
+
+
 def test_block_is_not_reused_while_the_receiver_holds_it(chan):
     tx, rx = chan
     tx.send(np.full(1000, 1, dtype=np.int32))
