@@ -28,8 +28,6 @@ import msgpack
 import numpy as np
 from numpy.lib import format as npformat
 
-from ._errors import ShmshareError
-
 __all__ = [
     "ArrayDesc",
     "Encoder",
@@ -172,25 +170,39 @@ class Encoder:
     any plain value or tuple of them (they must be hashable to be keys).
     """
 
-    __slots__ = ("_place", "_packer")
+    __slots__ = ("_place", "_packer", "_failed")
 
     def __init__(self, place: Callable[[Any], Any]) -> None:
         self._place = place
         self._packer = msgpack.Packer(default=self._default, use_bin_type=True, strict_types=True)
+        self._failed: BaseException | None = None  # what place() raised in this encode()
 
     def encode(self, obj: Any) -> bytes:
-        """Return `obj` as msgpack bytes (TypeError naming the path of what cannot be sent)."""
+        """Return `obj` as msgpack bytes (TypeError naming the path of what cannot be sent).
+
+        What ``place`` raises comes out as it is (no room in the pool, the
+        peer died, the sender was closed, ...), except a TypeError, which is
+        about the batch's content and gets its path named.
+        """
+        self._failed = None
         try:
             return self._packer.pack(obj)  # type: ignore[no-any-return]
-        except ShmshareError:
-            raise  # from place(): no room in the pool, the peer died, ...
         except (TypeError, ValueError, OverflowError) as exc:
+            failed, self._failed = self._failed, None
+            if exc is failed and not isinstance(exc, TypeError):
+                raise
             raise _explain(obj, exc) from exc
+        finally:
+            self._failed = None
 
     def _default(self, o: Any) -> Any:
         t = type(o)
         if t is np.ndarray or isinstance(o, np.ndarray) or is_torch_tensor(o):
-            got = self._place(o)
+            try:
+                got = self._place(o)
+            except BaseException as exc:
+                self._failed = exc
+                raise
             return got.pack() if type(got) is ArrayDesc else got
         if isinstance(o, tuple):
             items = msgpack.packb(list(o), default=self._default, use_bin_type=True,

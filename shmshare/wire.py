@@ -22,6 +22,17 @@ Note [Receiving fds safely]
     error path closes them, and MSG_CTRUNC is an :class:`FdLimitError` that
     names RLIMIT_NOFILE and the fds open, never a silently lost tensor.
     EINTR is retried by Python itself (PEP 475) for recvmsg, sendmsg and poll.
+
+Note [Closing from another thread]
+    Closing a socket does not wake a thread blocked in recvmsg/sendmsg/poll
+    on it (the kernel keeps the file while the call runs), and shutdown()
+    would cut every process's copy of the socket, a forked child's included.
+    So no call here blocks in the kernel for long: sends and receives are
+    MSG_DONTWAIT, and waits are poll() in slices of _CLOSE_CHECK that look at
+    the state in between. ``close()`` from another thread makes a waiting
+    call raise ValueError within _CLOSE_CHECK. A poll on a fd number that
+    was closed and reused meanwhile only ends a slice early or late; the
+    state is checked before the socket is touched again.
 """
 
 from __future__ import annotations
@@ -66,6 +77,7 @@ MAX_FRAME = 128 * 1024  # bytes in one frame; SEQPACKET messages must fit the so
 MAX_FDS = 64  # fds in one message (the kernel's SCM_MAX_FD is 253)
 _KIND_HELLO, _KIND_MSG = 0, 1
 # socket.MSG_* are IntFlag members: arithmetic on them costs ~1 us, so keep plain ints.
+_CLOSE_CHECK = 0.1  # s: how often a wait looks whether another thread closed the connection
 _NO_FDS: list[int] = []
 _NO_ANC: list[Any] = []
 _NOSIGNAL, _DONTWAIT, _CTRUNC, _TRUNC, _CMSG_CLOEXEC = map(int, (
@@ -198,20 +210,24 @@ class Connection(Closeable):
 
     def _send_frame(self, frame: bytes, fds: list[int], timeout: float | None) -> None:
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else _NO_ANC
-        # With a timeout, try first and compute a deadline only when the socket is full.
-        flags = _NOSIGNAL if timeout is None else _NOSIGNAL | _DONTWAIT
+        # Try first; compute a deadline and wait (in slices: Note [Closing from another
+        # thread]) only when the socket is full.
         deadline = None
         while True:
             try:
-                self._sock.sendmsg([frame], anc, flags)
+                self._sock.sendmsg([frame], anc, _NOSIGNAL | _DONTWAIT)
                 return
             except BlockingIOError:
-                if deadline is None:
-                    deadline = time.monotonic() + timeout  # type: ignore[operator]
-                self._wait(self._pollout, max(0.0, deadline - time.monotonic()), "send", timeout)
+                if deadline is None and timeout is not None:
+                    deadline = time.monotonic() + timeout
+                if not self._poll_until(self._pollout, deadline, "send()"):
+                    raise ShmshareTimeout(f"send timed out after {timeout} s (peer "
+                                          f"{self._peer_name()})") from None
             except (BrokenPipeError, ConnectionResetError) as exc:
                 raise PeerDied(f"the peer ({self._peer_name()}) closed the connection") from exc
             except OSError as exc:
+                if self.state is State.CLOSED:
+                    raise ValueError("this Connection was closed while send() waited") from exc
                 if exc.errno == errno.ETOOMANYREFS:
                     raise FdLimitError(exc.errno, "too many fds are in flight on this socket "
                                        "(ETOOMANYREFS); let the peer receive before sending more") from exc
@@ -265,9 +281,10 @@ class Connection(Closeable):
                 return body, fds
 
     def _recv_frame(self, timeout: float | None) -> tuple[int, Any, list[Fd]] | None:
-        # With a timeout, try first and wait only when nothing is queued: one syscall, not two.
-        # MSG_CMSG_CLOEXEC: received fds must not leak into programs this process execs.
-        mode = _CMSG_CLOEXEC | (0 if timeout is None else _DONTWAIT)
+        # Try first and wait only when nothing is queued (in slices: Note [Closing from
+        # another thread]). MSG_CMSG_CLOEXEC: received fds must not leak into programs this
+        # process execs.
+        mode = _CMSG_CLOEXEC | _DONTWAIT
         if timeout is not None and timeout <= 0:
             if not self._pollin.poll(0):
                 return None  # nothing queued: no exception raised and caught for it
@@ -282,8 +299,7 @@ class Connection(Closeable):
             except BlockingIOError:
                 if deadline is None and timeout is not None:
                     deadline = time.monotonic() + timeout
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                if not self._pollin.poll(None if left is None else _ms(left)):
+                if not self._poll_until(self._pollin, deadline, "recv()"):
                     return None
             except ConnectionResetError as exc:
                 # Note [Reset before the queue is empty]: a peer that closed with frames of
@@ -293,6 +309,10 @@ class Connection(Closeable):
                 resets += 1
                 if resets > 1:
                     raise PeerDied(f"the peer ({self._peer_name()}) reset the connection") from exc
+            except OSError as exc:
+                if self.state is State.CLOSED:  # EBADF: closed by another thread
+                    raise ValueError("this Connection was closed while recv() waited") from exc
+                raise
         fds = _take_fds(anc) if anc else []
         if flags & _CTRUNC:
             _close_all(fds)
@@ -332,7 +352,10 @@ class Connection(Closeable):
     def poll(self, timeout: float | None = 0.0) -> bool:
         """Return whether a message (or end of stream) can be received within `timeout` s."""
         self._check_open()
-        return bool(self._pollin.poll(None if timeout is None else _ms(timeout)))
+        if timeout is not None and timeout <= 0:
+            return bool(self._pollin.poll(0))
+        return self._poll_until(self._pollin, None if timeout is None else
+                                time.monotonic() + timeout, "poll()")
 
     def fileno(self) -> int:
         """Return the socket's fd, for selectors (readable = a message is waiting)."""
@@ -382,9 +405,26 @@ class Connection(Closeable):
         if self.state is State.CLOSED:
             raise ValueError("this Connection is closed")
 
-    def _wait(self, poller: Any, left: float | None, what: str, timeout: float | None) -> None:
-        if not poller.poll(None if left is None else _ms(left)):
-            raise ShmshareTimeout(f"{what} timed out after {timeout} s (peer {self._peer_name()})")
+    def _poll_until(self, poller: Any, deadline: float | None, what: str) -> bool:
+        """Wait until `poller` fires (True) or `deadline` passes (False).
+
+        Waits in slices of _CLOSE_CHECK and raises ValueError once the
+        connection is closed (Note [Closing from another thread]).
+        """
+        while True:
+            if self.state is State.CLOSED:
+                raise ValueError(f"this Connection was closed while {what} waited")
+            if deadline is None:
+                step = _CLOSE_CHECK
+            else:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return bool(poller.poll(0))
+                step = min(left, _CLOSE_CHECK)
+            if poller.poll(_ms(step)):
+                if self.state is State.CLOSED:  # POLLNVAL, or a fd number someone reused
+                    raise ValueError(f"this Connection was closed while {what} waited")
+                return True
 
     def _peer_name(self) -> str:
         pid = self.peer_hello.get("pid") if self.peer_hello else self.peer_cred.pid

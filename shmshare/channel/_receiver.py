@@ -41,6 +41,7 @@ from ._protocol import (BATCH, BYE, DROP, GROW, KIND, NEW, RELEASE, RELEASE_CHUN
 __all__ = ["Receiver"]
 
 _MAX_AGE = 0.002  # s a release may wait before it is sent
+_CLOSE_CHECK = wire._CLOSE_CHECK  # s: a wait looks this often whether close() was called
 _BATCH = 64  # releases that make recv() send at once, ...
 _BATCH_BYTES = 1 << 20  # ... or bytes released: a sender's pool should not grow by a batch of them
 _pid = os.getpid()  # releases are sent only by the process that received the arrays
@@ -151,9 +152,20 @@ class Receiver(Closeable):
                 or time.monotonic() - self._last_flush > _MAX_AGE):
             self._flush()
         while True:
-            peer = self._next_peer(deadline)
+            if self._closed:
+                raise ValueError("this Receiver was closed while recv() waited")
+            try:
+                peer = self._next_peer(deadline)
+            except ValueError:
+                if self._closed:  # by another thread, while we waited
+                    raise ValueError("this Receiver was closed while recv() waited") from None
+                raise
             try:
                 got = peer.conn.recv(_left(deadline)) if self._sel is None else peer.conn.recv_nowait()
+            except ValueError:
+                if self._closed:
+                    raise ValueError("this Receiver was closed while recv() waited") from None
+                raise
             except PeerDied as exc:
                 self._forget(peer)
                 if self._sel is not None and peer.bye:
@@ -196,7 +208,15 @@ class Receiver(Closeable):
             return True
         if self._sel is None:
             return bool(self._peers) and self._peers[0].conn.poll(timeout)
-        return bool(self._sel.select(timeout))
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:  # in slices: Note [Closing from another thread] in wire
+            left = _left(deadline)
+            if self._sel.select(_CLOSE_CHECK if left is None else min(left, _CLOSE_CHECK)):
+                return True
+            if self._closed:
+                raise ValueError("this Receiver was closed while poll() waited")
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
 
     def fileno(self) -> int:
         """Return a fd that is readable when ``recv`` has something (for selectors)."""
@@ -241,7 +261,10 @@ class Receiver(Closeable):
                 raise PeerDied("the sender is gone and everything it sent was received")
             return self._peers[0]
         while not self._ready:
-            events = self._sel.select(_left(deadline))
+            if self._closed:
+                raise ValueError("this Receiver is closed")
+            left = _left(deadline)  # in slices: Note [Closing from another thread] in wire
+            events = self._sel.select(_CLOSE_CHECK if left is None else min(left, _CLOSE_CHECK))
             for key, _ in events:
                 if key.data is None:
                     self._accept()

@@ -116,6 +116,7 @@ class Sender(Closeable):
         self._conn = conn
         self._limit, self._config, self._backend = limit, config, backend
         self._closed = False
+        self._closing = False  # close() was called, maybe from another thread: waits stop
         self._peer_dead = False
         self._new_pool()
         _live.add(self)
@@ -241,6 +242,7 @@ class Sender(Closeable):
         The goodbye (so that the receiver sees a clean end, not a crash) is
         sent only if this process sent something on this sender.
         """
+        self._closing = True  # a send() waiting (holding the lock) for room gives up within 0.1 s
         with self._lock:
             if self._closed:
                 return
@@ -249,7 +251,8 @@ class Sender(Closeable):
             # handed to a child must not end the child's stream.
             if not self._peer_dead and self._sent:
                 try:  # behind every batch still queued: wait (taking releases in) for room
-                    self._send_draining({KIND: BYE}, [], time.monotonic() + _BYE_WAIT)
+                    self._send_draining({KIND: BYE}, [], time.monotonic() + _BYE_WAIT,
+                                        closing=True)
                 except (PeerDied, ShmshareTimeout, OSError):
                     pass  # the receiver will see a crash rather than a goodbye: it stopped reading
             self._conn.close()
@@ -313,11 +316,13 @@ class Sender(Closeable):
             raise
         return held, dst.strides
 
-    def _send_draining(self, header: dict[str, Any], fds: list[int], deadline: float | None) -> None:
+    def _send_draining(self, header: dict[str, Any], fds: list[int], deadline: float | None,
+                       closing: bool = False) -> None:
         """Send one frame; while the socket is full, keep taking in the receiver's releases.
 
         A receiver whose own releases cannot get through would otherwise wait
-        on us while we wait on it.
+        on us while we wait on it. Unless `closing` (close()'s goodbye), a
+        close() from another thread ends the wait with ValueError.
         """
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -328,6 +333,9 @@ class Sender(Closeable):
             except ShmshareTimeout:
                 if left is not None and left <= _POLL_SLICE:
                     raise
+                if self._closing and not closing:
+                    raise ValueError("this Sender was closed while send() waited for room on "
+                                     "the socket") from None
                 self._drain()
                 if self._peer_dead:
                     raise PeerDied("the receiver went away while the socket was full") from None
@@ -391,6 +399,9 @@ class Sender(Closeable):
                     time.sleep(wait)  # only local views can give memory back now
                 else:
                     self._conn.poll(wait)
+                if self._closing:
+                    raise ValueError("this Sender was closed while it waited for room in its "
+                                     "pool") from exc
                 self._drain()
 
     def _exhausted(self, nbytes: int, deadline: float | None) -> PoolExhausted:

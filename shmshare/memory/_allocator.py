@@ -405,8 +405,8 @@ class CachingAllocator(ReclaimMixin):
         cause, self._last_provider_error = self._last_provider_error, None
         raise OutOfMemoryError(
             self._oom_message(requested, size, alloc_size, capacity, free, allocated, reserved),
-            requested=requested, size=size, capacity=capacity, free=free, allocated=allocated,
-            reserved=reserved,
+            requested=requested, size=max(size, alloc_size), capacity=capacity, free=free,
+            allocated=allocated, reserved=reserved,
         ) from cause
 
     def _oom_message(self, requested: int, size: int, alloc_size: int, capacity: int | None,
