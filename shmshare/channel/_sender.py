@@ -66,7 +66,7 @@ _SPARES_PER_SIZE = 1024  # ... and at most this many of one size (Note [Spare bl
 class _Held:
     """A pool block the sender holds: by a local view, by leases, as a spare, or several."""
 
-    __slots__ = ("block", "seg", "local", "leases", "want")
+    __slots__ = ("block", "seg", "local", "leases", "want", "spare")
 
     def __init__(self, block: Any, seg: ShmSegment, local: bool, want: int) -> None:
         self.block = block  # the allocator's Block
@@ -74,6 +74,7 @@ class _Held:
         self.local = local  # an array from empty()/zeros() is alive here
         self.leases = 0  # arrays of it alive in the receiver
         self.want = want  # the bytes asked for (its spare list's key)
+        self.spare = False  # kept for the next request of its size: nothing may point into it
 
 
 @dataclass(frozen=True)
@@ -346,7 +347,8 @@ class Sender(Closeable):
             return None
         held = self._held[self._addrs[i]]
         b = held.block
-        return held if start + span <= b.address + b.size else None
+        # a spare has no view anywhere: memory "in" it came from a raw pointer, not from us
+        return held if start + span <= b.address + b.size and not held.spare else None
 
     def _spare(self, want: int) -> _Held | None:
         """Take a spare block for a request of `want` bytes, or None.
@@ -364,6 +366,7 @@ class Sender(Closeable):
         if not spares:
             return None
         held = spares.pop()
+        held.spare = False
         self._spare_bytes -= held.block.size
         return held
 
@@ -460,6 +463,7 @@ class Sender(Closeable):
                 spares = self._spares[held.want] = []
             if len(spares) < _SPARES_PER_SIZE:
                 spares.append(held)  # stays in _held: no view of it is alive anywhere
+                held.spare = True
                 self._spare_bytes += size
                 return
         self._free_held(held)
