@@ -15,6 +15,12 @@ Note [Event pool]
     pool and go back to it. A pooled :class:`Event` hands its raw event back
     as soon as a query finds it done (it then answers True for ever, as the
     allocator's rules require), or when it is released or collected.
+
+    ``EventPool.close()`` destroys the events in the pool, not those handed
+    out: their holders (a pinned block waiting for its copy stream, say) may
+    still record, query or wait on them, and a destroyed handle may be
+    reused by the driver for another event. So a closed pool destroys each
+    of those when it comes back instead of keeping it, and hands out no more.
 """
 
 from __future__ import annotations
@@ -231,34 +237,70 @@ class EventPool:
         self.context = context or Context.primary(0)
         self._free: list[Any] = []  # raw CUevents ready for reuse
         self._lock = threading.RLock()  # re-entrant: an Event collected under it gives itself back
+        self._closed = False  # close() ran: returned events are destroyed, none handed out
         self.created = 0  # events ever created with cuEventCreate
+        self.handed_out = 0  # events handed out and not given back yet
 
     def get(self) -> Event:
         """Return an event, reused from the pool when one is there."""
         with self._lock:
+            if self._closed:
+                raise ValueError(f"get() on a closed event pool of device {self.context.device}")
             raw = self._free.pop() if self._free else None
+            self.handed_out += 1
         if raw is None:
-            self.context.make_current()
-            raw = call("cuEventCreate", 2)  # CU_EVENT_DISABLE_TIMING: cheaper to record and query
-            self.created += 1
+            try:
+                self.context.make_current()
+                raw = call("cuEventCreate", 2)  # CU_EVENT_DISABLE_TIMING: cheaper to record and query
+            except BaseException:
+                with self._lock:
+                    self.handed_out -= 1
+                raise
+            with self._lock:
+                self.created += 1
         return Event(self, raw)
 
     def put(self, raw: Any) -> None:
-        """Take back a raw event that nobody uses any more."""
+        """Take back a raw event that nobody uses any more; destroy it once the pool is closed."""
         with self._lock:
-            self._free.append(raw)
+            self.handed_out -= 1
+            if not self._closed:
+                self._free.append(raw)
+                return
+        self._destroy([raw])
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called."""
+        return self._closed
 
     def close(self) -> None:
-        """Destroy the events in the pool (those handed out come back later and stay)."""
+        """Destroy the pooled events now, and each event handed out when it comes back. Idempotent.
+
+        Events still handed out stay valid until given back: their holders
+        may still use them (Note [Event pool]).
+        """
         with self._lock:
+            self._closed = True
             free, self._free = self._free, []
-        if free:
-            self.context.make_current()
-        for raw in free:
-            call("cuEventDestroy", raw)
+        self._destroy(free)
 
     def __len__(self) -> int:
         return len(self._free)
+
+    def _destroy(self, raws: list[Any]) -> None:
+        """Destroy every one of ``raws``; a failure does not keep the others alive."""
+        if not raws:
+            return
+        self.context.make_current()
+        error: Exception | None = None
+        for raw in raws:
+            try:
+                call("cuEventDestroy", raw)
+            except Exception as exc:
+                error = error or exc
+        if error is not None:
+            raise error
 
 
 class Event:

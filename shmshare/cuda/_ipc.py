@@ -15,14 +15,49 @@ shmshare already has a socket to the peer, so each chunk's fd
 (``cuMemExportToShareableHandle``, one per chunk, Note [Device chunks])
 travels in ``SCM_RIGHTS``, as shm segment fds do. No ptrace permission is
 involved, and the fd in flight keeps the physical memory alive: the sender
-may exit right after sending. The receiver imports each fd
-(``cuMemImportFromShareableHandle``), closes it, reserves an address range,
-maps the chunks in order and sets access. The imported handles keep the
-memory alive after the sender is gone, until the receiver unmaps.
+may exit right after sending. The receiver reserves an address range,
+imports each fd (``cuMemImportFromShareableHandle``), closes it, maps the
+chunks in order and sets access. The imported handles keep the memory
+alive after the sender is gone, until the receiver unmaps.
 
-The message is one header (up to 64 fds), then continuation messages for
-more fds. The sender must not reuse the block until the receiver says it is
-done; that ordering is the channel's lease protocol, not this module's.
+Note [Device memory in batches]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+A block of N chunks is N fds. Exporting them all before sending, and
+importing only once all had arrived, held N fds at once on each side: a
+2 GiB block is 1,024 fds, the default ``ulimit -n``. So both sides work in
+batches of at most ``batch`` (= ``wire.MAX_FDS``) fds, one batch per
+message: the sender exports a batch, sends it and closes its copies before
+exporting the next; the receiver reserves the whole address range at the
+header, then imports, closes and maps each batch as it arrives. Neither
+side holds more than one batch of chunk fds at any moment.
+
+Protocol version 2 (version 1 had no ``batch`` and no abort)::
+
+    header        {kind: "shmshare.cuda.memory", version: 2, device, device_uuid,
+                   chunk_size, nchunks, batch, offset, nbytes, meta}
+                  + fds of chunks [0, min(batch, nchunks))
+    continuation  {kind: "shmshare.cuda.memory.fds", index: i}
+                  + fds of chunks [i, i + min(batch, nchunks - i)), i = batch, 2*batch...
+    abort         {kind: "shmshare.cuda.memory.abort", index: i, error: str}, no fds:
+                  the sender failed after sending chunks [0, i) and sends no more
+
+The receiver accepts exactly that sequence: anything else (another kind,
+a wrong index, too many or too few fds, a header whose sizes do not add
+up or exceed the device) is a :class:`ProtocolError`, and whatever it had
+imported and mapped is released. A sender that dies mid-way is
+:class:`PeerDied` and one that stops talking a timeout, both naming how
+many chunks had arrived; after any of these errors the connection is out
+of step and should be closed.
+
+Fds in flight (sent, not yet received) sit in the socket, in neither
+process's table, but Linux charges each to the sending user's
+``RLIMIT_NOFILE`` and fails a send past it with ETOOMANYREFS, which
+``wire`` raises as :class:`FdLimitError`. Batching does not bound them: a
+receiver that lags by more than the sender's ``ulimit -n`` chunks makes the
+send fail (clearly, at once). Receive while the sender sends.
+
+The sender must not reuse the block until the receiver says it is done;
+that ordering is the channel's lease protocol, not this module's.
 """
 
 from __future__ import annotations
@@ -31,7 +66,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import ProtocolError
+from .._errors import PeerDied, ProtocolError, ShmshareTimeout
 from ..wire import MAX_FDS, Connection, Fd
 from ._array import DeviceArray
 from ._context import Context
@@ -43,12 +78,18 @@ __all__ = ["ImportedDeviceMemory", "recv_device_memory", "send_device_memory"]
 
 KIND = "shmshare.cuda.memory"
 KIND_MORE = "shmshare.cuda.memory.fds"
-VERSION = 1
+KIND_ABORT = "shmshare.cuda.memory.abort"
+VERSION = 2  # Note [Device memory in batches]
+_ABORT_TIMEOUT = 1.0  # s: the abort is a courtesy to the receiver, never a reason to wait long
 
 
 def send_device_memory(conn: Connection, provider: CudaDeviceProvider, address: Any, nbytes: int | None = None,
                        *, meta: dict[str, Any] | None = None, timeout: float | None = None) -> None:
     """Send ``[address, address + nbytes)`` of ``provider``'s device memory to the peer of ``conn``.
+
+    The chunks' fds go in batches of at most ``wire.MAX_FDS``, each
+    exported just before it is sent and closed right after (Note [Device
+    memory in batches]).
 
     Parameters
     ----------
@@ -58,6 +99,8 @@ def send_device_memory(conn: Connection, provider: CudaDeviceProvider, address: 
         The block's size when None.
     meta : dict, optional
         msgpack-able values delivered with the memory (dtype, shape...).
+    timeout : float, optional
+        Seconds each message may wait for room in the socket.
     """
     if nbytes is None:
         nbytes = getattr(address, "size", None)
@@ -69,50 +112,88 @@ def send_device_memory(conn: Connection, provider: CudaDeviceProvider, address: 
         raise ValueError(f"[0x{address:x}, +{nbytes}) is not inside one virtual-memory segment of {provider!r} "
                          "(cuMemAlloc memory cannot be sent by fd: create the provider with ipc=True)")
     vrange, offset = found
-    first, fds = vrange.export(offset, nbytes)
-    owned = [Fd(fd) for fd in fds]
-    try:
-        header = {"kind": KIND, "version": VERSION, "device": provider.device,
-                  "device_uuid": provider.context.uuid(), "chunk_size": vrange.chunk_size,
-                  "nchunks": len(fds), "offset": offset - first, "nbytes": nbytes, "meta": meta or {}}
-        for index in range(0, len(owned), MAX_FDS):
-            message = header if index == 0 else {"kind": KIND_MORE, "index": index}
-            conn.send(message, owned[index:index + MAX_FDS], timeout)
-    finally:
-        for fd in owned:
-            fd.close()
+    chunk = vrange.chunk_size
+    first = offset - offset % chunk
+    count = -(-(offset + nbytes - first) // chunk)
+    missing = [o for o in range(first, first + count * chunk, chunk) if o not in vrange.chunks]
+    if missing:  # checked before the header goes: the receiver then waits for nothing that cannot come
+        raise ValueError(f"send of [0x{address:x}, +{nbytes}): the chunk at offset {missing[0]:#x} is not mapped")
+    header = {"kind": KIND, "version": VERSION, "device": provider.device,
+              "device_uuid": provider.context.uuid(), "chunk_size": chunk, "nchunks": count,
+              "batch": MAX_FDS, "offset": offset - first, "nbytes": nbytes, "meta": meta or {}}
+    sent = 0
+    while sent < count:
+        n = min(MAX_FDS, count - sent)
+        try:
+            _, raw = vrange.export(first + sent * chunk, n * chunk)
+        except BaseException as exc:
+            if sent:
+                _abort(conn, sent, count, exc)
+            raise
+        owned = [Fd(fd) for fd in raw]
+        try:
+            conn.send(header if sent == 0 else {"kind": KIND_MORE, "index": sent}, owned, timeout)
+        finally:
+            for fd in owned:  # the peer has its own copies now (or nothing, if the send failed)
+                fd.close()
+        sent += n
 
 
 def recv_device_memory(conn: Connection, *, timeout: float | None = None,
                        context: Context | None = None) -> ImportedDeviceMemory:
     """Receive device memory sent with :func:`send_device_memory`, imported and mapped here.
 
+    Each batch of chunk fds is imported, closed and mapped as it arrives
+    (Note [Device memory in batches]); ``timeout`` bounds the wait for each message.
+
     Raises
     ------
     ProtocolError
-        For a message that is not device memory, or whose fds do not match its header.
+        For a message that is not device memory, a header that does not add
+        up, a sequence of batches that is not the one announced, or a sender
+        that gave up part way.
+    PeerDied, ShmshareTimeout
+        When the sender closes the connection, or stops sending, part way.
     """
     header, fds = conn.recv(timeout)
+    vrange: VirtualRange | None = None
     try:
-        nchunks = _check_header(header, len(fds))
-        while len(fds) < nchunks:
-            more, extra = conn.recv(timeout)
-            fds += extra
-            if not isinstance(more, dict) or more.get("kind") != KIND_MORE or len(fds) > nchunks:
-                raise ProtocolError(f"expected {nchunks} chunk fds of device memory, got {len(fds)} and {more!r}")
+        count, batch = _check_header(header, len(fds))
         context = context or _context_for(header["device_uuid"], header["device"])
-        return ImportedDeviceMemory(context, header, fds)
+        chunk = header["chunk_size"]
+        if chunk * count > context.total_memory():
+            raise ProtocolError(f"device memory header announces {count} chunks of {chunk} bytes, more than "
+                                f"device {context.device}'s {context.total_memory()} bytes")
+        context.make_current()
+        vrange = VirtualRange(context, chunk * count, chunk, shareable=False)
+        received = 0
+        while True:
+            _import_batch(vrange, received, fds)
+            received += len(fds)
+            if received == count:
+                break
+            fds = _next_batch(conn, timeout, received, count, batch)
+        memory = ImportedDeviceMemory(vrange, header)
+    except BaseException as exc:
+        if vrange is not None:
+            try:
+                vrange.close()  # every chunk mapped so far, then the range; nothing used them: no synchronize
+            except Exception as cleanup:  # keep the first error: it says what went wrong
+                exc.add_note(f"releasing the partly imported range failed too: {cleanup!r}")
+        raise
     finally:
         for fd in fds:
             fd.close()
+    return memory
 
 
 class ImportedDeviceMemory:
     """Device memory imported from another process, mapped in this one.
 
-    ``close()`` drops this object's hold; the memory is unmapped (after
-    synchronizing the context) when the last :class:`DeviceArray` made by
-    :meth:`array`, and every DLPack consumer of one, are gone too.
+    Made by :func:`recv_device_memory`. ``close()`` drops this object's
+    hold; the memory is unmapped (after synchronizing the context) when the
+    last :class:`DeviceArray` made by :meth:`array`, and every DLPack
+    consumer of one, are gone too.
 
     Attributes
     ----------
@@ -125,29 +206,11 @@ class ImportedDeviceMemory:
         What the sender attached.
     """
 
-    def __init__(self, context: Context, header: dict[str, Any], fds: list[Fd]) -> None:
-        chunk, count = header["chunk_size"], header["nchunks"]
-        context.make_current()
-        vrange = VirtualRange(context, chunk * count, chunk, shareable=False)
-        handles: list[Any] = []
-        try:
-            kind = posix_fd_handle_type()
-            for fd in fds:  # the driver dups what it needs: our fds are closed by the caller
-                handles.append(call("cuMemImportFromShareableHandle", fd.fileno(), kind))
-        except BaseException:
-            for handle in handles:
-                call("cuMemRelease", handle)
-            vrange.release()
-            raise
-        try:
-            vrange.map_imported(0, handles)  # owns every handle from here, mapped or not
-        except BaseException:
-            vrange.release()
-            raise
-        self._mapping: _Mapping | None = _Mapping(vrange)
+    def __init__(self, vrange: VirtualRange, header: dict[str, Any]) -> None:
+        self._mapping: _Mapping | None = _Mapping(vrange)  # owns the range from here on
         self.address = vrange.address + header["offset"]
         self.nbytes = header["nbytes"]
-        self.device = context.device
+        self.device = vrange.context.device
         self.meta = header["meta"]
 
     def array(self, shape: Any = None, dtype: Any = np.uint8, *, stream: Any = None) -> DeviceArray:
@@ -197,23 +260,83 @@ class _Mapping:
             pass
 
 
-def _check_header(header: Any, nfds: int) -> int:
+def _check_header(header: Any, nfds: int) -> tuple[int, int]:
+    """Return (nchunks, batch) of a version-2 header carrying ``nfds`` fds, or raise ProtocolError."""
     if not isinstance(header, dict) or header.get("kind") != KIND:
-        raise ProtocolError(f"expected a {KIND!r} message, got {header!r}")
+        raise ProtocolError(f"expected a {KIND!r} message, got {header!r:.200}")
     if header.get("version") != VERSION:
-        raise ProtocolError(f"device memory message version {header.get('version')!r}, expected {VERSION}")
-    fields = {"device": int, "chunk_size": int, "nchunks": int, "offset": int, "nbytes": int,
+        raise ProtocolError(f"device memory message version {header.get('version')!r}, expected {VERSION} "
+                            "(install the same shmshare version on both sides)")
+    fields = {"device": int, "chunk_size": int, "nchunks": int, "batch": int, "offset": int, "nbytes": int,
               "device_uuid": bytes, "meta": dict}
     for name, kind in fields.items():
         if not isinstance(header.get(name), kind) or isinstance(header.get(name), bool):
             raise ProtocolError(f"device memory header field {name!r} is {header.get(name)!r}, not {kind.__name__}")
     chunk, count, offset, nbytes = header["chunk_size"], header["nchunks"], header["offset"], header["nbytes"]
-    if chunk <= 0 or count <= 0 or offset < 0 or nbytes <= 0 or offset + nbytes > chunk * count:
+    if chunk <= 0 or count <= 0 or nbytes <= 0 or not 0 <= offset < chunk or -(-(offset + nbytes) // chunk) != count:
         raise ProtocolError(f"device memory header does not add up: {count} chunks of {chunk} bytes, "
                             f"{nbytes} bytes at offset {offset}")
-    if nfds != min(count, MAX_FDS):
-        raise ProtocolError(f"device memory header announces {count} chunks but carries {nfds} fds")
-    return count
+    batch = header["batch"]
+    if not 1 <= batch <= MAX_FDS:
+        raise ProtocolError(f"device memory header asks for batches of {batch} fds; this end takes 1 to {MAX_FDS}")
+    if nfds != min(count, batch):
+        raise ProtocolError(f"device memory header announces {count} chunks in batches of {batch} "
+                            f"but carries {nfds} fds")
+    return count, batch
+
+
+def _next_batch(conn: Connection, timeout: float | None, index: int, count: int, batch: int) -> list[Fd]:
+    """Receive the continuation that carries chunks from ``index`` on; return its fds, or raise."""
+    try:
+        message, fds = conn.recv(timeout)
+    except (PeerDied, ShmshareTimeout) as exc:
+        raise type(exc)(f"{exc}, after {index} of {count} chunks of device memory had arrived") from exc
+    want = min(batch, count - index)
+    if isinstance(message, dict) and message.get("kind") == KIND_ABORT and not fds:
+        raise ProtocolError(f"the sender gave up after {index} of {count} chunks of device memory: "
+                            f"{message.get('error')!r:.300}")
+    if (not isinstance(message, dict) or message.get("kind") != KIND_MORE or type(message.get("index")) is not int
+            or message["index"] != index or len(fds) != want):
+        for fd in fds:
+            fd.close()
+        raise ProtocolError(f"expected {KIND_MORE!r} with index {index} and {want} fds (chunks {index} to "
+                            f"{index + want - 1} of {count}), got {message!r:.200} with {len(fds)} fds")
+    return fds
+
+
+def _import_batch(vrange: VirtualRange, index: int, fds: list[Fd]) -> None:
+    """Import chunks ``index``... from ``fds``, close the fds, and map the chunks in ``vrange``; all or nothing."""
+    handles: list[Any] = []
+    try:
+        vrange.context.make_current()
+        kind = posix_fd_handle_type()
+        for fd in fds:  # the driver takes what it needs from each fd: ours are closed below
+            handles.append(call("cuMemImportFromShareableHandle", fd.fileno(), kind))
+    except BaseException:
+        _release_quietly(handles)
+        raise
+    finally:
+        for fd in fds:
+            fd.close()
+    vrange.map_imported(index * vrange.chunk_size, handles)  # owns every handle from here, mapped or not
+
+
+def _release_quietly(handles: list[Any]) -> None:
+    """Release imported handles on an error path: try every one; the error on its way out matters more."""
+    for handle in handles:
+        try:
+            call("cuMemRelease", handle)
+        except Exception:
+            pass
+
+
+def _abort(conn: Connection, index: int, count: int, exc: BaseException) -> None:
+    """Tell a receiver that has chunks [0, index) that no more will come, so it fails rather than waits."""
+    try:
+        conn.send({"kind": KIND_ABORT, "index": index,
+                   "error": f"{type(exc).__name__}: {exc}"[:1000]}, (), _ABORT_TIMEOUT)
+    except Exception:  # the connection is broken too: the receiver sees that instead
+        pass
 
 
 def _context_for(uuid: bytes, ordinal: int) -> Context:

@@ -19,6 +19,7 @@ are per device.
 
 from __future__ import annotations
 
+import errno
 import threading
 from collections.abc import Hashable
 from typing import Any
@@ -27,6 +28,8 @@ from .. import _native
 from ..memory._config import AllocatorConfig, get_config, parse_config
 from ..memory._host import CachingHostAllocator
 from ..memory._host_fallback import AnonymousMemory
+from ..memory._policy import format_size
+from ..memory._provider import ProviderOutOfMemory
 from ._context import Context, Event, EventPool, stream_handle
 from ._driver import call
 
@@ -120,15 +123,33 @@ class CudaHostProvider:
         return _Pinned(int(call("cuMemHostAlloc", nbytes, PORTABLE)), nbytes, None)
 
     def _allocate_registered(self, nbytes: int) -> _Pinned:
-        memory = AnonymousMemory(nbytes)
+        memory = AnonymousMemory(nbytes)  # an mmap failure is already ProviderOutOfMemory
         try:
-            # Fault the pages in first, on several threads: the driver then only pins them.
-            _native.prefault(memory.address, memory.length, self.register_threads, True)
+            self._prefault(memory)
             call("cuMemHostRegister", memory.address, memory.length, PORTABLE)
         except BaseException:
             memory.close()
             raise
         return _Pinned(memory.address, nbytes, memory)
+
+    def _prefault(self, memory: AnonymousMemory) -> None:
+        """Fault the pages in first, on several threads: the driver then only pins them.
+
+        ``MADV_POPULATE_WRITE`` fails with ENOMEM when the pages cannot be
+        had (its other ENOMEM, a hole in the range, cannot happen: the
+        mapping is ours and whole). That is the pool's out-of-memory, as a
+        failed mmap or ``CUDA_ERROR_OUT_OF_MEMORY`` is: the pool empties its
+        cache and retries rather than failing at once. (Kernels before 5.14
+        touch the pages instead; there the OOM killer answers, not an errno.)
+        """
+        try:
+            _native.prefault(memory.address, memory.length, self.register_threads, True)
+        except OSError as exc:
+            if exc.errno != errno.ENOMEM:
+                raise
+            raise ProviderOutOfMemory(f"host: faulting in {format_size(memory.length)} to register "
+                                      f"(prefault on {self.register_threads} threads) failed: "
+                                      f"{exc.strerror or exc}") from exc
 
 
 class _Pinned:

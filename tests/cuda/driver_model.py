@@ -76,6 +76,7 @@ class DriverModel:
         self.real = real  # cuda.bindings.driver, for signature checks and types; None for stand-ins
         self.types = real if real is not None else _standins()
         self.capacity = capacity
+        self.granularity = GRANULARITY  # cuMemGetAllocationGranularity; tests may shrink it for many cheap chunks
         self.used = 0
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
         self.retains = 0
@@ -343,10 +344,10 @@ class DriverModel:
 
     def _cuMemGetAllocationGranularity(self, prop: Any, option: Any) -> Any:
         assert int(prop.type) == 1 and int(prop.location.type) == 1, "granularity of a non-device prop"
-        return self._ok(GRANULARITY)
+        return self._ok(self.granularity)
 
     def _cuMemAddressReserve(self, size: int, alignment: int, address: Any, flags: int) -> Any:
-        assert size % GRANULARITY == 0 and size <= 1 << 36, f"reserve of {size} bytes"
+        assert size % self.granularity == 0 and size <= 1 << 36, f"reserve of {size} bytes"
         start = next(self._va)
         self.reservations[start] = size
         return self._ok(self._wrap("CUdeviceptr", start))
@@ -359,7 +360,7 @@ class DriverModel:
         return self._ok()[:1]
 
     def _cuMemCreate(self, size: int, prop: Any, flags: int) -> Any:
-        assert size % GRANULARITY == 0, f"cuMemCreate of {size} bytes, not whole granules"
+        assert size % self.granularity == 0, f"cuMemCreate of {size} bytes, not whole granules"
         pid = self._new_phys(size)
         if pid is None:
             return self._err(CUresult.CUDA_ERROR_OUT_OF_MEMORY)

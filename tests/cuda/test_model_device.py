@@ -205,7 +205,7 @@ def _read(address: int, nbytes: int) -> np.ndarray:
 
 @pytest.mark.parametrize("config, nbytes", [("expandable_segments:True", 5 * MiB + 123),
                                             ("expandable_segments:False", 700_000),
-                                            ("expandable_segments:True", 140 * MiB)])  # > 64 chunk fds
+                                            ("expandable_segments:True", 140 * MiB)])  # two batches of chunk fds
 def test_device_memory_crosses_a_wire_by_fd_and_outlives_its_sender(
         driver_model: DriverModel, pipe: tuple[wire.Connection, wire.Connection], config: str, nbytes: int) -> None:
     sender_side, receiver_side = pipe
@@ -276,15 +276,22 @@ def test_only_virtual_memory_of_an_ipc_provider_can_be_sent(driver_model: Driver
 @pytest.mark.parametrize("header, nfds, match", [
     ({"kind": "other"}, 0, "expected a 'shmshare.cuda.memory' message"),
     ({"version": 9}, 1, "version 9"),
+    ({"version": 1}, 1, "version 1, expected 2"),  # before batches: no "batch", no abort
     ({"nbytes": "ten"}, 1, "'nbytes'"),
+    ({"batch": None}, 1, "'batch'"),
     ({"offset": 2 * MiB}, 1, "does not add up"),
+    ({"nchunks": 2}, 1, "does not add up"),  # more chunks than the bytes need
+    ({"batch": 0}, 0, "batches of 0 fds"),
+    ({"batch": wire.MAX_FDS + 1}, 1, f"batches of {wire.MAX_FDS + 1} fds"),
+    ({"nchunks": 3000, "nbytes": 3000 * 2 * MiB, "batch": 1}, 1, "more than device 0's"),  # the model has 4 GiB
     ({}, 2, "carries 2 fds"),
+    ({"nchunks": 3, "nbytes": 5 * MiB, "batch": 2}, 3, "batches of 2 but carries 3 fds"),
 ])
 def test_malformed_messages_are_protocol_errors_and_their_fds_closed(
         driver_model: DriverModel, pipe: tuple[wire.Connection, wire.Connection],
         header: dict[str, object], nfds: int, match: str) -> None:
-    good = {"kind": "shmshare.cuda.memory", "version": 1, "device": 0, "device_uuid": b"\0" * 16,
-            "chunk_size": 2 * MiB, "nchunks": 1, "offset": 0, "nbytes": MiB, "meta": {}}
+    good = {"kind": "shmshare.cuda.memory", "version": 2, "device": 0, "device_uuid": b"\0" * 16,
+            "chunk_size": 2 * MiB, "nchunks": 1, "batch": wire.MAX_FDS, "offset": 0, "nbytes": MiB, "meta": {}}
     with contextlib.ExitStack() as stack:
         files = [stack.enter_context(open("/dev/null")) for _ in range(nfds)]
         pipe[0].send({**good, **header}, files)
@@ -294,8 +301,8 @@ def test_malformed_messages_are_protocol_errors_and_their_fds_closed(
 
 def test_a_device_the_receiver_cannot_see_is_named(driver_model: DriverModel,
                                                   pipe: tuple[wire.Connection, wire.Connection]) -> None:
-    header = {"kind": "shmshare.cuda.memory", "version": 1, "device": 3, "device_uuid": b"\1" * 16,
-              "chunk_size": 2 * MiB, "nchunks": 1, "offset": 0, "nbytes": MiB, "meta": {}}
+    header = {"kind": "shmshare.cuda.memory", "version": 2, "device": 3, "device_uuid": b"\1" * 16,
+              "chunk_size": 2 * MiB, "nchunks": 1, "batch": wire.MAX_FDS, "offset": 0, "nbytes": MiB, "meta": {}}
     with open("/dev/null") as f:
         pipe[0].send(header, [f])
     with pytest.raises(ProtocolError, match="CUDA_VISIBLE_DEVICES"):

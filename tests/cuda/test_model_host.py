@@ -7,16 +7,21 @@ cuda-python accepts every call's arguments. The real thing is test_gpu.py.
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import threading
+from typing import ClassVar
 
 import numpy as np
 import pytest
 
-from shmshare import Flags, Segment, cuda
+from shmshare import Flags, Segment, _native, cuda
 from shmshare._procfs import shm_mappings
+from shmshare.cuda import _pinned
+from shmshare.memory import OutOfMemoryError, ProviderOutOfMemory
 from shmshare.memory._host import CachingHostAllocator
+from shmshare.memory._host_fallback import AnonymousMemory
 
 from .driver_model import DriverModel
 
@@ -76,6 +81,32 @@ def test_events_come_back_to_their_pool_once_done(driver_model: DriverModel) -> 
     assert not driver_model.events and not [s for s in driver_model.streams if s > 2]
 
 
+def test_events_out_when_the_pool_closes_are_destroyed_when_they_come_back(driver_model: DriverModel) -> None:
+    ctx = cuda.Context.primary(0)
+    pool = cuda.EventPool(ctx)
+    stream = cuda.Stream(ctx)
+    pool.get().release()  # one event in the pool
+    driver_model.hold(stream.handle)
+    pending = pool.get()
+    pending.record(stream)  # a copy still running: its holder will query it after the close
+    dropped = pool.get()  # given back only when collected
+    assert pool.created == 2 and pool.handed_out == 2 and len(driver_model.events) == 2
+    pool.close()
+    assert len(driver_model.events) == 2 and pool.closed  # only the pooled one could go at once
+    assert not pending.query()  # still a live event after the close
+    with pytest.raises(ValueError, match="closed event pool"):
+        pool.get()
+    driver_model.finish(stream.handle)
+    assert pending.query()  # done: gives its event back, and the closed pool destroys it
+    assert len(driver_model.events) == 1 and len(pool) == 0
+    del dropped
+    gc.collect()
+    assert not driver_model.events and pool.handed_out == 0 and len(pool) == 0
+    pool.close()  # idempotent
+    assert names(driver_model).count("cuEventDestroy") == names(driver_model).count("cuEventCreate") == 2
+    stream.close()
+
+
 def test_streams_equal_their_handles(driver_model: DriverModel) -> None:
     stream = cuda.Stream()
     assert stream == stream.handle and hash(stream) == hash(stream.handle)
@@ -132,6 +163,85 @@ def test_the_register_path_pins_whole_pages_it_faulted_in(driver_model: DriverMo
     with pytest.raises(ValueError, match="register_threads"):
         cuda.CudaHostProvider(register_threads=65)
     provider.close()
+
+
+class _Recorded(AnonymousMemory):
+    """AnonymousMemory that remembers every instance, to check that a failed allocation unmapped its memory."""
+
+    made: ClassVar[list[AnonymousMemory]] = []
+
+    def __init__(self, nbytes: int) -> None:
+        super().__init__(nbytes)
+        self.made.append(self)
+
+
+def _failing_prefault(monkeypatch: pytest.MonkeyPatch, errors: list[int]) -> None:
+    """Make the next ``len(errors)`` prefaults fail with those errnos (a real ENOMEM cannot be provoked
+    here without starving the test process), and later ones run for real."""
+    real = _native.prefault
+
+    def prefault(address: int, nbytes: int, threads: int = 1, writable: bool = False) -> None:
+        if errors:
+            err = errors.pop(0)
+            detail = f"MADV_POPULATE_WRITE, 0x{address:x}, {nbytes} bytes"
+            raise OSError(err, f"madvise failed: {os.strerror(err)} ({detail})")
+        real(address, nbytes, threads, writable)
+
+    monkeypatch.setattr(_native, "prefault", prefault)
+    monkeypatch.setattr(_pinned, "AnonymousMemory", _Recorded)
+    _Recorded.made = []
+
+
+def test_a_prefault_out_of_memory_empties_the_pinned_pool_and_retries(driver_model: DriverModel,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    config = "pinned_use_cuda_host_register:True"
+    provider = cuda.CudaHostProvider(config=config)
+    pool = CachingHostAllocator(provider, config)
+    pool.free(pool.allocate(MiB))  # cached: what the pool gives back when memory runs short
+    _failing_prefault(monkeypatch, [errno.ENOMEM])
+    driver_model.calls.clear()
+    block = pool.allocate(4 * MiB)
+    calls = [n for n in names(driver_model) if n.startswith("cuMemHost")]
+    assert calls == ["cuMemHostUnregister", "cuMemHostRegister"]  # failed before the driver, emptied the cache, retried
+    assert list(driver_model.registered.values()) == [4 * MiB]
+    first, second = _Recorded.made
+    assert first._map is None and second._map is not None  # the failed attempt unmapped its memory
+    pool.free(block)
+    pool.close()
+    provider.close()
+    assert not driver_model.registered
+
+
+def test_a_prefault_that_stays_out_of_memory_is_the_pools_out_of_memory(driver_model: DriverModel,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    provider = cuda.CudaHostProvider(register=True, register_threads=2)
+    _failing_prefault(monkeypatch, [errno.ENOMEM])
+    with pytest.raises(ProviderOutOfMemory, match=r"faulting in 2.00 MiB.*2 threads.*Cannot allocate memory"):
+        provider.allocate(2 * MiB)
+    pool = CachingHostAllocator(provider, "pinned_use_cuda_host_register:True")
+    _failing_prefault(monkeypatch, [errno.ENOMEM, errno.ENOMEM])
+    with pytest.raises(OutOfMemoryError, match="pinned host pool out of memory"):
+        pool.allocate(MiB)
+    assert all(m._map is None for m in _Recorded.made) and len(_Recorded.made) == 2
+    assert not driver_model.registered and "cuMemHostRegister" not in names(driver_model)
+    pool.close()
+    provider.close()
+
+
+def test_a_prefault_failing_otherwise_is_not_taken_for_out_of_memory(driver_model: DriverModel,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    provider = cuda.CudaHostProvider(register=True)
+    pool = CachingHostAllocator(provider, "pinned_use_cuda_host_register:True")
+    pool.free(pool.allocate(MiB))
+    _failing_prefault(monkeypatch, [errno.EFAULT])
+    with pytest.raises(OSError, match="Bad address") as info:
+        pool.allocate(4 * MiB)
+    assert not isinstance(info.value, ProviderOutOfMemory)
+    assert "cuMemHostUnregister" not in names(driver_model)  # no empty-and-retry for it: the cache is intact
+    assert _Recorded.made[0]._map is None
+    pool.close()
+    provider.close()
+    assert not driver_model.registered
 
 
 def test_host_allocator_is_one_pool_per_process(driver_model: DriverModel) -> None:
