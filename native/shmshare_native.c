@@ -349,21 +349,31 @@ static PyObject *py_extent(PyObject *mod, PyObject *obj) {
     (void)mod;
     Py_buffer view;
     if (PyObject_GetBuffer(obj, &view, PyBUF_STRIDES) < 0) return NULL;
-    Py_ssize_t lo = 0, hi = 0, span = view.itemsize;
+    Py_ssize_t lo = 0, hi = 0, span = view.itemsize, step;
+    int overflow = 0;
     for (int i = 0; i < view.ndim; i++) {
         Py_ssize_t n = view.shape[i], stride = view.strides[i];
         if (n == 0) {
             lo = hi = span = 0;
+            overflow = 0;
             break;
         }
-        if (stride < 0)
-            lo += (n - 1) * stride;
-        else
-            hi += (n - 1) * stride;
+        /* strides from as_strided() can be anything: never let the sums wrap */
+        overflow |= __builtin_mul_overflow(n - 1, stride, &step);
+        overflow |= stride < 0 ? __builtin_add_overflow(lo, step, &lo)
+                               : __builtin_add_overflow(hi, step, &hi);
     }
-    if (span) span += hi - lo;
+    if (span && !overflow) {
+        overflow |= __builtin_sub_overflow(hi, lo, &step);
+        overflow |= __builtin_add_overflow(span, step, &span);
+    }
     unsigned long long address = (unsigned long long)(uintptr_t)view.buf;
+    int ndim = view.ndim;
     PyBuffer_Release(&view);
+    if (overflow)
+        return PyErr_Format(PyExc_OverflowError,
+                            "extent: the elements of this %d-dimensional buffer span more bytes "
+                            "than an address can (strides from as_strided?)", ndim);
     return Py_BuildValue("(Knn)", address, lo, span);
 }
 

@@ -114,12 +114,18 @@ def parse_desc(data: bytes) -> tuple[int, int, int, Layout]:
             dtype = decode_dtype(dt)
         except ValueError as exc:
             raise ValueError(f"malformed array descriptor: {exc}") from exc
+        # What numpy itself does not survive (a negative dimension of a 0-byte dtype is a
+        # SIGFPE inside np.ndarray) is refused here, once per layout.
+        if len(shape) > 64 or any(n < 0 for n in shape):
+            raise ValueError(f"malformed array descriptor: shape {shape} (at most 64 dimensions, "
+                             "none negative)")
         lo, nbytes = span(dtype.itemsize, shape, strides)
         dense = lo == 0 and strides == _c_strides(dtype.itemsize, shape) and nbytes > 0
         layout = Layout(dtype, shape, strides, tdt, lo, nbytes, dense)
-        if len(_layouts) >= 4096:
-            _layouts.clear()  # a peer sending ever new shapes: start over, never grow without bound
-        _layouts[tail] = layout
+        if len(tail) <= 1024:  # a long structured dtype is parsed each time, never kept
+            if len(_layouts) >= 4096:
+                _layouts.clear()  # a peer sending ever new shapes: start over, never grow
+            _layouts[tail] = layout
     return (*_WHERE.unpack_from(data), layout)  # type: ignore[return-value]
 
 
@@ -205,16 +211,17 @@ class Encoder:
                 raise
             return got.pack() if type(got) is ArrayDesc else got
         if isinstance(o, tuple):
-            items = msgpack.packb(list(o), default=self._default, use_bin_type=True,
-                                  strict_types=True)
-            return _ext(EXT_TUPLE, items)
+            # A list led by the marker (Note [Tuples]); the packer walks the items itself.
+            return [_TUPLE_EXT, *tuple.__iter__(o)]
         if isinstance(o, np.generic):
             check_shareable(o.dtype, "a numpy scalar")
             return _ext(EXT_SCALAR, msgpack.packb([encode_dtype(o.dtype), o.tobytes()],
                                                   use_bin_type=True))
-        for base in (dict, list, bool, int, float, str, bytes):  # subclasses, e.g. IntEnum
-            if isinstance(o, base) and t is not base:
-                return base(o)
+        # Subclasses (IntEnum, a str Enum, OrderedDict, ...) go as their base's value, taken
+        # with the base's own methods: no __str__/__float__/keys() of theirs runs here.
+        for base, value in _BASE_VALUE:
+            if isinstance(o, base):
+                return value(o)
         raise TypeError(f"a {t.__module__}.{t.__qualname__} cannot be sent")
 
 
@@ -235,16 +242,15 @@ def decode(data: bytes, view: Callable[[int, int, int, Layout], Any]) -> Any:
     def hook(code: int, payload: bytes) -> Any:
         if code == EXT_ARRAY:
             return view(*parse_desc(payload))
-        if code == EXT_TUPLE:
-            return tuple(msgpack.unpackb(payload, ext_hook=hook, raw=False,
-                                         strict_map_key=False))
+        if code == EXT_TUPLE and not payload:
+            return _TUPLE_MARK
         if code == EXT_SCALAR:
-            dt, raw = msgpack.unpackb(payload, raw=False)
-            return np.frombuffer(raw, dtype=decode_dtype(dt))[0]
-        raise ValueError(f"unknown ext code {code} in a batch")
+            return _scalar(payload)
+        raise ValueError(f"unknown ext code {code} (or a malformed one) in a batch")
 
     try:
-        return msgpack.unpackb(data, ext_hook=hook, raw=False, strict_map_key=False)
+        return msgpack.unpackb(data, ext_hook=hook, list_hook=_tuples, raw=False,
+                               strict_map_key=False)
     except (msgpack.UnpackException, ValueError, TypeError) as exc:  # msgpack's, or the hook's
         raise ValueError(f"malformed batch: {type(exc).__name__}: {exc}") from exc
 
@@ -253,9 +259,51 @@ def _ext(code: int, data: bytes) -> msgpack.ExtType:
     return tuple.__new__(msgpack.ExtType, (code, data))  # its checks cost more than the packing
 
 
+# Note [Tuples]
+#     msgpack has no tuple. A tuple goes as a list whose first item is an
+#     empty EXT_TUPLE ext; the unpacker's list_hook turns such lists back into
+#     tuples. Packing an ext's payload with a nested packb, and unpacking it
+#     with a nested unpackb from inside the ext hook, would be simpler, but
+#     each nested unpacker takes ~32 KB of C stack: a tuple nested a few
+#     hundred deep -- from any peer -- would crash the receiver with SIGSEGV
+#     before Python's recursion limit is reached. This way both walks stay
+#     inside one packer/unpacker and their own depth limits.
+class _TupleMark:
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<shmshare tuple marker out of place: a malformed batch>"
+
+
+_TUPLE_MARK = _TupleMark()
+_TUPLE_EXT = tuple.__new__(msgpack.ExtType, (EXT_TUPLE, b""))
+_BASE_VALUE = ((dict, lambda d: dict(dict.items(d))), (list, list.copy), (str, str.__str__),
+               (int, int.__index__),
+               (float, float.__float__), (bytes, bytes.__bytes__))
+
+
+def _tuples(items: list[Any]) -> Any:
+    return tuple(items[1:]) if items and items[0] is _TUPLE_MARK else items
+
+
+def _scalar(payload: bytes) -> Any:
+    try:
+        dt, raw = msgpack.unpackb(payload, raw=False)  # no ext hook: nothing nests in here
+        dtype = decode_dtype(dt)
+    except (msgpack.UnpackException, ValueError, TypeError) as exc:
+        raise ValueError(f"malformed numpy scalar: {exc}") from exc
+    if dtype.hasobject or type(raw) is not bytes or len(raw) != dtype.itemsize:
+        raise ValueError(f"malformed numpy scalar of dtype {dtype}: {len(raw)} bytes")
+    return np.frombuffer(raw, dtype=dtype)[0] if dtype.itemsize else np.zeros((), dtype)[()]
+
+
 def _explain(obj: Any, exc: Exception) -> TypeError:
     """Return a TypeError naming where in `obj` the packer's `exc` came from."""
-    path, why = _find_bad(obj, "batch") or ("batch", f"{type(exc).__name__}: {exc}")
+    try:
+        found = _find_bad(obj, "batch")
+    except RecursionError:
+        found = None  # nested deeper than Python walks: the packer's own message says so
+    path, why = found or ("batch", f"{type(exc).__name__}: {exc}")
     return TypeError(f"{path}: {why}; a batch holds arrays, torch CPU tensors, dict/list/tuple and "
                      "None, bool, int (64-bit), float, str, bytes (nothing is pickled)")
 
@@ -273,13 +321,13 @@ def _find_bad(obj: Any, path: str) -> tuple[str, str] | None:
             return path, f"dtype {dt} holds Python object references"
         return None
     if isinstance(obj, dict):
-        for k, v in obj.items():
+        for k, v in dict.items(obj):
             bad = _find_bad(k, f"{path} key {k!r}") or _find_bad(v, f"{path}[{k!r}]")
             if bad:
                 return bad
         return None
     if isinstance(obj, (list, tuple)):
-        for i, v in enumerate(obj):
+        for i, v in enumerate(list.__iter__(obj) if isinstance(obj, list) else tuple.__iter__(obj)):
             if bad := _find_bad(v, f"{path}[{i}]"):
                 return bad
         return None

@@ -276,6 +276,11 @@ def test_extent_is_where_an_arrays_bytes_lie(make):
     assert _native.extent(arr) == (address, lo, span)  # read-only buffers too
 
 
-def test_extent_refuses_what_has_no_buffer():
+def test_extent_refuses_what_has_no_buffer_or_cannot_be_addressed():
+    from numpy.lib.stride_tricks import as_strided
+
     with pytest.raises(TypeError):
         _native.extent([1, 2, 3])
+    with pytest.raises(OverflowError, match="span more bytes than an address can"):
+        _native.extent(as_strided(np.zeros(1), (3,), (1 << 62,)))
+    assert _native.extent(as_strided(np.zeros(1), (3, 0), (1 << 62, 8)))[1:] == (0, 0)

@@ -78,15 +78,51 @@ def test_keys_subclasses_and_scalars_come_back_as_plain_values():
     class Color(enum.IntEnum):
         RED = 1
 
+    class Name(str, enum.Enum):
+        RED = "red"
+
+    class Loud(str):
+        def __str__(self):
+            return "LOUD"
+
+    class Half(float):
+        def __float__(self):
+            return 0.5
+
     class Tagged(dict):
-        pass
+        def keys(self):
+            raise AssertionError("packing must not run the subclass's methods")
+
+        __iter__ = keys
 
     got = roundtrip({(1, "a"): np.arange(3), 2.5: None, "c": Color.RED, "t": Tagged(a=1),
-                     "f": np.float64(0.5), "b": np.bool_(True)})
+                     "f": np.float64(0.5), "b": np.bool_(True), "n": Name.RED,
+                     "l": Loud("quiet"), "h": Half(2.0), "v": np.void(b"ab")})
     np.testing.assert_array_equal(got[(1, "a")], np.arange(3))
     assert got[2.5] is None and got["c"] == 1 and type(got["c"]) is int
     assert got["t"] == {"a": 1} and type(got["t"]) is dict
     assert type(got["f"]) is np.float64 and type(got["b"]) is np.bool_
+    assert (got["n"], got["l"], got["h"]) == ("red", "quiet", 2.0)  # the values, not __str__
+    assert got["v"].tobytes() == b"ab"
+
+
+def test_deeply_nested_tuples_round_trip_and_too_deep_is_an_error_not_a_crash():
+    deep = ()
+    for _ in range(400):  # nested unpackers would have run out of C stack well before this
+        deep = (deep, 1)
+    got = roundtrip({"t": deep})["t"]
+    depth = 0
+    while got:
+        assert type(got) is tuple and got[1] == 1
+        got, depth = got[0], depth + 1
+    assert depth == 400
+    for _ in range(5000):
+        deep = (deep,)
+    with pytest.raises(TypeError, match="recursion limit"):
+        encode({"t": deep}, Arena().place)
+    hostile = b"\x92\xc7\x00\x02" * 100_000 + b"\xc0"  # tuple markers nested 100,000 deep
+    with pytest.raises(ValueError, match="malformed batch"):
+        decode(hostile, lambda *a: None)
 
 
 def test_pack_desc_matches_the_descriptor_and_layouts_are_shared():
@@ -101,6 +137,9 @@ def test_pack_desc_matches_the_descriptor_and_layouts_are_shared():
     assert other[:3] == (4, 10, 64) and other[3] is lay  # parsed once
     with pytest.raises(ValueError, match="malformed dtype"):
         tensors.parse_desc(ArrayDesc(1, 1, 0, "not-a-dtype", (1,), (1,)).pack().data)
+    for shape in [(-1,), (2, -3), (1,) * 65]:  # np.ndarray((-1,), "S0") is a SIGFPE in numpy
+        with pytest.raises(ValueError, match="at most 64 dimensions, none negative"):
+            tensors.parse_desc(ArrayDesc(1, 1, 0, "|S0", shape, (0,) * len(shape)).pack().data)
 
 
 def test_descriptor_keeps_strides_and_span():

@@ -370,7 +370,7 @@ class Receiver(Closeable):
         if dt.hasobject:  # bytes in shared memory would be taken for PyObject pointers
             raise ProtocolError(f"an array of dtype {dt} holds object references; refused")
         if seg_id == 0:
-            if 0 not in lay.shape:
+            if 0 not in lay.shape and dt.itemsize:
                 raise ProtocolError(f"a descriptor without memory has shape {lay.shape}, not empty")
             arr = np.empty(lay.shape, dt)  # nothing to share in an empty array
             return _as_torch(arr, lay.torch_dtype) if lay.torch_dtype else arr

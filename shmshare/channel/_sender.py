@@ -14,13 +14,18 @@ Note [Leases]
 Note [Spare blocks]
     A block whose last lease and local view are gone is not handed back to
     the caching allocator at once: it is kept as a *spare* for the next
-    request of the same size (up to _SPARES_PER_SIZE of a size and
-    min(limit/8, _SPARE_BYTES) bytes in all). A producer sending batches of
-    one shape -- the usual case -- then skips the allocator's malloc/free
-    pair, a large share of a small message's cost (Note [Hot path] in
-    ``__init__.py``). Spares count as allocated in ``memory_stats()`` and
-    as ``spare_bytes`` in ``statistics()``; they go back to the allocator
-    before a request waits for room, on ``empty_cache()`` and on ``close()``.
+    request of its size (sizes rounded up to _SPARE_GRAIN; up to
+    _SPARES_PER_SIZE of a size and min(limit/8, _SPARE_BYTES) bytes in all).
+    A producer sending batches of a few shapes -- the usual case -- then
+    skips the allocator's malloc/free pair, a large share of a small
+    message's cost (Note [Hot path] in ``__init__.py``). Sizes that stop
+    being asked for must not pin memory the allocator could reuse (a
+    producer of ever-varying sizes would grow its pool): on a miss, at most
+    every _SPARE_IDLE requests, the spares of every size not served in the
+    last _SPARE_IDLE requests go back. All spares go back before a request
+    waits for room, on ``empty_cache()``, ``close()`` and peer death. They
+    count as allocated in ``memory_stats()`` and as ``spare_bytes`` in
+    ``statistics()``.
 
 Note [Callbacks from the garbage collector]
     A local array's Lease calls back when its last view dies, which can be
@@ -61,6 +66,8 @@ _DRAIN_EVERY = 0.0005
 _BYE_WAIT = 30.0  # s close() waits for room for its goodbye behind batches still queued
 _SPARE_BYTES = 64 << 20  # at most this many bytes of spare blocks (and limit/8), ...
 _SPARES_PER_SIZE = 1024  # ... and at most this many of one size (Note [Spare blocks])
+_SPARE_GRAIN = 512  # requests alike to this many bytes share spares (the allocator's smallest block)
+_SPARE_IDLE = 64  # a size not asked for in this many requests gives its spares back
 
 
 class _Held:
@@ -73,7 +80,7 @@ class _Held:
         self.seg = seg  # the segment it lies in
         self.local = local  # an array from empty()/zeros() is alive here
         self.leases = 0  # arrays of it alive in the receiver
-        self.want = want  # the bytes asked for (its spare list's key)
+        self.want = want  # its size key: the bytes asked for, rounded to _SPARE_GRAIN
         self.spare = False  # kept for the next request of its size: nothing may point into it
 
 
@@ -134,7 +141,7 @@ class Sender(Closeable):
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
         with self._lock:
-            if self._closed or self._peer_dead:
+            if self._closed or self._peer_dead or self._in_send:
                 self._check_usable()
             if now - self._last_drain >= _DRAIN_EVERY:
                 self._last_drain = now
@@ -143,6 +150,7 @@ class Sender(Closeable):
                 self._drain_local()
             taken = self._taken = []
             self._deadline = deadline
+            self._in_send = True
             try:
                 tree = self._encoder.encode(obj)  # calls _place for each array
                 if self._to_announce or self._grow or self._drop:
@@ -157,6 +165,8 @@ class Sender(Closeable):
             except BaseException:
                 self._return_leases(taken)  # nothing was sent: nothing is lent
                 raise
+            finally:
+                self._in_send = False
             if fds or len(header) > 2:
                 self._commit_header(header)
             self._sent += 1
@@ -359,20 +369,39 @@ class Sender(Closeable):
         one syscall -- a producer of large arrays would otherwise grow its
         pool by a segment whenever a release is a moment late.
         """
-        spares = self._spares.get(want)
+        key = -(-want // _SPARE_GRAIN) * _SPARE_GRAIN
+        tick = self._requests = self._requests + 1
+        spares = self._spares.get(key)
         if not spares and self._leases and not self._peer_dead:
             self._drain()
-            spares = self._spares.get(want)
+            spares = self._spares.get(key)
         if not spares:
+            if self._spare_bytes and tick - self._swept >= _SPARE_IDLE:
+                self._sweep_spares(tick)
             return None
         held = spares.pop()
+        if not spares:
+            del self._spares[key]
+        self._spare_hit[key] = tick
         held.spare = False
         self._spare_bytes -= held.block.size
         return held
 
+    def _sweep_spares(self, tick: int) -> None:
+        """Give back the spares of sizes not asked for in the last _SPARE_IDLE requests."""
+        self._swept = tick
+        hit = self._spare_hit
+        for key in [k for k in self._spares if tick - hit.get(k, 0) > _SPARE_IDLE]:
+            for held in self._spares.pop(key):
+                self._spare_bytes -= held.block.size
+                self._free_held(held)
+        for key in [k for k, t in hit.items() if tick - t > _SPARE_IDLE and k not in self._spares]:
+            del hit[key]
+
     def _new_held(self, nbytes: int, deadline: float | None, local: bool) -> _Held:
         block = self._malloc(nbytes, deadline)
-        held = _Held(block, self._segment_of(block.address), local, nbytes)
+        held = _Held(block, self._segment_of(block.address), local,
+                     -(-nbytes // _SPARE_GRAIN) * _SPARE_GRAIN)
         bisect.insort(self._addrs, block.address)
         self._held[block.address] = held
         return held
@@ -477,6 +506,7 @@ class Sender(Closeable):
     def _free_spares(self) -> None:
         """Give every spare block back to the allocator."""
         spares, self._spares, self._spare_bytes = self._spares, {}, 0
+        self._spare_hit.clear()
         for blocks in spares.values():
             for held in blocks:
                 self._free_held(held)
@@ -565,8 +595,12 @@ class Sender(Closeable):
         self._encoder = tensors.Encoder(self._place)
         self._taken: list[int] = []  # lease ids the send in progress took (under the lock)
         self._deadline: float | None = None  # the send in progress's deadline
-        self._spares: dict[int, list[_Held]] = {}  # bytes asked for -> blocks kept for that size
+        self._in_send = False  # this thread is inside send(): a nested send() is refused
+        self._spares: dict[int, list[_Held]] = {}  # size key -> blocks kept for requests of it
         self._spare_bytes = 0
+        self._spare_hit: dict[int, int] = {}  # size key -> the request count when last served
+        self._requests = 0  # requests for a block so far (the clock of Note [Spare blocks])
+        self._swept = 0  # the request count at the last sweep
         self._spare_limit = min(self._limit // 8, _SPARE_BYTES)
 
     def _after_fork_in_child(self) -> None:
@@ -593,6 +627,9 @@ class Sender(Closeable):
         self._new_pool()
 
     def _check_usable(self) -> None:
+        if self._in_send:
+            raise RuntimeError("send() was called while this thread's send() was still packing a "
+                               "batch (from a callback or __del__); send from the outside instead")
         if self._closed:
             raise ValueError("this Sender is closed")
         if self._peer_dead:
