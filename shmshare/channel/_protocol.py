@@ -6,7 +6,8 @@ Sender -> receiver, one frame per ``send``::
      "s": [[id, size, expandable]], # segments new to this receiver; their fds ride along, in order
      "g": [[id, offset, nbytes]],   # expandable ranges mapped since the receiver last heard
      "d": [id, ...],                # segments the sender gave back: forget them
-     "b": tree}                     # the batch, arrays as tensors.ArrayDesc exts
+     "b": bytes}                    # the batch packed by tensors.Encoder: msgpack bytes, arrays
+                                    # as ArrayDesc exts, unpacked only after "s"/"g"/"d" are applied
 
     {"k": "x"}                      # goodbye: the sender closed on purpose
 
