@@ -41,10 +41,8 @@ import array
 import enum
 import errno
 import os
-import resource
 import select
 import socket
-import struct
 import tempfile
 import threading
 import time
@@ -57,6 +55,13 @@ import msgpack
 from ._errors import FdLimitError, PeerDied, PeerRefused, ProtocolError, ShmshareTimeout
 from ._fd import Fd
 from ._lifetime import Closeable
+from ._sockets import close_all as _close_all
+from ._sockets import ctrunc_message as _ctrunc_message
+from ._sockets import fdnum as _fdnum
+from ._sockets import grow_buffers as _grow_buffers
+from ._sockets import ms as _ms
+from ._sockets import peer_cred
+from ._sockets import take_fds as _take_fds
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -83,7 +88,6 @@ _NO_ANC: list[Any] = []
 _NOSIGNAL, _DONTWAIT, _CTRUNC, _TRUNC, _CMSG_CLOEXEC = map(int, (
     socket.MSG_NOSIGNAL, socket.MSG_DONTWAIT, socket.MSG_CTRUNC, socket.MSG_TRUNC,
     socket.MSG_CMSG_CLOEXEC))
-_PEERCRED = struct.Struct("3i")
 
 
 class State(enum.Enum):
@@ -543,11 +547,6 @@ def _rebuild_connection(dup: Any, role: str, max_frame: int, max_fds: int,
     return Connection(sock, role=role, max_frame=max_frame, max_fds=max_fds, allow_uids=allow_uids)
 
 
-def _ms(timeout: float) -> int:
-    """Return a poll(2) timeout in ms, rounded up so that a short timeout still waits."""
-    return max(0, -int(-timeout * 1000 // 1))
-
-
 def _pack(obj: Any) -> bytes:
     try:
         return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
@@ -565,51 +564,6 @@ def _pack_error(exc: Exception) -> None:
         raise TypeError(f"cannot send this header: {exc}") from exc
 
 
-def _fdnum(f: Any) -> int:
-    n = f.fileno() if hasattr(f, "fileno") else f
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise TypeError(f"an fd must be a non-negative int or have fileno(), got {f!r}")
-    return n
-
-
-def _take_fds(anc: list[tuple[int, int, bytes]]) -> list[Fd]:
-    fds: list[Fd] = []
-    bad = None
-    for level, kind, data in anc:
-        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-            arr = array.array("i")
-            arr.frombytes(data[: len(data) - len(data) % arr.itemsize])
-            fds.extend(Fd(n) for n in arr)
-        else:
-            bad = (level, kind)
-    if bad is not None:
-        _close_all(fds)
-        raise ProtocolError(f"unexpected control message (level {bad[0]}, type {bad[1]})")
-    return fds
-
-
-def _close_all(fds: list[Fd]) -> None:
-    for f in fds:
-        f.close()
-
-
-def _ctrunc_message(got: int, max_fds: int) -> str:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    try:
-        nopen = len(os.listdir("/proc/self/fd"))
-    except OSError:
-        nopen = -1
-    return (f"fds sent with a message were dropped by the kernel (MSG_CTRUNC; {got} arrived). "
-            f"RLIMIT_NOFILE is {soft} (hard {hard}) and {nopen} fds are open: raise it "
-            f"(ulimit -n / resource.setrlimit) or close fds; or the peer sent more than "
-            f"max_fds={max_fds} in one message")
-
-
-def _peer_cred(sock: socket.socket) -> PeerCred:
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-    return PeerCred(*_PEERCRED.unpack(raw))
-
-
 def _check_uid(cred: PeerCred, allowed: frozenset[int]) -> None:
     me = os.getuid()
     if cred.uid != me and cred.uid not in allowed:
@@ -617,11 +571,5 @@ def _check_uid(cred: PeerCred, allowed: frozenset[int]) -> None:
                           f"pass allow_uids=[{cred.uid}] to accept it")
 
 
-def _grow_buffers(sock: socket.socket, max_frame: int) -> None:
-    want = 2 * max_frame + 4096
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        if sock.getsockopt(socket.SOL_SOCKET, opt) < want:
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, opt, want)
-            except OSError:
-                pass  # capped by net.core.{w,r}mem_max: send() reports an oversize frame
+def _peer_cred(sock: socket.socket) -> PeerCred:
+    return PeerCred(*peer_cred(sock))

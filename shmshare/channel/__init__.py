@@ -16,7 +16,7 @@ Note [Hot path]
     - an array's address and extent come from one buffer request in C
       (``_native.extent``), not ``__array_interface__`` (a dict per call);
     - a block whose leases are back is kept as a spare for the next request
-      of its size, skipping the allocator (Note [Spare blocks], ``_sender.py``);
+      of its size, skipping the allocator (Note [Spare blocks], ``_blocks.py``);
     - ``wire`` computes deadlines only when it has to wait, and the header's
       optional parts are looked at only when present.
     Measure changes here with ``scripts/bench_channel.py``; each of these was

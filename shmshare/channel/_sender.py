@@ -11,22 +11,6 @@ Note [Leases]
     allocator because releases come back in any order (Note [Streams of the
     shm provider] in ``memory/_shm.py``).
 
-Note [Spare blocks]
-    A block whose last lease and local view are gone is not handed back to
-    the caching allocator at once: it is kept as a *spare* for the next
-    request of its size (sizes rounded up to _SPARE_GRAIN; up to
-    _SPARES_PER_SIZE of a size and min(limit/8, _SPARE_BYTES) bytes in all).
-    A producer sending batches of a few shapes -- the usual case -- then
-    skips the allocator's malloc/free pair, a large share of a small
-    message's cost (Note [Hot path] in ``__init__.py``). Sizes that stop
-    being asked for must not pin memory the allocator could reuse (a
-    producer of ever-varying sizes would grow its pool): on a miss, at most
-    every _SPARE_IDLE requests, the spares of every size not served in the
-    last _SPARE_IDLE requests go back. All spares go back before a request
-    waits for room, on ``empty_cache()``, ``close()`` and peer death. They
-    count as allocated in ``memory_stats()`` and as ``spare_bytes`` in
-    ``statistics()``.
-
 Note [Callbacks from the garbage collector]
     A local array's Lease calls back when its last view dies, which can be
     in the middle of any bytecode of any thread. The callback therefore only
@@ -54,6 +38,7 @@ from .. import _native, tensors, wire
 from .._errors import PeerDied, PoolExhausted, ShmshareTimeout
 from .._lifetime import Closeable
 from ..memory import CachingAllocator, OutOfMemoryError, ShmProvider, ShmSegment
+from ._blocks import SPARE_BYTES, BlockBook, _Held
 from ._protocol import BATCH, BYE, DROP, GROW, KIND, LEASES, NEW, RELEASE, TREE
 
 __all__ = ["Sender", "DEFAULT_LIMIT", "SenderStatistics"]
@@ -64,26 +49,6 @@ _POLL_SLICE = 0.05  # s: back-pressure waits in slices, so local views dying els
 # looking on every send would cost a syscall a message for nothing
 _DRAIN_EVERY = 0.0005
 _BYE_WAIT = 30.0  # s close() waits for room for its goodbye behind batches still queued
-_SPARE_BYTES = 64 << 20  # at most this many bytes of spare blocks (and limit/8), ...
-_SPARES_PER_SIZE = 1024  # ... and at most this many of one size (Note [Spare blocks])
-_SPARE_GRAIN = 512  # requests alike to this many bytes share spares (the allocator's smallest block)
-_SPARE_IDLE = 64  # a size not asked for in this many requests gives its spares back
-
-
-class _Held:
-    """A pool block the sender holds: by a local view, by leases, as a spare, or several."""
-
-    __slots__ = ("block", "seg", "local", "leases", "want", "spare")
-
-    def __init__(self, block: Any, seg: ShmSegment, local: bool, want: int) -> None:
-        self.block = block  # the allocator's Block
-        self.seg = seg  # the segment it lies in
-        self.local = local  # an array from empty()/zeros() is alive here
-        self.leases = 0  # arrays of it alive in the receiver
-        self.want = want  # its size key: the bytes asked for, rounded to _SPARE_GRAIN
-        self.spare = False  # kept for the next request of its size: nothing may point into it
-
-
 @dataclass(frozen=True)
 class SenderStatistics:
     """What a sender holds now (see ``Sender.statistics()``)."""
@@ -96,10 +61,10 @@ class SenderStatistics:
     segments_announced: int  # segments whose fd crossed the socket
     reserved_bytes: int  # shared memory the pool holds
     allocated_bytes: int  # of which in use (spare blocks included)
-    spare_bytes: int  # blocks kept for the next request of their size (Note [Spare blocks])
+    spare_bytes: int  # blocks kept for the next request of their size (_blocks.py)
 
 
-class Sender(Closeable):
+class Sender(BlockBook, Closeable):
     """Send numpy arrays, torch CPU tensors and nested batches of them, without copies.
 
     Made by :func:`shmshare.channel` or :func:`shmshare.connect`. One process
@@ -351,61 +316,6 @@ class Sender(Closeable):
                 if self._peer_dead:
                     raise PeerDied("the receiver went away while the socket was full") from None
 
-    def _find(self, start: int, span: int) -> _Held | None:
-        i = bisect.bisect_right(self._addrs, start) - 1
-        if i < 0:
-            return None
-        held = self._held[self._addrs[i]]
-        b = held.block
-        # a spare has no view anywhere: memory "in" it came from a raw pointer, not from us
-        return held if start + span <= b.address + b.size and not held.spare else None
-
-    def _spare(self, want: int) -> _Held | None:
-        """Take a spare block for a request of `want` bytes, or None.
-
-        With none at hand, take in the releases already queued first: a
-        block the receiver has just let go of is better than a fresh one,
-        whose pages (and the receiver's mapping of them) cost far more than
-        one syscall -- a producer of large arrays would otherwise grow its
-        pool by a segment whenever a release is a moment late.
-        """
-        key = -(-want // _SPARE_GRAIN) * _SPARE_GRAIN
-        tick = self._requests = self._requests + 1
-        spares = self._spares.get(key)
-        if not spares and self._leases and not self._peer_dead:
-            self._drain()
-            spares = self._spares.get(key)
-        if not spares:
-            if self._spare_bytes and tick - self._swept >= _SPARE_IDLE:
-                self._sweep_spares(tick)
-            return None
-        held = spares.pop()
-        if not spares:
-            del self._spares[key]
-        self._spare_hit[key] = tick
-        held.spare = False
-        self._spare_bytes -= held.block.size
-        return held
-
-    def _sweep_spares(self, tick: int) -> None:
-        """Give back the spares of sizes not asked for in the last _SPARE_IDLE requests."""
-        self._swept = tick
-        hit = self._spare_hit
-        for key in [k for k in self._spares if tick - hit.get(k, 0) > _SPARE_IDLE]:
-            for held in self._spares.pop(key):
-                self._spare_bytes -= held.block.size
-                self._free_held(held)
-        for key in [k for k, t in hit.items() if tick - t > _SPARE_IDLE and k not in self._spares]:
-            del hit[key]
-
-    def _new_held(self, nbytes: int, deadline: float | None, local: bool) -> _Held:
-        block = self._malloc(nbytes, deadline)
-        held = _Held(block, self._segment_of(block.address), local,
-                     -(-nbytes // _SPARE_GRAIN) * _SPARE_GRAIN)
-        bisect.insort(self._addrs, block.address)
-        self._held[block.address] = held
-        return held
-
     def _malloc(self, nbytes: int, deadline: float | None) -> Any:
         if nbytes > self._limit:
             raise PoolExhausted(f"an array of {nbytes} bytes cannot fit in this sender's pool of "
@@ -479,38 +389,6 @@ class Sender(Closeable):
                 if not held.leases and not held.local:
                     self._maybe_free(held)
 
-    def _maybe_free(self, held: _Held) -> None:
-        if held.local or held.leases:
-            return
-        addr = held.block.address
-        if self._held.get(addr) is not held:
-            return
-        size = held.block.size
-        if self._spare_bytes + size <= self._spare_limit and not self._peer_dead:
-            spares = self._spares.get(held.want)
-            if spares is None:
-                spares = self._spares[held.want] = []
-            if len(spares) < _SPARES_PER_SIZE:
-                spares.append(held)  # stays in _held: no view of it is alive anywhere
-                held.spare = True
-                self._spare_bytes += size
-                return
-        self._free_held(held)
-
-    def _free_held(self, held: _Held) -> None:
-        addr = held.block.address
-        del self._held[addr]
-        del self._addrs[bisect.bisect_left(self._addrs, addr)]
-        self._alloc.free(held.block)
-
-    def _free_spares(self) -> None:
-        """Give every spare block back to the allocator."""
-        spares, self._spares, self._spare_bytes = self._spares, {}, 0
-        self._spare_hit.clear()
-        for blocks in spares.values():
-            for held in blocks:
-                self._free_held(held)
-
     def _on_peer_death(self) -> None:
         """The receiver is gone: every lease is back (its mapping, not us, keeps its arrays).
 
@@ -579,8 +457,6 @@ class Sender(Closeable):
         self._alloc = CachingAllocator(self._provider, self._config)
         self._seg_addrs: list[int] = []  # sorted start addresses of our segments
         self._segs: list[ShmSegment] = []  # parallel to _seg_addrs
-        self._held: dict[int, _Held] = {}  # block address -> held block
-        self._addrs: list[int] = []  # sorted addresses of held blocks
         self._leases: dict[int, _Held] = {}  # lease id -> held block
         # Unique per process, like segment ids: a forked child sharing this socket must never
         # take a release of its parent's lease 1 for its own lease 1.
@@ -596,12 +472,7 @@ class Sender(Closeable):
         self._taken: list[int] = []  # lease ids the send in progress took (under the lock)
         self._deadline: float | None = None  # the send in progress's deadline
         self._in_send = False  # this thread is inside send(): a nested send() is refused
-        self._spares: dict[int, list[_Held]] = {}  # size key -> blocks kept for requests of it
-        self._spare_bytes = 0
-        self._spare_hit: dict[int, int] = {}  # size key -> the request count when last served
-        self._requests = 0  # requests for a block so far (the clock of Note [Spare blocks])
-        self._swept = 0  # the request count at the last sweep
-        self._spare_limit = min(self._limit // 8, _SPARE_BYTES)
+        self._new_book(min(self._limit // 8, SPARE_BYTES))
 
     def _after_fork_in_child(self) -> None:
         # The child must never hand out or release the parent's blocks: give it a

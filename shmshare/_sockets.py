@@ -1,0 +1,87 @@
+"""The kernel side of ``wire``: SCM_RIGHTS control data, SO_PEERCRED, buffer sizes, poll timeouts.
+
+Small functions with no state and no protocol in them, so that ``wire``
+holds only the protocol: frames, the handshake, the connection's states.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import resource
+import socket
+import struct
+from typing import Any
+
+from ._errors import ProtocolError
+from ._fd import Fd
+
+__all__ = ["ms", "fdnum", "take_fds", "close_all", "ctrunc_message", "peer_cred", "grow_buffers"]
+
+_PEERCRED = struct.Struct("3i")
+
+
+def ms(timeout: float) -> int:
+    """Return a poll(2) timeout in ms, rounded up so that a short timeout still waits."""
+    return max(0, -int(-timeout * 1000 // 1))
+
+
+def fdnum(f: Any) -> int:
+    """Return the fd number of an int or of an object with ``fileno()`` (TypeError otherwise)."""
+    n = f.fileno() if hasattr(f, "fileno") else f
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise TypeError(f"an fd must be a non-negative int or have fileno(), got {f!r}")
+    return n
+
+
+def take_fds(anc: list[tuple[int, int, bytes]]) -> list[Fd]:
+    """Own every fd of recvmsg's ancillary data at once (Note [Receiving fds safely] in wire)."""
+    fds: list[Fd] = []
+    bad = None
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(data[: len(data) - len(data) % arr.itemsize])
+            fds.extend(Fd(n) for n in arr)
+        else:
+            bad = (level, kind)
+    if bad is not None:
+        close_all(fds)
+        raise ProtocolError(f"unexpected control message (level {bad[0]}, type {bad[1]})")
+    return fds
+
+
+def close_all(fds: list[Fd]) -> None:
+    """Close every fd of a message that will not be delivered."""
+    for f in fds:
+        f.close()
+
+
+def ctrunc_message(got: int, max_fds: int) -> str:
+    """Say why the kernel dropped fds (MSG_CTRUNC) and what to do about it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        nopen = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        nopen = -1
+    return (f"fds sent with a message were dropped by the kernel (MSG_CTRUNC; {got} arrived). "
+            f"RLIMIT_NOFILE is {soft} (hard {hard}) and {nopen} fds are open: raise it "
+            f"(ulimit -n / resource.setrlimit) or close fds; or the peer sent more than "
+            f"max_fds={max_fds} in one message")
+
+
+def peer_cred(sock: socket.socket) -> tuple[int, int, int]:
+    """Return (pid, uid, gid) of the process at the other end of a connected AF_UNIX socket."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    return _PEERCRED.unpack(raw)  # type: ignore[return-value]
+
+
+def grow_buffers(sock: socket.socket, max_frame: int) -> None:
+    """Make the socket's buffers hold two frames of `max_frame`, as far as the host allows."""
+    want = 2 * max_frame + 4096
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        if sock.getsockopt(socket.SOL_SOCKET, opt) < want:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, opt, want)
+            except OSError:
+                pass  # capped by net.core.{w,r}mem_max: send() reports an oversize frame

@@ -1,0 +1,160 @@
+"""The blocks a sender holds: by local views, by leases, or as spares.
+
+Note [Spare blocks]
+    A block whose last lease and local view are gone is not handed back to
+    the caching allocator at once: it is kept as a *spare* for the next
+    request of its size (sizes rounded up to _SPARE_GRAIN; up to
+    _SPARES_PER_SIZE of a size and min(limit/8, SPARE_BYTES) bytes in all).
+    A producer sending batches of a few shapes -- the usual case -- then
+    skips the allocator's malloc/free pair, a large share of a small
+    message's cost (Note [Hot path] in ``__init__.py``). Sizes that stop
+    being asked for must not pin memory the allocator could reuse (a
+    producer of ever-varying sizes would grow its pool): on a miss, at most
+    every _SPARE_IDLE requests, the spares of every size not served in the
+    last _SPARE_IDLE requests go back. All spares go back before a request
+    waits for room, on ``empty_cache()``, ``close()`` and peer death. They
+    count as allocated in ``memory_stats()`` and as ``spare_bytes`` in
+    ``statistics()``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+from ..memory import ShmSegment
+
+__all__ = ["BlockBook", "SPARE_BYTES"]
+
+SPARE_BYTES = 64 << 20  # at most this many bytes of spare blocks (and limit/8), ...
+_SPARES_PER_SIZE = 1024  # ... and at most this many of one size (Note [Spare blocks])
+_SPARE_GRAIN = 512  # requests alike to this many bytes share spares (the allocator's smallest block)
+_SPARE_IDLE = 64  # a size not asked for in this many requests gives its spares back
+
+
+class _Held:
+    """A pool block the sender holds: by a local view, by leases, as a spare, or several."""
+
+    __slots__ = ("block", "seg", "local", "leases", "want", "spare")
+
+    def __init__(self, block: Any, seg: ShmSegment, local: bool, want: int) -> None:
+        self.block = block  # the allocator's Block
+        self.seg = seg  # the segment it lies in
+        self.local = local  # an array from empty()/zeros() is alive here
+        self.leases = 0  # arrays of it alive in the receiver
+        self.want = want  # its size key: the bytes asked for, rounded to _SPARE_GRAIN
+        self.spare = False  # kept for the next request of its size: nothing may point into it
+
+
+class BlockBook:
+    """The sender's books of held blocks, and its spares (a mixin of :class:`Sender`).
+
+    It keeps ``_held`` (block address -> :class:`_Held`) with ``_addrs``
+    sorted for :meth:`_find`, and the spares of Note [Spare blocks]. The
+    sender provides ``_malloc``, ``_segment_of``, ``_drain``, ``_alloc``,
+    ``_leases`` and ``_peer_dead``; everything here runs under its lock.
+    """
+
+    _held: dict[int, _Held]
+    _addrs: list[int]
+    _spares: dict[int, list[_Held]]
+    _leases: dict[int, _Held]
+    _peer_dead: bool
+    _alloc: Any
+
+    def _new_book(self, spare_limit: int) -> None:
+        self._held = {}  # block address -> held block (spares included)
+        self._addrs = []  # sorted addresses of held blocks
+        self._spares = {}  # size key -> blocks kept for requests of it
+        self._spare_bytes = 0
+        self._spare_limit = spare_limit
+        self._spare_hit: dict[int, int] = {}  # size key -> the request count when last served
+        self._requests = 0  # requests for a block so far (the clock of Note [Spare blocks])
+        self._swept = 0  # the request count at the last sweep
+
+    def _find(self, start: int, span: int) -> _Held | None:
+        i = bisect.bisect_right(self._addrs, start) - 1
+        if i < 0:
+            return None
+        held = self._held[self._addrs[i]]
+        b = held.block
+        # a spare has no view anywhere: memory "in" it came from a raw pointer, not from us
+        return held if start + span <= b.address + b.size and not held.spare else None
+
+    def _spare(self, want: int) -> _Held | None:
+        """Take a spare block for a request of `want` bytes, or None.
+
+        With none at hand, take in the releases already queued first: a
+        block the receiver has just let go of is better than a fresh one,
+        whose pages (and the receiver's mapping of them) cost far more than
+        one syscall -- a producer of large arrays would otherwise grow its
+        pool by a segment whenever a release is a moment late.
+        """
+        key = -(-want // _SPARE_GRAIN) * _SPARE_GRAIN
+        tick = self._requests = self._requests + 1
+        spares = self._spares.get(key)
+        if not spares and self._leases and not self._peer_dead:
+            self._drain()
+            spares = self._spares.get(key)
+        if not spares:
+            if self._spare_bytes and tick - self._swept >= _SPARE_IDLE:
+                self._sweep_spares(tick)
+            return None
+        held = spares.pop()
+        if not spares:
+            del self._spares[key]
+        self._spare_hit[key] = tick
+        held.spare = False
+        self._spare_bytes -= held.block.size
+        return held
+
+    def _sweep_spares(self, tick: int) -> None:
+        """Give back the spares of sizes not asked for in the last _SPARE_IDLE requests."""
+        self._swept = tick
+        hit = self._spare_hit
+        for key in [k for k in self._spares if tick - hit.get(k, 0) > _SPARE_IDLE]:
+            for held in self._spares.pop(key):
+                self._spare_bytes -= held.block.size
+                self._free_held(held)
+        for key in [k for k, t in hit.items() if tick - t > _SPARE_IDLE and k not in self._spares]:
+            del hit[key]
+
+    def _new_held(self, nbytes: int, deadline: float | None, local: bool) -> _Held:
+        block = self._malloc(nbytes, deadline)
+        held = _Held(block, self._segment_of(block.address), local,
+                     -(-nbytes // _SPARE_GRAIN) * _SPARE_GRAIN)
+        bisect.insort(self._addrs, block.address)
+        self._held[block.address] = held
+        return held
+
+    def _maybe_free(self, held: _Held) -> None:
+        if held.local or held.leases:
+            return
+        addr = held.block.address
+        if self._held.get(addr) is not held:
+            return
+        size = held.block.size
+        if self._spare_bytes + size <= self._spare_limit and not self._peer_dead:
+            spares = self._spares.get(held.want)
+            if spares is None:
+                spares = self._spares[held.want] = []
+            if len(spares) < _SPARES_PER_SIZE:
+                spares.append(held)  # stays in _held: no view of it is alive anywhere
+                held.spare = True
+                self._spare_bytes += size
+                return
+        self._free_held(held)
+
+    def _free_held(self, held: _Held) -> None:
+        addr = held.block.address
+        del self._held[addr]
+        del self._addrs[bisect.bisect_left(self._addrs, addr)]
+        self._alloc.free(held.block)
+
+    def _free_spares(self) -> None:
+        """Give every spare block back to the allocator."""
+        spares, self._spares, self._spare_bytes = self._spares, {}, 0
+        self._spare_hit.clear()
+        for blocks in spares.values():
+            for held in blocks:
+                self._free_held(held)
