@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from shmshare import Segment, cuda
+from shmshare import Segment, cuda, wire
 from shmshare.cuda import _array, _context, _driver, _pinned
 
 from .driver_model import DriverModel
@@ -54,6 +54,15 @@ def driver_model(monkeypatch: pytest.MonkeyPatch) -> Iterator[DriverModel]:
     monkeypatch.setattr(_pinned, "_default_pool", None)
     monkeypatch.setattr(_array, "_pools", {})
     yield model  # leaked fds (an exported chunk's, say) are the root conftest's leak check's to find
+
+
+@pytest.fixture
+def pipe() -> Iterator[tuple[wire.Connection, wire.Connection]]:
+    """A connected pair of wire ends, closed after the test."""
+    a, b = wire.pipe()
+    yield a, b
+    a.close()
+    b.close()
 
 
 def _real_binding() -> Any:

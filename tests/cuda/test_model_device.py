@@ -21,6 +21,8 @@ from shmshare.memory import CachingAllocator, OutOfMemoryError
 from shmshare.testing.pool_contract import PoolContract
 
 from .driver_model import DriverModel
+from .gpu_helpers import pattern as _pattern
+from .gpu_helpers import read_device as _read
 
 MiB = 1 << 20
 
@@ -181,26 +183,8 @@ def test_the_model_catches_an_argument_cuda_python_rejects(driver_model: DriverM
 # --- device memory over fds ---------------------------------------------------------------------
 
 
-@pytest.fixture
-def pipe() -> Iterator[tuple[wire.Connection, wire.Connection]]:
-    a, b = wire.pipe()
-    yield a, b
-    a.close()
-    b.close()
-
-
-def _pattern(nbytes: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
-
-
 def _fill(block_address: int, data: np.ndarray) -> None:
     cuda.copy_host_to_device(block_address, data, data.nbytes)
-
-
-def _read(address: int, nbytes: int) -> np.ndarray:
-    out = np.empty(nbytes, np.uint8)
-    cuda.copy_device_to_host(out, address, nbytes)
-    return out
 
 
 @pytest.mark.parametrize("config, nbytes", [("expandable_segments:True", 5 * MiB + 123),

@@ -22,6 +22,8 @@ from shmshare.cuda import _driver, _ipc
 from shmshare.testing import start_child
 
 from .driver_model import DriverModel
+from .gpu_helpers import pattern as _pattern
+from .gpu_helpers import read_device as _read
 
 CHUNK = 64 << 10  # the model's granularity in these tests
 MANY = 2 * wire.MAX_FDS + 5  # chunks: a full header batch, a full continuation and a short one
@@ -32,24 +34,6 @@ ROOM = wire.MAX_FDS + 16  # new fds the receiving child may open: one batch and 
 def model(driver_model: DriverModel) -> DriverModel:
     driver_model.granularity = CHUNK
     return driver_model
-
-
-@pytest.fixture
-def pipe() -> Iterator[tuple[wire.Connection, wire.Connection]]:
-    a, b = wire.pipe()
-    yield a, b
-    a.close()
-    b.close()
-
-
-def _pattern(nbytes: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
-
-
-def _read(address: int, nbytes: int) -> np.ndarray:
-    out = np.empty(nbytes, np.uint8)
-    cuda.copy_device_to_host(out, address, nbytes)
-    return out
 
 
 def _open_fds() -> int:
