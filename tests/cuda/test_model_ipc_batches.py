@@ -11,10 +11,9 @@ from __future__ import annotations
 import gc
 import os
 import resource
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
 
 from shmshare import PeerDied, ProtocolError, ShmshareTimeout, cuda, wire
