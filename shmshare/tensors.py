@@ -19,6 +19,7 @@ returns a buffer over them.
 from __future__ import annotations
 
 import ast
+import math
 import struct
 import sys
 from functools import lru_cache
@@ -116,9 +117,9 @@ def parse_desc(data: bytes) -> tuple[int, int, int, Layout]:
             raise ValueError(f"malformed array descriptor: {exc}") from exc
         # What numpy itself does not survive (a negative dimension of a 0-byte dtype is a
         # SIGFPE inside np.ndarray) is refused here, once per layout.
-        if len(shape) > 64 or any(n < 0 for n in shape):
+        if len(shape) > 64 or any(n < 0 for n in shape) or math.prod(shape) >= 1 << 63:
             raise ValueError(f"malformed array descriptor: shape {shape} (at most 64 dimensions, "
-                             "none negative)")
+                             "none negative, fewer than 2**63 elements)")
         lo, nbytes = span(dtype.itemsize, shape, strides)
         dense = lo == 0 and strides == _c_strides(dtype.itemsize, shape) and nbytes > 0
         layout = Layout(dtype, shape, strides, tdt, lo, nbytes, dense)

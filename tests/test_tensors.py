@@ -137,7 +137,8 @@ def test_pack_desc_matches_the_descriptor_and_layouts_are_shared():
     assert other[:3] == (4, 10, 64) and other[3] is lay  # parsed once
     with pytest.raises(ValueError, match="malformed dtype"):
         tensors.parse_desc(ArrayDesc(1, 1, 0, "not-a-dtype", (1,), (1,)).pack().data)
-    for shape in [(-1,), (2, -3), (1,) * 65]:  # np.ndarray((-1,), "S0") is a SIGFPE in numpy
+    # np.ndarray((-1,), "S0") is a SIGFPE in numpy, np.empty((2, 2, 2**63 - 1), "V0") has size -4
+    for shape in [(-1,), (2, -3), (1,) * 65, (2, 2, 2**63 - 1)]:
         with pytest.raises(ValueError, match="at most 64 dimensions, none negative"):
             tensors.parse_desc(ArrayDesc(1, 1, 0, "|S0", shape, (0,) * len(shape)).pack().data)
 
