@@ -11,7 +11,7 @@ import shmshare
 LAYERS = {
     "_errors": 0, "_native": 0, "_procfs": 0, "_lifetime": 0, "_fd": 0,
     "segment": 1,
-    "wire": 2,
+    "wire": 2, "_sockets": 2,  # _sockets.py: wire's kernel side (SCM_RIGHTS, SO_PEERCRED)
     "memory": 3, "cuda": 3,
     "tensors": 4,
     "channel": 5,
