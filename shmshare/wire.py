@@ -77,7 +77,7 @@ __all__ = [
     "connect",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: a channel batch travels as packed bytes, tuples as marked lists
 MAX_FRAME = 128 * 1024  # bytes in one frame; SEQPACKET messages must fit the socket buffer
 MAX_FDS = 64  # fds in one message (the kernel's SCM_MAX_FD is 253)
 _KIND_HELLO, _KIND_MSG = 0, 1
@@ -289,10 +289,10 @@ class Connection(Closeable):
         # another thread]). MSG_CMSG_CLOEXEC: received fds must not leak into programs this
         # process execs.
         mode = _CMSG_CLOEXEC | _DONTWAIT
-        if timeout is not None and timeout <= 0:
-            if not self._pollin.poll(0):
-                return None  # nothing queued: no exception raised and caught for it
-            mode = _CMSG_CLOEXEC  # a frame (or end of stream) is there, and we hold the lock
+        if timeout is not None and timeout <= 0 and not self._pollin.poll(0):
+            return None  # nothing queued: no exception raised and caught for it
+        # Still MSG_DONTWAIT after a poll said yes: another holder of the socket (a forked
+        # child) may take the frame first, and a blocking recvmsg would then wait for good.
         deadline = None  # computed when a wait is needed: most receives find a frame queued
         resets = 0
         while True:
@@ -356,9 +356,13 @@ class Connection(Closeable):
     def poll(self, timeout: float | None = 0.0) -> bool:
         """Return whether a message (or end of stream) can be received within `timeout` s."""
         self._check_open()
+        # A poll object of its own: a thread waiting in recv() uses _pollin, and one poll
+        # object refuses two callers at once ("concurrent poll() invocation").
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
         if timeout is not None and timeout <= 0:
-            return bool(self._pollin.poll(0))
-        return self._poll_until(self._pollin, None if timeout is None else
+            return bool(poller.poll(0))
+        return self._poll_until(poller, None if timeout is None else
                                 time.monotonic() + timeout, "poll()")
 
     def fileno(self) -> int:
@@ -478,6 +482,7 @@ class Listener(Closeable):
             self._sock.bind(self.path)
             os.chmod(self.path, 0o600)
             self._sock.listen(backlog)
+            self._sock.setblocking(False)  # accept() waits in slices (Note [Closing from another thread])
         except OSError as exc:
             self._sock.close()
             hint = " (a socket file is there: another listener, or a stale one to remove)" \
@@ -485,13 +490,26 @@ class Listener(Closeable):
             raise OSError(exc.errno, f"cannot listen on {self.path!r}: {exc.strerror}{hint}") from exc
 
     def accept(self, timeout: float | None = None) -> Connection:
-        """Wait for a peer and return its Connection (refused if its uid is not allowed)."""
-        if timeout is not None:
-            p = select.poll()
-            p.register(self._sock, select.POLLIN)
-            if not p.poll(max(0, int(timeout * 1000))):
+        """Wait for a peer and return its Connection (refused if its uid is not allowed).
+
+        ``close()`` from another thread ends the wait with ValueError.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        while True:
+            if self._sock.fileno() < 0:
+                raise ValueError(f"the listener on {self.path!r} was closed while accept() waited")
+            try:
+                sock, _ = self._sock.accept()
+                break
+            except BlockingIOError:
+                pass  # nobody waiting, or another process took the peer first
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
                 raise ShmshareTimeout(f"no peer connected to {self.path!r} within {timeout} s")
-        sock, _ = self._sock.accept()
+            poller.poll(_ms(_CLOSE_CHECK if left is None else min(left, _CLOSE_CHECK)))
+        sock.setblocking(True)  # a Connection sets its own flags per call
         return Connection(sock, allow_uids=self._allow_uids, **self._conn_kw)
 
     def fileno(self) -> int:

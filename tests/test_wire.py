@@ -168,7 +168,7 @@ def test_message_header_must_be_a_map():
 def test_protocol_version_mismatch_is_refused():
     raw, conn = _raw_pair()
     raw.send(msgpack.packb([0, {"version": 99, "pid": 123, "role": "x"}]))
-    with pytest.raises(PeerRefused, match="version 99, this process version 1"):
+    with pytest.raises(PeerRefused, match=f"version 99, this process version {wire.PROTOCOL_VERSION}"):
         conn.recv(timeout=5)
     raw.close()
     conn.close()

@@ -272,7 +272,10 @@ class Receiver(Closeable):
                     self._ready.append(key.data)
             if not events and deadline is not None and time.monotonic() >= deadline:
                 raise ShmshareTimeout(f"no batch arrived on {self.path!r} before the timeout")
-        return self._ready.popleft()
+        try:
+            return self._ready.popleft()
+        except IndexError:  # close() from another thread emptied it meanwhile
+            raise ValueError("this Receiver is closed") from None
 
     def _accept(self) -> None:
         assert self._listener is not None and self._sel is not None

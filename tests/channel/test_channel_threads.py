@@ -93,3 +93,43 @@ def test_a_closed_receiver_still_raises_valueerror_at_once():
     with pytest.raises(ValueError, match="Receiver is closed"):
         rx.recv()
     tx.close()
+
+
+def test_poll_while_another_thread_waits_in_recv():
+    a, b = wire.pipe()
+    t, box = _in_thread(lambda: b.recv(timeout=10))
+    time.sleep(0.2)  # the thread waits on the connection's poll object
+    assert b.poll(0.2) is False  # a poll of its own: not "concurrent poll() invocation"
+    a.send({"x": 1})
+    t.join(10)
+    assert box == [("ok", ({"x": 1}, []))]
+    a.close()
+    b.close()
+
+
+def test_recv_nowait_never_blocks_when_the_frame_it_saw_is_gone():
+    # poll() said a frame was there, but another holder of the socket (a forked child) took
+    # it first: the receive must not then block in the kernel for a frame that never comes.
+    a, b = wire.pipe()
+    a.send({"first": 1})
+    assert b.recv(timeout=5) == ({"first": 1}, [])  # the handshake is done
+
+    class SaidYes:
+        def __init__(self, real):
+            self.real, self.calls = real, 0
+
+        def poll(self, ms):
+            self.calls += 1
+            return [(b.fileno(), 1)] if self.calls == 1 else self.real.poll(ms)
+
+    b._pollin = SaidYes(b._pollin)
+    t, box = _in_thread(b.recv_nowait)
+    t.join(5)
+    assert not t.is_alive() and box == [("ok", None)]
+    a.close()
+    b.close()
+
+
+def test_listener_accept_ends_when_closed_from_another_thread():
+    listener = wire.Listener()
+    _closed_while_waiting(listener.accept, listener.close, "closed while accept() waited")
