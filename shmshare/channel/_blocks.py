@@ -10,11 +10,12 @@ Note [Spare blocks]
     message's cost (Note [Hot path] in ``__init__.py``). Sizes that stop
     being asked for must not pin memory the allocator could reuse (a
     producer of ever-varying sizes would grow its pool): on a miss, at most
-    every _SPARE_IDLE requests, the spares of every size not served in the
-    last _SPARE_IDLE requests go back. All spares go back before a request
-    waits for room, on ``empty_cache()``, ``close()`` and peer death. They
-    count as allocated in ``memory_stats()`` and as ``spare_bytes`` in
-    ``statistics()``.
+    every _SPARE_IDLE sends, the spares of every size not asked for in the
+    last _SPARE_IDLE sends go back. The clock counts sends, not requests, so
+    that a batch of many arrays ages its sizes by one, not by its length.
+    All spares go back before a request waits for room, on ``empty_cache()``,
+    ``close()`` and peer death. They count as allocated in ``memory_stats()``
+    and as ``spare_bytes`` in ``statistics()``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ __all__ = ["BlockBook", "SPARE_BYTES"]
 SPARE_BYTES = 64 << 20  # at most this many bytes of spare blocks (and limit/8), ...
 _SPARES_PER_SIZE = 1024  # ... and at most this many of one size (Note [Spare blocks])
 _SPARE_GRAIN = 512  # requests alike to this many bytes share spares (the allocator's smallest block)
-_SPARE_IDLE = 64  # a size not asked for in this many requests gives its spares back
+_SPARE_IDLE = 64  # a size not asked for in this many sends gives its spares back
 
 
 class _Held:
@@ -52,7 +53,7 @@ class BlockBook:
     It keeps ``_held`` (block address -> :class:`_Held`) with ``_addrs``
     sorted for :meth:`_find`, and the spares of Note [Spare blocks]. The
     sender provides ``_malloc``, ``_segment_of``, ``_drain``, ``_alloc``,
-    ``_leases`` and ``_peer_dead``; everything here runs under its lock.
+    ``_leases``, ``_peer_dead`` and ``_sent``; everything here runs under its lock.
     """
 
     _held: dict[int, _Held]
@@ -60,6 +61,7 @@ class BlockBook:
     _spares: dict[int, list[_Held]]
     _leases: dict[int, _Held]
     _peer_dead: bool
+    _sent: int  # batches sent so far: the clock of Note [Spare blocks]
     _alloc: Any
 
     def _new_book(self, spare_limit: int) -> None:
@@ -68,9 +70,8 @@ class BlockBook:
         self._spares = {}  # size key -> blocks kept for requests of it
         self._spare_bytes = 0
         self._spare_limit = spare_limit
-        self._spare_hit: dict[int, int] = {}  # size key -> the request count when last served
-        self._requests = 0  # requests for a block so far (the clock of Note [Spare blocks])
-        self._swept = 0  # the request count at the last sweep
+        self._asked: dict[int, int] = {}  # size key -> the send count when last asked for
+        self._swept = 0  # the send count at the last sweep
 
     def _find(self, start: int, span: int) -> _Held | None:
         i = bisect.bisect_right(self._addrs, start) - 1
@@ -91,33 +92,32 @@ class BlockBook:
         pool by a segment whenever a release is a moment late.
         """
         key = -(-want // _SPARE_GRAIN) * _SPARE_GRAIN
-        tick = self._requests = self._requests + 1
+        now = self._asked[key] = self._sent  # the clock: sends, so a batch of many sizes counts once
         spares = self._spares.get(key)
         if not spares and self._leases and not self._peer_dead:
             self._drain()
             spares = self._spares.get(key)
         if not spares:
-            if self._spare_bytes and tick - self._swept >= _SPARE_IDLE:
-                self._sweep_spares(tick)
+            if self._spare_bytes and now - self._swept >= _SPARE_IDLE:
+                self._sweep_spares(now)
             return None
         held = spares.pop()
         if not spares:
             del self._spares[key]
-        self._spare_hit[key] = tick
         held.spare = False
         self._spare_bytes -= held.block.size
         return held
 
-    def _sweep_spares(self, tick: int) -> None:
-        """Give back the spares of sizes not asked for in the last _SPARE_IDLE requests."""
-        self._swept = tick
-        hit = self._spare_hit
-        for key in [k for k in self._spares if tick - hit.get(k, 0) > _SPARE_IDLE]:
+    def _sweep_spares(self, now: int) -> None:
+        """Give back the spares of sizes not asked for in the last _SPARE_IDLE sends."""
+        self._swept = now
+        asked = self._asked
+        for key in [k for k in self._spares if now - asked.get(k, -_SPARE_IDLE - 1) > _SPARE_IDLE]:
             for held in self._spares.pop(key):
                 self._spare_bytes -= held.block.size
                 self._free_held(held)
-        for key in [k for k, t in hit.items() if tick - t > _SPARE_IDLE and k not in self._spares]:
-            del hit[key]
+        for key in [k for k, t in asked.items() if now - t > _SPARE_IDLE]:
+            del asked[key]  # asked for again later: stamped again then
 
     def _new_held(self, nbytes: int, deadline: float | None, local: bool) -> _Held:
         block = self._malloc(nbytes, deadline)
@@ -154,7 +154,7 @@ class BlockBook:
     def _free_spares(self) -> None:
         """Give every spare block back to the allocator."""
         spares, self._spares, self._spare_bytes = self._spares, {}, 0
-        self._spare_hit.clear()
+        self._asked.clear()
         for blocks in spares.values():
             for held in blocks:
                 self._free_held(held)

@@ -169,6 +169,24 @@ def test_a_send_from_inside_a_send_is_refused_clearly(chan):
     assert rx.recv(timeout=5) == {"after": 2}
 
 
+def test_a_batch_of_many_fixed_sizes_and_one_changing_keeps_its_spares(chan):
+    tx, rx = chan
+    images = [1024 + 512 * k for k in range(70)]  # 70 fixed sizes, more than _SPARE_IDLE
+    mallocs = []
+    for step in range(20):
+        batch = {"ragged": np.ones(100_000 + 4096 * step, np.uint8),  # a new size every batch
+                 "label": np.ones(300, np.int64),
+                 "images": [tx.empty(n, np.uint8) for n in images]}
+        tx.send(batch)
+        del batch
+        rx.recv(timeout=5)  # dropped at once
+        assert settle(tx)
+        mallocs.append(tx.memory_stats()["allocation.all.allocated"])
+    # once warm, each batch asks the allocator for its one new size only: the fixed sizes are
+    # asked for in every send, so their spares never count as idle
+    assert [b - a for a, b in zip(mallocs[4:], mallocs[5:])] == [1] * 15
+
+
 def test_ever_changing_sizes_do_not_grow_the_pool(chan):
     import random
 
