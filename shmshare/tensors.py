@@ -19,6 +19,7 @@ returns a buffer over them.
 from __future__ import annotations
 
 import ast
+import collections
 import math
 import struct
 import sys
@@ -278,7 +279,8 @@ class _TupleMark:
 
 _TUPLE_MARK = _TupleMark()
 _TUPLE_EXT = tuple.__new__(msgpack.ExtType, (EXT_TUPLE, b""))
-_BASE_VALUE = ((dict, lambda d: dict(dict.items(d))), (list, list.copy), (str, str.__str__),
+_BASE_VALUE = ((collections.OrderedDict, lambda d: dict(collections.OrderedDict.items(d))),
+               (dict, lambda d: dict(dict.items(d))), (list, list.copy), (str, str.__str__),
                (int, int.__index__),
                (float, float.__float__), (bytes, bytes.__bytes__))
 
@@ -384,8 +386,9 @@ def decode_dtype(x: str) -> np.dtype:
         if x.startswith("D"):
             return npformat.descr_to_dtype(ast.literal_eval(x[1:]))
         return np.dtype(x)
-    except (TypeError, ValueError, SyntaxError, AttributeError) as exc:
-        raise ValueError(f"malformed dtype {x!r}: {exc}") from exc
+    except (TypeError, ValueError, SyntaxError, AttributeError, IndexError, KeyError,
+            RecursionError, MemoryError) as exc:  # what a hostile descr makes numpy raise
+        raise ValueError(f"malformed dtype {x!r}: {type(exc).__name__}: {exc}") from exc
 
 
 def is_torch_tensor(obj: Any) -> bool:

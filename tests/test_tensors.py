@@ -106,6 +106,14 @@ def test_keys_subclasses_and_scalars_come_back_as_plain_values():
     assert got["v"].tobytes() == b"ab"
 
 
+def test_an_ordered_dict_keeps_its_order():
+    import collections
+
+    od = collections.OrderedDict(a=1, b=2, c=3)
+    od.move_to_end("a")
+    assert list(roundtrip({"od": od})["od"]) == ["b", "c", "a"]
+
+
 def test_deeply_nested_tuples_round_trip_and_too_deep_is_an_error_not_a_crash():
     deep = ()
     for _ in range(400):  # nested unpackers would have run out of C stack well before this
@@ -180,6 +188,8 @@ def test_malformed_descriptors_and_exts():
         decode(b"\x92\x01", lambda *a: None)  # a list of two with one item
     with pytest.raises(ValueError, match="malformed dtype"):
         tensors.decode_dtype("not-a-dtype")
+    with pytest.raises(ValueError, match="malformed dtype 'D\\(\\)'"):
+        tensors.decode_dtype("D()")  # numpy raises IndexError for this one
 
 
 def test_torch_tensors_including_bfloat16():
