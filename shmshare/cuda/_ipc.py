@@ -133,6 +133,12 @@ def send_device_memory(conn: Connection, provider: CudaDeviceProvider, address: 
         owned = [Fd(fd) for fd in raw]
         try:
             conn.send(header if sent == 0 else {"kind": KIND_MORE, "index": sent}, owned, timeout)
+        except BaseException as exc:
+            # a continuation that cannot go (fds in flight past RLIMIT_NOFILE, a full socket,
+            # an interrupt): tell a receiver holding chunks [0, sent) to stop waiting
+            if sent and not isinstance(exc, PeerDied):
+                _abort(conn, sent, count, exc)
+            raise
         finally:
             for fd in owned:  # the peer has its own copies now (or nothing, if the send failed)
                 fd.close()

@@ -8,6 +8,7 @@ forked child and its RLIMIT_NOFILE. The model's chunks are shrunk to
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import resource
@@ -16,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from shmshare import PeerDied, ProtocolError, ShmshareTimeout, cuda, wire
+from shmshare import FdLimitError, PeerDied, ProtocolError, ShmshareTimeout, cuda, wire
 from shmshare.cuda import _driver, _ipc
 from shmshare.testing import start_child
 
@@ -143,6 +144,31 @@ def test_a_sender_that_fails_part_way_says_so_and_the_receiver_keeps_nothing(
     with pytest.raises(ProtocolError, match=f"gave up after {wire.MAX_FDS} of {MANY} chunks.*CudaOutOfMemory"):
         cuda.recv_device_memory(pipe[1], timeout=10)
     assert model.live() == sender_books  # the first batch was imported and mapped, then all let go
+    provider.free(handle)
+    provider.close()
+
+
+def test_a_continuation_that_cannot_be_sent_is_an_abort_not_a_silence(
+        model: DriverModel, pipe: tuple[wire.Connection, wire.Connection], monkeypatch: pytest.MonkeyPatch) -> None:
+    # Fds in flight past the sender's RLIMIT_NOFILE fail a send with ETOOMANYREFS (FdLimitError):
+    # the receiver, holding the first batch, must hear that rather than wait out its timeout.
+    provider = cuda.CudaDeviceProvider(ipc=True)
+    address, handle, offset, nbytes = _filled_block(provider, 3)
+    mine, theirs = pipe
+    real_send, sends = mine.send, []
+
+    def send(header: dict[str, Any], fds: Any = (), timeout: float | None = None) -> None:
+        sends.append(header.get("kind"))
+        if len(sends) == 2:
+            raise FdLimitError(errno.ETOOMANYREFS, "too many fds are in flight on this socket")
+        real_send(header, fds, timeout)
+
+    monkeypatch.setattr(mine, "send", send)
+    with pytest.raises(FdLimitError):
+        cuda.send_device_memory(mine, provider, address + offset, nbytes)
+    assert sends == [_ipc.KIND, _ipc.KIND_MORE, _ipc.KIND_ABORT]
+    with pytest.raises(ProtocolError, match=f"gave up after {wire.MAX_FDS} of {MANY} chunks.*FdLimitError"):
+        cuda.recv_device_memory(theirs, timeout=30)
     provider.free(handle)
     provider.close()
 
