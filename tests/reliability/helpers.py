@@ -113,10 +113,7 @@ class Kid:
             self.child: Child = start_child(_child_main, body, child_end, self.ctl, args)
         finally:
             child_end.close()
-
-    @property
-    def pid(self) -> int:
-        return self.child.pid
+        self.pid = self.child.pid  # kept: the Process object is closed by stop()
 
     def event(self, timeout: float = 20.0) -> dict[str, Any]:
         """Return the child's next report; a crash report or a dead child fails the test."""
