@@ -129,7 +129,8 @@ def hostile_fd(kind: str, size: int) -> tuple[int, list[int]]:
         return r, [r, w]
     if kind == "socket":
         a, b = socket.socketpair()
-        return a.detach(), [b.detach()]
+        fd = a.detach()
+        return fd, [fd, b.detach()]
     if kind == "eventfd":
         fd = os.eventfd(0)
         return fd, [fd]

@@ -119,6 +119,9 @@ class Kid:
         """Return the child's next report; a crash report or a dead child fails the test."""
         try:
             msg, fds = self.ctl.recv(timeout=timeout)
+        except shmshare.ShmshareTimeout:
+            raise AssertionError(f"child pid {self.pid} reported nothing within {timeout:.0f} s "
+                                 f"({exit_status(self.child.exitcode)})") from None
         except shmshare.PeerDied:
             self.child.join(10)
             raise AssertionError(f"child pid {self.pid} went away: "

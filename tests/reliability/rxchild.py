@@ -107,8 +107,12 @@ class ReceiverChild:
         end = time.monotonic() + timeout
         while True:
             left = end - time.monotonic()
-            assert left > 0, f"marker {case} was not delivered within {timeout} s; errors: {seen}"
-            ev = self.kid.event(left)
+            assert left > 0, f"marker {case} was not delivered within {timeout} s; {_summary(seen)}"
+            try:
+                ev = self.kid.event(left)
+            except AssertionError as exc:
+                raise AssertionError(f"marker {case} was not delivered: {exc}; {_summary(seen)}") \
+                    from None
             if ev["ev"] == "error":
                 self.errors.append(ev)
                 seen.append(ev)
@@ -158,6 +162,14 @@ class ReceiverChild:
             self.good = None
         self.kid.stop()
         remove_private_dir(self.path)
+
+
+def _summary(errors: list[dict[str, Any]]) -> str:
+    kinds: dict[str, int] = {}
+    for e in errors:
+        kinds[e["type"]] = kinds.get(e["type"], 0) + 1
+    first = f"; the first: {errors[0]['type']}: {errors[0]['msg'][:300]}" if errors else ""
+    return f"recv() raised meanwhile: {kinds or 'nothing'}{first}"
 
 
 @contextlib.contextmanager

@@ -146,7 +146,7 @@ def run_fuzz(category: str, seed: int, cases: int) -> None:
                     assert errors, f"{at}: recv() raised nothing for a hostile frame"
                 _check_kinds(errors, at)
             except AssertionError as exc:
-                raise AssertionError(f"{at}: {exc}") from None
+                raise AssertionError(str(exc) if at in str(exc) else f"{at}: {exc}") from None
         rc.marker(cases)
         assert wait_for(lambda: fd_count(rc.pid) <= base_fds), (
             f"{where}: the receiver holds {fd_count(rc.pid) - base_fds} fds more than before "
