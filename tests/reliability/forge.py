@@ -40,7 +40,10 @@ class Peer:
 
     def raw(self, data: bytes, fds: list[int] = ()) -> None:  # type: ignore[assignment]
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
-        self.sock.sendmsg([data], anc)
+        try:
+            self.sock.sendmsg([data], anc)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the receiver dropped us already: what a hostile peer gets
 
     def hello(self) -> Peer:
         self.raw(msgpack.packb([0, {"version": wire.PROTOCOL_VERSION, "pid": os.getpid(),

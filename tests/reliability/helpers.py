@@ -11,6 +11,7 @@ with the seed and case that were running.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import resource
 import shutil
@@ -20,6 +21,11 @@ import traceback
 from typing import Any, Callable, Iterator
 
 import numpy as np
+
+try:
+    from numpy.lib.array_utils import byte_bounds
+except ImportError:  # numpy < 2
+    from numpy import byte_bounds  # type: ignore[attr-defined,no-redef]
 
 import shmshare
 from shmshare import wire
@@ -171,11 +177,20 @@ def walk_arrays(obj: Any) -> Iterator[np.ndarray]:
 
 
 def touch_all(obj: Any) -> int:
-    """Read every byte of every array in `obj` (a shrunk file under it would be a SIGBUS)."""
+    """Read every byte each array in `obj` spans (a shrunk file under it would be a SIGBUS).
+
+    The span, not the elements: a zero-stride array of 2**34 elements over 8 bytes is legal
+    and costs 8 bytes to read.
+    """
     total = 0
     for arr in walk_arrays(obj):
         if arr.size and arr.dtype.itemsize:
-            total += int(np.frombuffer(arr.tobytes(), np.uint8).sum(dtype=np.uint64))
+            low, high = byte_bounds(arr)
+            if not 0 < high - low < 1 << 30:
+                raise ValueError(f"an array spans [{low:#x}, {high:#x}): shape {arr.shape} "
+                                 f"strides {arr.strides} dtype {arr.dtype}")
+            raw = ctypes.string_at(low, high - low)
+            total += int(np.frombuffer(raw, np.uint8).sum(dtype=np.uint64))
     return total
 
 

@@ -11,7 +11,9 @@ status, so a SIGBUS or SIGSEGV in the receiver is seen as a signal.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
+import signal
 import time
 from typing import Any, Iterator
 
@@ -28,6 +30,7 @@ MAX_ERROR_REPORTS = 300  # past this, errors are only counted (a spinning recv()
 
 def receiver_main(ctl: Any, opts: dict[str, Any]) -> None:
     """The child: listen, report ready, then recv and report until told to stop."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test's stack dump of a hang
     kw = dict(opts.get("listen_kw", {}))
     rx = shmshare.listen(None, **kw)
     if opts.get("nofile_spare") is not None:  # fds this process may open beyond what it has
@@ -55,7 +58,7 @@ def receiver_main(ctl: Any, opts: dict[str, Any]) -> None:
             except Exception as exc:  # every kind is reported: the test judges them
                 raised += 1
                 kinds[type(exc).__name__] = kinds.get(type(exc).__name__, 0) + 1
-                if reports < MAX_ERROR_REPORTS:
+                if reports < opts.get("max_reports", MAX_ERROR_REPORTS):
                     reports += 1
                     ctl.send(error_report(exc), timeout=10)
                 continue
@@ -121,8 +124,9 @@ class ReceiverChild:
                 return seen
             elif ev["ev"] == "batch":
                 self.foreign.append(ev)
-            else:
-                raise AssertionError(f"unexpected report {ev}")
+            else:  # the receiver loop ended early: its crash report (if any) says why
+                self.kid.event(5)
+                raise AssertionError(f"the receiver stopped early: {ev}")
 
     def next_foreign(self, timeout: float = 20.0) -> dict[str, Any]:
         """Return the next batch that was not a marker (errors seen meanwhile are kept)."""

@@ -28,7 +28,7 @@ from .rxchild import ReceiverChild, receiver_child
 
 SHORT_SEEDS = [1]
 STRESS_SEEDS = list(range(100, 110))
-SHORT_CASES, STRESS_CASES = 25, 300
+SHORT_CASES, STRESS_CASES = 60, 2000
 SEG = (12345 << 32) | 1  # the segment id our forged peers announce
 SEG_SIZE = 1 << 16
 ALLOWED = {"ProtocolError", "FdLimitError", "PeerDied", "PeerRefused"}  # what recv() may raise for junk
@@ -58,7 +58,7 @@ def _wrong_shape(rng: random.Random, path: str) -> tuple[forge.Peer, bool, str]:
         ([1, forge.batch(new=[[SEG, SEG_SIZE, False]], tree_bytes=good_tree)], True),  # no fd
         ([1, forge.batch(tree_bytes=good_tree, g=rng.choice([5, [[SEG, 0, 4096]], [["x"]]]))], True),
         ([1, forge.batch(tree_bytes=forge.tree(msgpack.ExtType(99, b"")))], True),
-        ([0, {"version": "two"}], True), ([0, {"version": 999, "pid": 1}], True),
+        ([0, {"version": "two"}], True), ([0, [1, 2]], True),
         ([1, forge.batch(tree_bytes=b"\x91" * 5000 + b"\xc0")], False),  # deep: refused or served
         ([1, forge.batch(tree_bytes=good_tree, d=[SEG])], False),  # dropping the unknown is harmless
     ]
@@ -93,6 +93,25 @@ def _descriptors(rng: random.Random, path: str) -> tuple[forge.Peer, bool, str]:
     return peer, False, f"desc {ext!r:.200}"  # some of these describe a valid array: refused or served, never a crash
 
 
+def _growth(rng: random.Random, path: str) -> tuple[forge.Peer, bool, str]:
+    """An expandable segment over a sealed memfd, then hostile growth ranges and arrays in them."""
+    peer = forge.Peer(path).hello()
+    size = rng.choice([SEG_SIZE, 2 * SEG_SIZE, 1 << 30, 1 << 40, 0, 4095])
+    fd = forge.sealed_memfd(SEG_SIZE, fill=4)
+    try:
+        peer.msg(forge.batch(new=[[SEG, size, True]]), [fd])
+    finally:
+        os.close(fd)
+    offs = [0, 1, 4096, SEG_SIZE - 4096, SEG_SIZE, -4096, 1 << 39]
+    lens = [4096, SEG_SIZE, 2 * SEG_SIZE, 0, -1, 4095, 1 << 40]
+    grow = [[rng.choice([SEG, SEG + 1]), rng.choice(offs), rng.choice(lens)]
+            for _ in range(rng.randint(1, 3))]
+    off, n = rng.choice(offs[:5]), rng.choice(lens[:4])
+    peer.msg(forge.batch(tree_bytes=forge.tree({"x": forge.desc(SEG, max(n, 0), max(off, 0))}),
+                         g=grow))
+    return peer, False, f"expandable of {size} bytes, growth {grow}, array [{off}, +{n})"
+
+
 def _oversized(rng: random.Random, path: str) -> tuple[forge.Peer, bool, str]:
     peer = forge.Peer(path).hello()
     size = rng.randint(wire.MAX_FRAME + 1, 4 * wire.MAX_FRAME)
@@ -120,6 +139,7 @@ def _too_many_fds(rng: random.Random, path: str) -> tuple[forge.Peer, bool, str]
 
 CATEGORIES: dict[str, Callable[[random.Random, str], tuple[forge.Peer, bool, str]]] = {
     "random_bytes": _random_bytes, "wrong_shape": _wrong_shape, "descriptors": _descriptors,
+    "growth": _growth,
     "oversized": _oversized, "too_many_fds": _too_many_fds,
 }
 
@@ -128,7 +148,7 @@ def run_fuzz(category: str, seed: int, cases: int) -> None:
     make = CATEGORIES[category]
     rng = random.Random(seed)
     where = f"category={category} seed={seed}"
-    with receiver_child() as rc:
+    with receiver_child(max_reports=10 * cases) as rc:
         rc.connect_good()
         base_fds = fd_count(rc.pid)
         for case in range(cases):
@@ -244,3 +264,44 @@ def test_what_cannot_shrink_is_served(trust: bool) -> None:
         assert not errors and not rc.errors, rc.errors
         assert got["sum"] == 2 * SEG_SIZE, got
         rc.finish()
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first_hello", "later_hello"])
+def test_a_hello_of_another_version_drops_the_peer(first: bool) -> None:
+    """Found by the fuzzer: PeerRefused escaped recv() and the peer stayed connected."""
+    with receiver_child() as rc:
+        rc.connect_good()
+        peer = forge.Peer(rc.path)
+        try:
+            if not first:
+                peer.hello().msg({"k": "x"})
+            peer.raw(msgpack.packb([0, {"version": 999, "pid": 1}], use_bin_type=True))
+            assert peer.dropped(5), "the receiver kept a peer of another protocol version"
+            errors = rc.errors + rc.marker(0)
+        finally:
+            peer.close()
+        assert len(errors) == 1 and errors[0]["type"] in ("PeerRefused", "ProtocolError"), errors
+        assert "version 999" in errors[0]["msg"], errors
+        rc.finish()
+
+
+@pytest.mark.parametrize("dtype", [b"|S0", b"<U0", b"|V0"])
+def test_an_empty_descriptor_gets_no_memory(dtype: bytes) -> None:
+    """Found by the fuzzer: segment 0 with a zero-size flexible dtype and shape (2**31,) made
+    the receiver allocate 2 GiB, because np.empty turns S0 into S1 (numpy 2.x)."""
+    import shmshare
+
+    rx = shmshare.listen()
+    peer = forge.Peer(rx.path).hello()
+    try:
+        peer.msg(forge.batch(tree_bytes=forge.tree({"x": forge.raw_desc(0, 1, 0, dtype,
+                                                                        [1 << 20], [0])})))
+        try:
+            got = rx.recv(timeout=10)
+        except shmshare.ProtocolError:
+            return  # refused: also fine
+        x = got["x"]
+        assert x.nbytes == 0, f"{dtype!r}: the receiver allocated {x.nbytes} bytes ({x.dtype})"
+    finally:
+        peer.close()
+        rx.close()
