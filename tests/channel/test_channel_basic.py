@@ -16,9 +16,9 @@ from shmshare.channel import Receiver
 from tests.test_tensors import DTYPES
 
 
-@pytest.fixture
-def chan():
-    tx, rx = shmshare.channel(limit=64 << 20)
+@pytest.fixture(params=["memfd", "posix"])
+def chan(request):
+    tx, rx = shmshare.channel(limit=64 << 20, backend=request.param)
     yield tx, rx
     tx.close()
     rx.close()
