@@ -128,7 +128,7 @@ def parse_desc(data: bytes) -> tuple[int, int, int, Layout]:
             if len(_layouts) >= 4096:
                 _layouts.clear()  # a peer sending ever new shapes: start over, never grow
             _layouts[tail] = layout
-    return (*_WHERE.unpack_from(data), layout)  # type: ignore[return-value]
+    return (*_WHERE.unpack_from(data), layout)
 
 
 _layouts: dict[bytes, Layout] = {}
@@ -194,9 +194,12 @@ class Encoder:
         """
         self._failed = None
         try:
-            return self._packer.pack(obj)  # type: ignore[no-any-return]
+            return self._packer.pack(obj)
         except (TypeError, ValueError, OverflowError) as exc:
-            failed, self._failed = self._failed, None
+            # Declared, not inferred: mypy would keep the None assigned above, not seeing
+            # that pack() calls _default(), which sets it.
+            failed: BaseException | None = self._failed
+            self._failed = None
             if exc is failed and not isinstance(exc, TypeError):
                 raise
             raise _explain(obj, exc) from exc
@@ -279,10 +282,12 @@ class _TupleMark:
 
 _TUPLE_MARK = _TupleMark()
 _TUPLE_EXT = tuple.__new__(msgpack.ExtType, (EXT_TUPLE, b""))
-_BASE_VALUE = ((collections.OrderedDict, lambda d: dict(collections.OrderedDict.items(d))),
-               (dict, lambda d: dict(dict.items(d))), (list, list.copy), (str, str.__str__),
-               (int, int.__index__),
-               (float, float.__float__), (bytes, bytes.__bytes__))
+_BaseValue = tuple[type[Any], Callable[[Any], Any]]  # a base type, and how its value is taken
+_BASE_VALUE: tuple[_BaseValue, ...] = (
+    (collections.OrderedDict, lambda d: dict(collections.OrderedDict.items(d))),
+    (dict, lambda d: dict(dict.items(d))), (list, list.copy), (str, str.__str__),
+    (int, int.__index__),
+    (float, float.__float__), (bytes, bytes.__bytes__))
 
 
 def _tuples(items: list[Any]) -> Any:

@@ -184,9 +184,9 @@ def _initialize() -> tuple[Any, str | None]:
 
 def _import_driver() -> Any:
     try:
-        from cuda.bindings import driver as module  # type: ignore[import-not-found]
+        from cuda.bindings import driver as module
     except ImportError:
-        from cuda import cuda as module  # type: ignore[import-not-found,no-redef]  # cuda-python < 12.6
+        from cuda import cuda as module  # cuda-python < 12.6
     return module
 
 
