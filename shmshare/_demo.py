@@ -23,14 +23,15 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from . import _procfs, wire
+from ._doctor import _fmt
 from ._errors import ShmshareError
 from .segment import Flags, Segment
-from ._doctor import _fmt
 
 __all__ = ["demo"]
 

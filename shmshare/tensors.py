@@ -23,8 +23,9 @@ import collections
 import math
 import struct
 import sys
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np

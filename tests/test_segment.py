@@ -89,14 +89,13 @@ def test_from_fd_refuses_mapping_past_the_end():
 
 
 def test_readonly_receiver_cannot_write():
-    with Segment.create(4096) as seg:
-        with Segment.from_fd(seg.fd, flags=Flags.FROMFD | Flags.READONLY) as ro:
-            arr = ro.view(np.uint8, 16)
-            assert not arr.flags.writeable
-            with pytest.raises(ValueError, match="read-only"):
-                arr[0] = 1
-            assert ro.buffer.readonly
-            del arr
+    with Segment.create(4096) as seg, Segment.from_fd(seg.fd, flags=Flags.FROMFD | Flags.READONLY) as ro:
+        arr = ro.view(np.uint8, 16)
+        assert not arr.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            arr[0] = 1
+        assert ro.buffer.readonly
+        del arr
 
 
 def test_posix_without_unlink_keeps_name_until_close_and_open_finds_it():
@@ -205,9 +204,8 @@ def test_views_check_bounds():
 def test_segment_is_not_picklable_and_constructor_is_private():
     import pickle
 
-    with Segment.create(4096) as seg:
-        with pytest.raises(TypeError, match="Segment.from_fd"):
-            pickle.dumps(seg)
+    with Segment.create(4096) as seg, pytest.raises(TypeError, match="Segment.from_fd"):
+        pickle.dumps(seg)
     with pytest.raises(TypeError, match="Segment.create"):
         Segment()
 

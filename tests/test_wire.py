@@ -15,8 +15,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from shmshare import (FdLimitError, PeerDied, PeerRefused, ProtocolError, Segment,
-                      ShmshareTimeout, wire)
+from shmshare import FdLimitError, PeerDied, PeerRefused, ProtocolError, Segment, ShmshareTimeout, wire
 from shmshare.testing import start_child
 
 

@@ -9,8 +9,7 @@ import pytest
 
 from shmshare import _native
 from shmshare._procfs import meminfo_kb, shm_mappings
-from shmshare.memory import CachingAllocator, OutOfMemoryError, ProviderOutOfMemory
-from shmshare.memory import ShmProvider
+from shmshare.memory import CachingAllocator, OutOfMemoryError, ProviderOutOfMemory, ShmProvider
 from shmshare.testing.pool_contract import PoolContract
 
 MiB = 1 << 20
