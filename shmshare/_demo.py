@@ -223,7 +223,7 @@ def _child_loop(ctl: wire.Connection, data: wire.Connection) -> int:
             return 0
         try:
             reply = _CHILD_STEPS[op](state, data)
-        except Exception as exc:  # reported to the parent, which prints it
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which prints it
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         ctl.send(reply)
 

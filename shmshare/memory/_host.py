@@ -448,7 +448,7 @@ def _background_loop(ref: weakref.ref[CachingHostAllocator], stop: threading.Eve
         try:
             with allocator._lock:
                 allocator._process_events()
-        except BaseException as exc:  # a driver error: report it at the next allocate
+        except BaseException as exc:  # noqa: BLE001 - a driver error: raised by the next allocate
             allocator._background_error = exc
             allocator._thread = None
             return
