@@ -159,7 +159,7 @@ def _fields(data: bytes) -> tuple[int, int, int, str, tuple[int, ...], tuple[int
 def span(itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, int]:
     """Return (lowest byte offset, bytes spanned) of a strided layout, relative to element 0."""
     lo = hi = 0
-    for n, st in zip(shape, strides):  # one plain loop: this runs twice for every array sent
+    for n, st in zip(shape, strides, strict=True):  # one plain loop: this runs twice for every array sent
         if n == 0:
             return 0, 0
         if st < 0:

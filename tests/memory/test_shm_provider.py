@@ -59,7 +59,7 @@ def test_limit_is_an_oom_with_the_numbers():
     prov = ShmProvider(limit=32 * MiB)
     alloc = CachingAllocator(prov)
     b = alloc.malloc(20 * MiB)
-    with pytest.raises(OutOfMemoryError, match="Tried to allocate 30.00 MiB") as err:
+    with pytest.raises(OutOfMemoryError, match=r"Tried to allocate 30\.00 MiB") as err:
         alloc.malloc(30 * MiB)
     assert isinstance(err.value.__cause__, ProviderOutOfMemory)
     assert "pool limit of 33554432 bytes" in str(err.value.__cause__)
