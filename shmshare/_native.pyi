@@ -8,8 +8,9 @@
 # `python -m mypy.stubtest shmshare._native` checks this file against the build.
 
 from collections.abc import Callable
-from typing import Final, final
+from typing import Any, Final, final
 
+import numpy as np
 from typing_extensions import Buffer
 
 PAGE_SIZE: Final[int]
@@ -51,7 +52,8 @@ def madvise(address: int, nbytes: int, advice: int, /) -> None:
 def prefault(address: int, nbytes: int, threads: int = 1, writable: bool = False) -> None:
     """Fault every page in on 1..64 `threads` with the GIL released."""
 
-def extent(obj: Buffer, /) -> tuple[int, int, int]:
+# Before 3.12 numpy's stubs do not make an ndarray a Buffer (nor take one as ndarray(buffer=)).
+def extent(obj: Buffer | np.ndarray[Any, Any], /) -> tuple[int, int, int]:
     """(address, lo, span): where element 0 of a strided buffer lies, and the bytes its elements
     cover, [address + lo, address + lo + span); an empty buffer gives lo = span = 0."""
 
