@@ -197,10 +197,7 @@ class Encoder:
         try:
             return self._packer.pack(obj)
         except (TypeError, ValueError, OverflowError) as exc:
-            # Declared, not inferred: mypy would keep the None assigned above, not seeing
-            # that pack() calls _default(), which sets it.
-            failed: BaseException | None = self._failed
-            self._failed = None
+            failed, self._failed = self._failed, None
             if exc is failed and not isinstance(exc, TypeError):
                 raise
             raise _explain(obj, exc) from exc
