@@ -23,14 +23,15 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from . import _procfs, wire
+from ._doctor import _fmt
 from ._errors import ShmshareError
 from .segment import Flags, Segment
-from ._doctor import _fmt
 
 __all__ = ["demo"]
 
@@ -222,7 +223,7 @@ def _child_loop(ctl: wire.Connection, data: wire.Connection) -> int:
             return 0
         try:
             reply = _CHILD_STEPS[op](state, data)
-        except Exception as exc:  # reported to the parent, which prints it
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which prints it
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         ctl.send(reply)
 

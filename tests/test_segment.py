@@ -75,7 +75,7 @@ def test_from_fd_dups_and_caller_keeps_its_fd():
 
 def test_from_fd_refuses_mapping_past_the_end():
     with Segment.create(4096) as seg:
-        with pytest.raises(SegmentError, match="4096 bytes, 8192 were asked.*SIGBUS"):
+        with pytest.raises(SegmentError, match=r"4096 bytes, 8192 were asked.*SIGBUS"):
             Segment.from_fd(seg.fd, 8192)
         with pytest.raises(SegmentError, match="not a regular file"):
             r, w = os.pipe()
@@ -89,14 +89,13 @@ def test_from_fd_refuses_mapping_past_the_end():
 
 
 def test_readonly_receiver_cannot_write():
-    with Segment.create(4096) as seg:
-        with Segment.from_fd(seg.fd, flags=Flags.FROMFD | Flags.READONLY) as ro:
-            arr = ro.view(np.uint8, 16)
-            assert not arr.flags.writeable
-            with pytest.raises(ValueError, match="read-only"):
-                arr[0] = 1
-            assert ro.buffer.readonly
-            del arr
+    with Segment.create(4096) as seg, Segment.from_fd(seg.fd, flags=Flags.FROMFD | Flags.READONLY) as ro:
+        arr = ro.view(np.uint8, 16)
+        assert not arr.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            arr[0] = 1
+        assert ro.buffer.readonly
+        del arr
 
 
 def test_posix_without_unlink_keeps_name_until_close_and_open_finds_it():
@@ -205,10 +204,9 @@ def test_views_check_bounds():
 def test_segment_is_not_picklable_and_constructor_is_private():
     import pickle
 
-    with Segment.create(4096) as seg:
-        with pytest.raises(TypeError, match="Segment.from_fd"):
-            pickle.dumps(seg)
-    with pytest.raises(TypeError, match="Segment.create"):
+    with Segment.create(4096) as seg, pytest.raises(TypeError, match=r"Segment\.from_fd"):
+        pickle.dumps(seg)
+    with pytest.raises(TypeError, match=r"Segment\.create"):
         Segment()
 
 

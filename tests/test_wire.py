@@ -15,8 +15,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from shmshare import (FdLimitError, PeerDied, PeerRefused, ProtocolError, Segment,
-                      ShmshareTimeout, wire)
+from shmshare import FdLimitError, PeerDied, PeerRefused, ProtocolError, Segment, ShmshareTimeout, wire
 from shmshare.testing import start_child
 
 
@@ -78,7 +77,7 @@ def test_caps_on_frame_size_and_fd_count():
         a.send({}, fds=[0, 1, 2])
     with pytest.raises(TypeError, match="non-negative int"):
         a.send({}, fds=[-3])
-    with pytest.raises(ValueError, match="max_fds must be 1..253"):
+    with pytest.raises(ValueError, match=r"max_fds must be 1\.\.253"):
         wire.pipe(max_fds=300)
     a.close()
     b.close()
@@ -96,7 +95,7 @@ def test_oversize_frame_from_peer_is_a_protocol_error():
 
 def test_timeout_then_eof_after_queued_messages(pair):
     a, b = pair
-    with pytest.raises(ShmshareTimeout, match="recv timed out after 0.05 s"):
+    with pytest.raises(ShmshareTimeout, match=r"recv timed out after 0\.05 s"):
         b.recv(timeout=0.05)
     a.send({"n": 1})
     a.send({"n": 2})
@@ -193,7 +192,7 @@ def test_more_fds_than_max_fds_is_fd_limit_error():
     small = wire.Connection(b._sock, max_fds=2)
     seg = Segment.create(4096)
     a.send({}, fds=[seg.fd] * 8)
-    with pytest.raises(FdLimitError, match="MSG_CTRUNC.*RLIMIT_NOFILE is .*max_fds=2"):
+    with pytest.raises(FdLimitError, match=r"MSG_CTRUNC.*RLIMIT_NOFILE is .*max_fds=2"):
         small.recv(timeout=5)
     seg.close()
     a.close()
@@ -288,7 +287,7 @@ def _connect_as_nobody(path, results):
         c.send({"from": "nobody"})
         results.send({"ok": True})
         c.close()
-    except Exception as exc:  # report, don't hang the parent
+    except Exception as exc:  # noqa: BLE001 - report, don't hang the parent
         results.send({"ok": False, "error": repr(exc)})
     os._exit(0)
 

@@ -21,7 +21,7 @@ Note [Spare blocks]
 from __future__ import annotations
 
 import bisect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..memory import ShmSegment
 
@@ -63,6 +63,12 @@ class BlockBook:
     _peer_dead: bool
     _sent: int  # batches sent so far: the clock of Note [Spare blocks]
     _alloc: Any
+
+    if TYPE_CHECKING:  # the sender's, declared here for the type checker only
+
+        def _malloc(self, nbytes: int, deadline: float | None) -> Any: ...
+        def _segment_of(self, address: int) -> ShmSegment: ...
+        def _drain(self) -> None: ...
 
     def _new_book(self, spare_limit: int) -> None:
         self._held = {}  # block address -> held block (spares included)

@@ -193,7 +193,7 @@ class Stream:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:  # interpreter shutdown or a dead context: nothing left to free
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown or a dead context: nothing left to free
             pass
 
     def __repr__(self) -> str:
@@ -297,7 +297,7 @@ class EventPool:
         for raw in raws:
             try:
                 call("cuEventDestroy", raw)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - raised below, once the others are destroyed
                 error = error or exc
         if error is not None:
             raise error
@@ -363,7 +363,7 @@ class Event:
     def __del__(self) -> None:
         try:
             self.release()
-        except Exception:
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown, or the context is gone and its events with it
             pass
 
     def __repr__(self) -> str:
