@@ -29,7 +29,7 @@ class Closeable:
     def __del__(self) -> None:
         try:
             self._finalize()
-        except Exception:  # a half-built object, or interpreter shutdown: nothing to report to
+        except Exception:  # noqa: BLE001, S110 - a half-built object, or interpreter shutdown: nothing to report to
             pass
 
     def _finalize(self) -> None:

@@ -67,7 +67,8 @@ def ctrunc_error(got: int, max_fds: int) -> FdLimitError:
 def peer_cred(sock: socket.socket) -> tuple[int, int, int]:
     """Return (pid, uid, gid) of the process at the other end of a connected AF_UNIX socket."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-    return _PEERCRED.unpack(raw)  # type: ignore[return-value]
+    pid, uid, gid = _PEERCRED.unpack(raw)
+    return pid, uid, gid
 
 
 def grow_buffers(sock: socket.socket, max_frame: int) -> None:

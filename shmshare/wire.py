@@ -47,8 +47,9 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import msgpack
 
@@ -454,7 +455,7 @@ class Connection(Closeable):
                     return bool(poller.poll(0))
                 step = min(left, _CLOSE_CHECK)
             if poller.poll(_ms(step)):
-                if self.state is State.CLOSED:  # POLLNVAL, or a fd number someone reused
+                if self.state is State.CLOSED:  # type: ignore[comparison-overlap]  # close() from another thread: POLLNVAL, or a fd number someone reused
                     raise ValueError(f"this Connection was closed while {what} waited")
                 return True
 
@@ -658,7 +659,7 @@ def _rebuild_connection(dup: Any, role: str, max_frame: int, max_fds: int,
 
 def _pack(obj: Any) -> bytes:
     try:
-        return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+        return msgpack.packb(obj, use_bin_type=True)
     except Exception as exc:
         _pack_error(exc)
         raise

@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 from typing import TYPE_CHECKING, Any
 
-from ..memory import ShmSegment
+from ..memory import CachingAllocator, ShmSegment
 
 __all__ = ["BlockBook", "SPARE_BYTES"]
 
@@ -62,7 +62,7 @@ class BlockBook:
     _leases: dict[int, _Held]
     _peer_dead: bool
     _sent: int  # batches sent so far: the clock of Note [Spare blocks]
-    _alloc: Any
+    _alloc: CachingAllocator
 
     if TYPE_CHECKING:  # the sender's, declared here for the type checker only
 

@@ -28,17 +28,16 @@ import threading
 import time
 import warnings
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
 from .. import _native, tensors, wire
-from .._errors import (FdLimitError, PeerDied, ProtocolError, SegmentError, ShmshareError,
-                       ShmshareTimeout)
+from .._errors import FdLimitError, PeerDied, ProtocolError, SegmentError, ShmshareError, ShmshareTimeout
 from .._lifetime import Closeable
 from ..segment import Flags, Segment
-from ._protocol import (BATCH, BYE, DROP, GROW, KIND, LEASES, NEW, REFUSE, RELEASE,
-                        RELEASE_CHUNK, TREE, WHY)
+from ._protocol import BATCH, BYE, DROP, GROW, KIND, LEASES, NEW, REFUSE, RELEASE, RELEASE_CHUNK, TREE, WHY
 from ._trust import check_fd, default_max_peer_bytes, default_max_peer_segments
 
 __all__ = ["Receiver"]
@@ -67,7 +66,7 @@ class _RxSegment:
 
     def add_range(self, start: int, end: int) -> None:
         """Record [start, end) as mapped, merging with touching ranges."""
-        spans = sorted(self.mapped + [(start, end)])
+        spans = sorted([*self.mapped, (start, end)])
         merged = [spans[0]]
         for lo, hi in spans[1:]:
             if lo <= merged[-1][1]:
@@ -228,7 +227,7 @@ class Receiver(Closeable):
                 peer.bye = False  # someone still sends (a goodbye from a parent that forked does not count)
                 try:
                     return self._decode(peer, header, fds)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - any failure of a hostile batch drops its sender
                     raise self._drop(peer, exc) from None
             for f in fds:
                 f.close()
@@ -267,7 +266,8 @@ class Receiver(Closeable):
     def fileno(self) -> int:
         """Return a fd that is readable when ``recv`` has something (for selectors)."""
         if self._sel is not None:
-            return self._sel.fileno()  # type: ignore[attr-defined]
+            fileno: int = self._sel.fileno()  # type: ignore[attr-defined]  # DefaultSelector is epoll here
+            return fileno
         return self._peers[0].conn.fileno()
 
     # -- lifecycle ---------------------------------------------------------------
@@ -463,7 +463,7 @@ class Receiver(Closeable):
     def _map_new(self, peer: _Peer, new: Any, fds: list[wire.Fd]) -> None:
         if len(new) != len(fds):
             raise ProtocolError(f"{len(new)} new segments were announced with {len(fds)} fds")
-        for (seg_id, size, expandable), fd in zip(new, fds):
+        for (seg_id, size, expandable), fd in zip(new, fds, strict=True):
             if type(size) is not int or size <= 0 or seg_id in peer.segments:
                 raise ProtocolError(f"a malformed announcement of segment {seg_id!r} "
                                     f"({size!r} bytes)")
@@ -516,16 +516,17 @@ class Receiver(Closeable):
         rec = peer.segments.get(seg_id) or self._segment(peer, seg_id)
         start = offset + lay.lo
         nbytes = lay.nbytes
-        if not (0 <= start and start + nbytes <= rec.size if rec.fd < 0
+        if not (start >= 0 and start + nbytes <= rec.size if rec.fd < 0
                 else rec.covers(start, start + nbytes)):
             raise ProtocolError(f"an array of {nbytes} bytes at offset {start} lies outside the "
                                 f"mapped part of segment {seg_id} ({rec.size} bytes)")
         lease = _native.Lease(rec.root, rec.address + start, nbytes, not self._writable,
                               _Release(self, peer, block, nbytes))  # positional: cheaper to parse
         if lay.dense:
-            arr = np.ndarray(lay.shape, dt, buffer=lease)
+            arr = np.ndarray(lay.shape, dt, buffer=lease)  # type: ignore[arg-type]  # numpy types Buffer from 3.12
         else:
-            arr = np.ndarray(lay.shape, dt, buffer=lease, offset=-lay.lo, strides=lay.strides)
+            arr = np.ndarray(lay.shape, dt, buffer=lease, offset=-lay.lo,  # type: ignore[arg-type]
+                             strides=lay.strides)
         if lay.torch_dtype is None:
             return arr
         # torch has no read-only tensors: from a read-only mapping, a private copy

@@ -35,8 +35,7 @@ from typing import Any
 import numpy as np
 
 from .. import _native, tensors, wire
-from .._errors import (PeerDied, PoolExhausted, ProtocolError, SegmentError, ShmshareError,
-                       ShmshareTimeout)
+from .._errors import PeerDied, PoolExhausted, ProtocolError, SegmentError, ShmshareError, ShmshareTimeout
 from .._lifetime import Closeable
 from ..memory import CachingAllocator, OutOfMemoryError, ShmProvider, ShmSegment
 from ._blocks import SPARE_BYTES, BlockBook, _Held
@@ -84,6 +83,14 @@ class Sender(BlockBook, Closeable):
     backend : {"memfd", "posix"}
         Shared memory for classic segments.
     """
+
+    _lock: threading.RLock
+    _in_send: bool  # this thread is inside send(): a nested send() is refused
+    _last_drain: float
+    _taken: list[int]
+    _deadline: float | None
+    _encoder: tensors.Encoder
+    _refused: str | None  # why the receiver dropped us (a REFUSE frame)
 
     def __init__(self, conn: wire.Connection, *, limit: int = DEFAULT_LIMIT,
                  config: str | None = None, backend: str = "memfd") -> None:
@@ -171,7 +178,7 @@ class Sender(BlockBook, Closeable):
         # positional: keyword parsing costs more than the rest of the call
         lease = _native.Lease(self._alloc, held.block.address, nbytes, False,
                               _ViewDied(self._local_done, self._ref, held))
-        arr = np.ndarray(shp, np_dtype, buffer=lease)
+        arr = np.ndarray(shp, np_dtype, buffer=lease)  # type: ignore[arg-type]  # numpy types Buffer from 3.12
         if torch_dtype is None:
             return arr
         import torch
@@ -326,8 +333,8 @@ class Sender(BlockBook, Closeable):
         if held is None:
             held = self._new_held(want, self._deadline, local=False)
         try:
-            dst = np.ndarray(arr.shape, arr.dtype, buffer=_native.Lease(None, held.block.address,
-                                                                          want))
+            raw = _native.Lease(None, held.block.address, want)
+            dst = np.ndarray(arr.shape, arr.dtype, buffer=raw)  # type: ignore[arg-type]
             np.copyto(dst, arr, casting="no")
         except BaseException:
             self._maybe_free(held)
@@ -524,7 +531,7 @@ class Sender(BlockBook, Closeable):
         self._lock = threading.RLock()
         self._reap_lock = threading.Lock()  # _reap_closed only
         self._reap = False  # closed and released: dying local views free at once
-        self._refused: str | None = None  # why the receiver dropped us (a REFUSE frame)
+        self._refused = None  # why the receiver dropped us (a REFUSE frame)
         self._owner = os.getpid()
         self._ref = weakref.ref(self)
         self._provider = ShmProvider(self._limit, self._backend)
@@ -544,8 +551,8 @@ class Sender(BlockBook, Closeable):
         self._sent = self._copied = self._in_place = self._n_announced = 0
         self._last_drain = 0.0
         self._encoder = tensors.Encoder(self._place)
-        self._taken: list[int] = []  # lease ids the send in progress took (under the lock)
-        self._deadline: float | None = None  # the send in progress's deadline
+        self._taken = []  # lease ids the send in progress took (under the lock)
+        self._deadline = None  # the send in progress's deadline
         self._in_send = False  # this thread is inside send(): a nested send() is refused
         self._new_book(min(self._limit // 8, SPARE_BYTES))
 

@@ -16,8 +16,8 @@ import pytest
 
 import shmshare
 from shmshare import FdLimitError, PeerDied, PoolExhausted, ProtocolError, Receiver, wire
-from shmshare.tensors import ArrayDesc
 from shmshare._procfs import shm_mappings
+from shmshare.tensors import ArrayDesc
 
 
 def _raw_sender(**rx_kw):
@@ -37,7 +37,7 @@ def test_a_truncatable_regular_file_is_refused_naming_what_it_is(tmp_path):
     os.ftruncate(fd, 1 << 20)
     a, rx = _raw_sender(trust_unsealed=True)  # even a trusting receiver maps only shared memory
     a.send(_batch_on(9, 1 << 20), fds=[fd])
-    with pytest.raises(ProtocolError, match="a regular file on .* truncated"):
+    with pytest.raises(ProtocolError, match=r"a regular file on .* truncated"):
         rx.recv(timeout=5)
     os.close(fd)
     a.close()
@@ -98,7 +98,7 @@ def test_a_receiver_that_does_not_trust_refuses_posix_senders(tmp_path):
     tx.send(np.ones(10))
     with pytest.raises(ProtocolError, match="trust_unsealed=True"):
         rx.recv(timeout=5)
-    with pytest.raises(ProtocolError, match="refused a batch .*trust_unsealed"):
+    with pytest.raises(ProtocolError, match=r"refused a batch .*trust_unsealed"):
         for _ in range(50):  # the sender is told why
             tx.send(np.ones(10), timeout=5)
     tx.close()
