@@ -161,9 +161,9 @@ class ShmProvider:
         self._charge(nbytes, "map")
         try:
             rec.segment.map_range(offset, nbytes)  # all or nothing
-        except OSError as exc:
+        except BaseException as exc:
             self._refund(nbytes)
-            if exc.errno in _OOM_ERRNOS:
+            if isinstance(exc, OSError) and exc.errno in _OOM_ERRNOS:
                 raise ProviderOutOfMemory(f"shm: cannot map {nbytes} bytes at offset {offset} of an "
                                           f"expandable segment: {exc}") from exc
             raise
