@@ -235,7 +235,8 @@ def _child_recv(state: dict[str, Any], data: wire.Connection) -> dict[str, Any]:
 
 
 def _child_map(state: dict[str, Any], data: wire.Connection) -> dict[str, Any]:
-    state["seg"] = Segment.from_fd(state["fd"], state["size"])
+    # the seed's step dups (an int is dup'ed; a wire.Fd would be taken): i_count=5 for a moment
+    state["seg"] = Segment.from_fd(state["fd"].fileno(), state["size"])
     return {"fd": state["seg"].fd}
 
 

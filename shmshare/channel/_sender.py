@@ -557,26 +557,11 @@ class Sender(BlockBook, Closeable):
         self._new_book(min(self._limit // 8, SPARE_BYTES))
 
     def _after_fork_in_child(self) -> None:
-        # The child must never hand out or release the parent's blocks: give it a
-        # pool of its own, and drop (without unmapping: inherited arrays may
-        # still point there) the fds of the parent's segments.
+        # The child must never hand out or release the parent's blocks: give it a pool of its
+        # own. The provider forgets the parent's fds and keeps mapped only the segments an
+        # array from empty() may still point into (Note [Segments in a forked child]).
         in_use = {h.seg.id for h in self._held.values() if h.local}
-        kept = []
-        for seg in self._provider.segments.values():
-            if seg.segment is not None:  # forget the fd everywhere before closing it
-                fd, seg.segment.fd, seg.fd = seg.segment.fd, None, -1
-            else:
-                fd, seg.fd = seg.fd, -1
-            if fd is not None and fd >= 0:
-                os.close(fd)
-            if seg.id in in_use:
-                kept.append(seg)  # an array from empty() may still point here: keep it mapped
-            elif seg.segment is not None:
-                seg.segment.close()  # unmaps: nothing of the child's points into it
-                seg.segment = None
-            else:
-                _native.unmap(seg.address, seg.size, release=True)
-        _inherited.append(kept)  # mappings that inherited arrays need, never reused
+        _inherited.append(self._provider.after_fork_in_child(in_use))  # never reused
         self._new_pool()
 
     def _check_usable(self) -> None:
