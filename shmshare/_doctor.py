@@ -11,7 +11,6 @@ import resource
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-
 from . import __version__, _cgroup, _procfs, _shmdir, wire
 from .segment import Segment, shm_free_bytes
 
@@ -216,7 +215,7 @@ def _check_scm_rights() -> Check:
                 os.write(w, b"shm")
                 same = os.read(got.fileno(), 3) == b"shm"  # the pipe we sent, seen through the copy
                 fact = f"fd {r} sent over AF_UNIX SOCK_SEQPACKET arrived as fd {got.fileno()}"
-    except Exception as exc:  # any failure here means fds cannot cross processes
+    except Exception as exc:  # noqa: BLE001 - any failure here means fds cannot cross processes
         return Check("scm_rights", FAIL, f"passing a fd with SCM_RIGHTS failed: {exc}",
                      "no segment can reach another process; a sandbox (seccomp, gVisor) may block it")
     finally:

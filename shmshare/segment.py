@@ -387,7 +387,7 @@ class Segment(Closeable):
         if offset < 0 or offset + need > self.size:
             raise ValueError(f"view of {need} bytes at offset {offset} does not fit in a "
                              f"{self.size}-byte segment")
-        return np.ndarray(shp, dtype=dt, buffer=root, offset=offset)  # type: ignore[call-overload]
+        return np.ndarray(shp, dtype=dt, buffer=root, offset=offset)  # type: ignore[arg-type]  # numpy types Buffer from 3.12
 
     @property
     def lease(self) -> _native.Lease:

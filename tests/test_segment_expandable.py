@@ -94,12 +94,10 @@ def test_a_cgroup_without_room_refuses_before_fallocate(monkeypatch):
 @pytest.mark.parametrize("offset, nbytes", [(-PAGE, PAGE), (1, PAGE), (0, 1), (0, 0),
                                             (8 * MiB, PAGE)])
 def test_ranges_must_be_whole_pages_inside_the_reservation(offset, nbytes):
-    with Segment.reserve(8 * MiB) as seg:
-        with pytest.raises(ValueError, match="must be whole pages"):
-            seg.map_range(offset, nbytes)
-    with Segment.create(PAGE) as classic:
-        with pytest.raises(ValueError, match="for expandable segments"):
-            classic.map_range(0, PAGE)
+    with Segment.reserve(8 * MiB) as seg, pytest.raises(ValueError, match="must be whole pages"):
+        seg.map_range(offset, nbytes)
+    with Segment.create(PAGE) as classic, pytest.raises(ValueError, match="for expandable segments"):
+        classic.map_range(0, PAGE)
 
 
 def test_reserve_and_from_fd_reserve_check_their_arguments():

@@ -52,17 +52,18 @@ _WHY_MAX = 2000  # characters of a refusal told to the sender
 
 
 class _RxSegment:
-    """A sender's segment as mapped here: a root Lease over the whole range."""
+    """A sender's segment as mapped here: its Segment and the root Lease over the whole range."""
 
-    __slots__ = ("root", "address", "size", "fd", "mapped", "nmaps")
+    __slots__ = ("seg", "root", "address", "size", "expandable", "mapped", "nmaps")
 
-    def __init__(self, root: _native.Lease, address: int, size: int, fd: int) -> None:
-        self.root = root  # every array's Lease owns it: the mapping outlives the sender
-        self.address = address
-        self.size = size
-        self.fd = fd  # expandable segments only (-1 otherwise): new ranges are mapped from it
-        self.mapped: list[tuple[int, int]] = [] if fd >= 0 else [(0, size)]  # (start, end), merged
-        self.nmaps = 0 if fd >= 0 else 1  # mappings made for it (Note [Caps per peer])
+    def __init__(self, seg: Segment) -> None:
+        self.seg = seg  # owns the mapping, and an expandable segment's fd (new ranges come from it)
+        self.root = seg.lease  # every array's Lease owns it: the mapping outlives the sender
+        self.address = seg.address
+        self.size = seg.size
+        self.expandable = seg.expandable
+        self.mapped: list[tuple[int, int]] = [] if self.expandable else [(0, self.size)]  # merged
+        self.nmaps = 0 if self.expandable else 1  # mappings made for it (Note [Caps per peer])
 
     def add_range(self, start: int, end: int) -> None:
         """Record [start, end) as mapped, merging with touching ranges."""
@@ -419,7 +420,9 @@ class Receiver(Closeable):
             except ValueError:
                 pass
         peer.conn.close()
-        peer.segments.clear()  # each mapping goes when its last array does
+        for rec in peer.segments.values():
+            rec.seg.close()  # each mapping goes when its last array does
+        peer.segments.clear()
 
     def _decode(self, peer: _Peer, header: dict[str, Any], fds: list[wire.Fd]) -> Any:
         if fds or NEW in header:
@@ -442,21 +445,23 @@ class Receiver(Closeable):
     def _grow_and_drop(self, peer: _Peer, header: dict[str, Any]) -> None:
         for seg_id, offset, nbytes in header.get(GROW, ()):
             rec = self._segment(peer, seg_id)
-            if rec.fd < 0:
+            if not rec.expandable:
                 raise ProtocolError(f"growth announced for segment {seg_id}, which is not expandable")
-            if offset < 0 or nbytes <= 0 or offset + nbytes > rec.size:
-                raise ProtocolError(f"growth [{offset}, +{nbytes}) outside segment {seg_id}")
+            if (type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes <= 0
+                    or offset + nbytes > rec.size or (offset | nbytes) % _native.PAGE_SIZE):
+                raise ProtocolError(f"growth [{offset!r}, +{nbytes!r}) of segment {seg_id} is not "
+                                    "whole pages inside it")
             self._charge(peer, 0, 1)
-            check_fd(rec.fd, offset + nbytes, trust_unsealed=self._trust_unsealed,
+            check_fd(rec.seg.fileno(), offset + nbytes, trust_unsealed=self._trust_unsealed,
                      writable=self._writable)
-            _locally(_native.map_fd, rec.address + offset, nbytes, rec.fd, offset,
-                     writable=self._writable)
+            _locally(rec.seg.map_range, offset, nbytes)
             rec.add_range(offset, offset + nbytes)
             rec.nmaps += 1
             peer.nmaps += 1
         for seg_id in header.get(DROP, ()):
             gone = peer.segments.pop(seg_id, None)
             if gone is not None:
+                gone.seg.close()  # its arrays keep the mapping; an expandable one's fd goes now
                 peer.reserved -= gone.size
                 peer.nmaps -= gone.nmaps
 
@@ -470,16 +475,13 @@ class Receiver(Closeable):
             self._charge(peer, size, 0 if expandable else 1)
             check_fd(fd.fileno(), 0 if expandable else size,
                      trust_unsealed=self._trust_unsealed, writable=self._writable)
-            if expandable:
-                address = _locally(_native.reserve, size)
-                own = fd.take()
-                root = _native.Lease(None, address, size, unmap=True, fd=own)  # gone with the last array
-                peer.segments[seg_id] = _RxSegment(root, address, size, own)
-            else:
-                flags = Flags.FROMFD if self._writable else Flags.FROMFD | Flags.READONLY
-                seg = _locally(Segment.from_fd, fd, size, flags)  # the fd is not kept
-                peer.segments[seg_id] = _RxSegment(seg.lease, seg.address, size, -1)
-                seg.close()  # the Lease keeps the mapping
+            flags = Flags.FROMFD if self._writable else Flags.FROMFD | Flags.READONLY
+            # The Fd is taken, never dup'ed: a classic segment's is closed once mapped, an
+            # expandable one's is kept by its Segment to map the ranges announced later.
+            seg = _locally(Segment.from_fd, fd, size, flags, reserve=bool(expandable))
+            peer.segments[seg_id] = _RxSegment(seg)
+            if not expandable:
+                seg.close()  # no fd to close any more; the Lease keeps the mapping
             peer.reserved += size
             peer.nmaps += 0 if expandable else 1
 
@@ -516,7 +518,7 @@ class Receiver(Closeable):
         rec = peer.segments.get(seg_id) or self._segment(peer, seg_id)
         start = offset + lay.lo
         nbytes = lay.nbytes
-        if not (start >= 0 and start + nbytes <= rec.size if rec.fd < 0
+        if not (start >= 0 and start + nbytes <= rec.size if not rec.expandable
                 else rec.covers(start, start + nbytes)):
             raise ProtocolError(f"an array of {nbytes} bytes at offset {start} lies outside the "
                                 f"mapped part of segment {seg_id} ({rec.size} bytes)")

@@ -338,3 +338,35 @@ def test_fcntl_seals_of_what_a_sender_sends():
         assert fcntl.fcntl(rec.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
     tx.close()
     rx.close()
+
+
+def test_a_receiver_spends_no_fd_of_its_own_on_a_classic_segment():
+    # Defect 5: Segment.from_fd dup'ed every received fd, so a batch of K new segments needed
+    # K + 1 free slots; under a low RLIMIT_NOFILE that was "SegmentError: dup() failed".
+    tx, rx = shmshare.channel()
+    k = 3
+    tx.send([np.full(12 << 20, i, dtype=np.uint8) for i in range(k)])  # a segment each
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    filler: list[int] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        try:
+            while True:
+                filler.append(os.dup(0))
+        except OSError:
+            pass
+        for _ in range(k):  # room for exactly the k fds the kernel installs, not one more
+            os.close(filler.pop())
+        got = rx.recv(timeout=5)
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert [int(a[0]) for a in got] == list(range(k))
+    from shmshare._procfs import fds
+
+    senders = {r.fd for r in tx.allocator.provider.segments.values()}
+    assert not [n for n, t in fds().items() if "memfd:shmshare" in t and n not in senders]
+    del got
+    tx.close()
+    rx.close()
