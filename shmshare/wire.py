@@ -53,6 +53,7 @@ from typing import Any
 
 import msgpack
 
+from . import _fork
 from ._errors import FdLimitError, PeerDied, PeerRefused, ProtocolError, ShmshareTimeout
 from ._fd import Fd
 from ._lifetime import Closeable
@@ -505,7 +506,7 @@ def _after_fork_in_child() -> None:
 _open_socks: dict[int, socket.socket] = {}
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+_fork.on_fork_in_child(2, _after_fork_in_child)
 
 
 class Listener(Closeable):

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _native, tensors, wire
+from .. import _fork, _native, tensors, wire
 from .._errors import FdLimitError, PeerDied, ProtocolError, SegmentError, ShmshareError, ShmshareTimeout
 from .._lifetime import Closeable
 from ..segment import Flags, Segment
@@ -708,7 +708,7 @@ def _after_fork() -> None:
         rx._after_fork_in_child()
 
 
-os.register_at_fork(after_in_child=_after_fork)
+_fork.on_fork_in_child(5, _after_fork)
 
 
 def _rebuild(conn: wire.Connection, writable: bool, trust_unsealed: bool, max_peer_bytes: int,

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _native, tensors, wire
+from .. import _fork, _native, tensors, wire
 from .._errors import PeerDied, PoolExhausted, ProtocolError, SegmentError, ShmshareError, ShmshareTimeout
 from .._lifetime import Closeable
 from ..memory import CachingAllocator, OutOfMemoryError, ShmProvider, ShmSegment
@@ -602,7 +602,7 @@ def _after_fork() -> None:
         sender._after_fork_in_child()
 
 
-os.register_at_fork(after_in_child=_after_fork)
+_fork.on_fork_in_child(5, _after_fork)
 
 
 def _rebuild(conn: wire.Connection, limit: int, config: str | None, backend: str) -> Sender:

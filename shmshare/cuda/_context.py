@@ -25,10 +25,10 @@ Note [Event pool]
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
+from .. import _fork
 from ._driver import call, driver, query
 
 __all__ = ["Context", "Event", "EventPool", "Stream", "stream_handle"]
@@ -375,4 +375,4 @@ def _forget_primary_after_fork() -> None:
     _primary.clear()  # a forked child's contexts are not usable (see Note [Lazy driver])
 
 
-os.register_at_fork(after_in_child=_forget_primary_after_fork)
+_fork.on_fork_in_child(3, _forget_primary_after_fork)

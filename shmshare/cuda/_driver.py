@@ -28,6 +28,7 @@ import os
 import threading
 from typing import Any
 
+from .. import _fork
 from .._errors import ShmshareError
 from ..memory._provider import ProviderOutOfMemory
 
@@ -221,4 +222,4 @@ def _after_fork_in_child() -> None:
         _forked_after_init = True
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+_fork.on_fork_in_child(3, _after_fork_in_child)
