@@ -3,7 +3,7 @@
 ``shmshare doctor`` checks, line by line, what shmshare needs from the host
 and says what each fact means for the user; ``--json`` prints the same as a
 report for machines. ``shmshare demo`` runs the seed's parent/child
-walk-through (``seed-notes.txt``, "FD共享流程") with two real processes and
+walk-through (``docs/architecture.md``, "Lifetimes") with two real processes and
 prints, at every step, who holds the shared object: fds and mappings read
 from ``/proc/<pid>/fd`` and ``/proc/<pid>/maps``, and its ``/dev/shm`` name.
 

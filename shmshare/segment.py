@@ -1,7 +1,7 @@
 """Segments: PyTorch's MapAllocator, one object per mapping.
 
 A :class:`Segment` goes through the four steps that MapAllocator walks
-(``../shared/seed-notes.txt``, "MapAllocator"):
+(``docs/architecture.md``, "The layers", Segment):
 
 1. **open** -- get a fd: ``memfd_create`` (the default backend), ``shm_open``
    (``backend="posix"``), a file ``open`` (a path), or a fd handed in

@@ -6,7 +6,7 @@ Note [Leases]
     comes back in a release frame. The pool reuses a block only when every
     lease on it is back and no local view (``empty()``) is alive -- the
     caching allocator's "a block used on another stream waits for its
-    events", with a release message as the event (DESIGN.md). Leases are
+    events", with a release message as the event (docs/architecture.md). Leases are
     counted per block here rather than as stream-ordered events in the
     allocator because releases come back in any order (Note [Streams of the
     shm provider] in ``memory/_shm.py``).
