@@ -45,11 +45,11 @@ from typing import Any
 
 import numpy as np
 
-from _bench import table as _table  # scripts/_bench.py: run from scripts/ or by path
-
 from shmshare import Segment, _native
 from shmshare._procfs import meminfo_kb
 from shmshare.memory import CachingAllocator, ShmProvider, SimulatedDevice
+
+from _bench import table as _table  # scripts/_bench.py: run from scripts/ or by path
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 AIM_US = 5.0  # issue 3: a malloc+free pair under 5 us median from Python

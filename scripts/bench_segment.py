@@ -42,16 +42,17 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from multiprocessing import reduction
 from multiprocessing.shared_memory import SharedMemory
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from _bench import table as _table  # scripts/_bench.py: run from scripts/ or by path
-
 from shmshare import Segment, wire
 from shmshare._errors import PeerDied
+
+from _bench import table as _table  # scripts/_bench.py: run from scripts/ or by path
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 WAIT = 10.0  # s: any one receive; far above any hand-off

@@ -20,8 +20,8 @@ from ._errors import (
     ShmshareError,
     ShmshareTimeout,
 )
-from .segment import Flags, Segment
 from .channel import Receiver, Sender, channel, connect, listen
+from .segment import Flags, Segment
 
 __version__ = "0.1.0"
 

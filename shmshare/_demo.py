@@ -3,7 +3,7 @@
 ``shmshare doctor`` checks, line by line, what shmshare needs from the host
 and says what each fact means for the user; ``--json`` prints the same as a
 report for machines. ``shmshare demo`` runs the seed's parent/child
-walk-through (``seed-notes.txt``, "FD共享流程") with two real processes and
+walk-through (``docs/architecture.md``, "Lifetimes") with two real processes and
 prints, at every step, who holds the shared object: fds and mappings read
 from ``/proc/<pid>/fd`` and ``/proc/<pid>/maps``, and its ``/dev/shm`` name.
 
@@ -23,14 +23,15 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from . import _procfs, wire
+from ._doctor import _fmt
 from ._errors import ShmshareError
 from .segment import Flags, Segment
-from ._doctor import _fmt
 
 __all__ = ["demo"]
 
@@ -222,7 +223,7 @@ def _child_loop(ctl: wire.Connection, data: wire.Connection) -> int:
             return 0
         try:
             reply = _CHILD_STEPS[op](state, data)
-        except Exception as exc:  # reported to the parent, which prints it
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which prints it
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         ctl.send(reply)
 
@@ -234,7 +235,8 @@ def _child_recv(state: dict[str, Any], data: wire.Connection) -> dict[str, Any]:
 
 
 def _child_map(state: dict[str, Any], data: wire.Connection) -> dict[str, Any]:
-    state["seg"] = Segment.from_fd(state["fd"], state["size"])
+    # the seed's step dups (an int is dup'ed; a wire.Fd would be taken): i_count=5 for a moment
+    state["seg"] = Segment.from_fd(state["fd"].fileno(), state["size"])
     return {"fd": state["seg"].fd}
 
 

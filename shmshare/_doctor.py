@@ -11,8 +11,7 @@ import resource
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-
-from . import __version__, _procfs, wire
+from . import __version__, _cgroup, _procfs, _shmdir, wire
 from .segment import Segment, shm_free_bytes
 
 __all__ = ["doctor"]
@@ -35,7 +34,8 @@ class Check:
 
 def doctor(as_json: bool = False) -> int:
     """Check the host, print one line per fact, and return 0 unless shmshare cannot work here."""
-    checks = [*_check_memfd(), _check_posix(), _check_dev_shm(), _check_memory_limit(),
+    checks = [*_check_memfd(), _check_posix(), _check_dev_shm(), _check_stale_shm(),
+              _check_memory_limit(),
               _check_nofile(), _check_thp(), _check_sysv(), _check_scm_rights(), _check_cuda()]
     by_name = {c.name: c for c in checks}
     memfd_ok = by_name["memfd"].status == OK and by_name["seals"].status == OK
@@ -115,8 +115,8 @@ def _check_posix() -> Check:
         return Check("posix_shm", WARN, f"/dev/shm{name} is still there after close",
                      "something re-created or kept the name; backend='posix' may leak names here")
     return Check("posix_shm", OK, f"shm_open(O_CREAT|O_EXCL) + shm_unlink under /dev/shm works ({name})",
-                 "backend='posix' works; a name lives only from shm_open until the mapping is "
-                 "made, so crashed processes do not fill /dev/shm")
+                 "backend='posix' works; a name is removed right after shm_open (before the "
+                 "pages are reserved), so crashed processes do not fill /dev/shm")
 
 
 def _check_dev_shm() -> Check:
@@ -139,40 +139,32 @@ def _check_dev_shm() -> Check:
                  "segments (the default) are not capped by /dev/shm", data)
 
 
+def _check_stale_shm() -> Check:
+    stale = _shmdir.stale_names()
+    if not stale:
+        return Check("stale_shm", OK, "no shmshare names of dead processes in /dev/shm",
+                     "no crashed process left /dev/shm space behind", {"names": [], "bytes": 0})
+    total = sum(nbytes for _, nbytes in stale)
+    shown = ", ".join(os.path.basename(p) for p, _ in stale[:3]) + (", ..." if len(stale) > 3 else "")
+    return Check("stale_shm", WARN, f"{len(stale)} shmshare name(s) of dead processes in /dev/shm "
+                 f"hold {_fmt(total)}: {shown}",
+                 "their creators died before removing them; the space stays taken until they go: "
+                 "run `shmshare sweep` (`--dry-run` lists them first)",
+                 {"names": [p for p, _ in stale], "bytes": total})
+
+
 def _check_memory_limit() -> Check:
-    limit, used = _cgroup_memory()
+    lim = _cgroup.memory_limit()
     meaning = ("shared memory (memfd and /dev/shm) is charged to this limit; a segment that does "
-               "not fit fails at create with ENOMEM (pages are reserved up front: no SIGBUS)")
-    if limit is None:
+               "not fit is refused at create with ENOMEM, before the kernel would OOM-kill")
+    if lim is None:
         return Check("memory_limit", OK, "no memory cgroup limit", "shared memory is bounded by "
                      "the host's RAM; a segment that does not fit fails at create, never with SIGBUS")
-    data = {"limit_bytes": limit, "used_bytes": used}
-    room = limit - (used or 0)
-    status = WARN if room < _GiB else OK
-    return Check("memory_limit", status, f"memory cgroup limit {_fmt(limit)}, {_fmt(used or 0)} "
-                 "used", meaning, data)
-
-
-def _cgroup_memory() -> tuple[int | None, int | None]:
-    rel = "/"
-    try:
-        with open("/proc/self/cgroup") as f:
-            for line in f:
-                if line.startswith("0::"):
-                    rel = line[3:].strip() or "/"
-    except OSError:
-        pass
-    for base, lim, cur in ((f"/sys/fs/cgroup{rel}", "memory.max", "memory.current"),
-                           ("/sys/fs/cgroup", "memory.max", "memory.current"),
-                           ("/sys/fs/cgroup/memory", "memory.limit_in_bytes", "memory.usage_in_bytes")):
-        raw = _read(os.path.join(base, lim))
-        if raw is None:
-            continue
-        used = _read(os.path.join(base, cur))
-        if not raw.isdigit() or int(raw) >= 1 << 60:  # "max"; v1 writes no limit as a huge number
-            return None, None
-        return int(raw), int(used) if used and used.isdigit() else None
-    return None, None
+    data = {"limit_bytes": lim.limit, "used_bytes": lim.usage, "cgroup": lim.path,
+            "version": lim.version}
+    status = WARN if lim.room < _GiB else OK
+    return Check("memory_limit", status, f"memory cgroup {lim.path} (v{lim.version}) limit "
+                 f"{_fmt(lim.limit)}, {_fmt(lim.usage)} used", meaning, data)
 
 
 def _check_nofile() -> Check:
@@ -223,7 +215,7 @@ def _check_scm_rights() -> Check:
                 os.write(w, b"shm")
                 same = os.read(got.fileno(), 3) == b"shm"  # the pipe we sent, seen through the copy
                 fact = f"fd {r} sent over AF_UNIX SOCK_SEQPACKET arrived as fd {got.fileno()}"
-    except Exception as exc:  # any failure here means fds cannot cross processes
+    except Exception as exc:  # noqa: BLE001 - any failure here means fds cannot cross processes
         return Check("scm_rights", FAIL, f"passing a fd with SCM_RIGHTS failed: {exc}",
                      "no segment can reach another process; a sandbox (seccomp, gVisor) may block it")
     finally:

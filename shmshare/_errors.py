@@ -8,6 +8,10 @@ Messages name what was asked, the limit that was hit and how to fix it.
 
 from __future__ import annotations
 
+import errno as _errno
+import os
+import resource
+
 __all__ = [
     "ShmshareError",
     "SegmentError",
@@ -46,6 +50,43 @@ class PeerRefused(ShmshareError, PermissionError):
 class FdLimitError(ShmshareError, OSError):
     """File descriptors could not be received or created: RLIMIT_NOFILE was hit."""
 
+    @classmethod
+    def exhausted(cls, syscall: str, err: OSError | int, extra: str = "", *,
+                  cause: str = "") -> FdLimitError:
+        """Return the error for `syscall` failing with EMFILE/ENFILE (or any errno), with the fix.
+
+        The one place that words fd exhaustion, for segments and the wire
+        alike: the syscall, RLIMIT_NOFILE soft and hard, how many fds are
+        open, and what to do (Note [Counting fds when none are left]).
+        `extra` is appended as one more sentence (a caller's own cause, such
+        as a peer's ``max_fds``); `cause` replaces the leading "<syscall>
+        failed: <strerror>" where the caller knows better.
+        """
+        code = err if isinstance(err, int) else (err.errno or _errno.EMFILE)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        nopen = _open_fds()
+        if nopen is not None:
+            held = f"{nopen} fds are open"
+        elif code == _errno.EMFILE:
+            held = f"all {soft} of RLIMIT_NOFILE are in use"
+        else:
+            held = "the open fds could not be counted"
+        raise_to = hard if soft < hard else None
+        how = (f"`ulimit -n {raise_to}` or resource.setrlimit(RLIMIT_NOFILE, ({raise_to}, {raise_to}))"
+               if raise_to is not None else
+               "the hard limit is reached too: raise it as root (`ulimit -Hn`, systemd LimitNOFILE=, "
+               "docker run --ulimit nofile=N:N)")
+        what = cause or f"{syscall} failed: {os.strerror(code)}"
+        text = (f"{what}. RLIMIT_NOFILE is {soft} (hard {hard}) and "
+                f"{held}: raise it ({how}) or close fds (a received segment needs none once "
+                "mapped; close pools and connections you no longer use)")
+        if code == _errno.ENFILE:
+            text += ("; ENFILE means the whole system's file table is full: raise fs.file-max "
+                     "(sysctl) or find the process holding them")
+        if extra:
+            text += "; " + extra
+        return cls(code, text)
+
 
 class PoolExhausted(ShmshareError, MemoryError):
     """A pool reached its byte limit and nothing was given back in time."""
@@ -53,3 +94,19 @@ class PoolExhausted(ShmshareError, MemoryError):
 
 class ShmshareTimeout(ShmshareError, TimeoutError):
     """A bounded wait (``timeout=``) ran out."""
+
+
+# Note [Counting fds when none are left]
+#     Counting open fds needs a fd of its own (listing /proc/self/fd opens it),
+#     and that is exactly what fails with EMFILE when the table is full. Then
+#     the count is known without reading it: all RLIMIT_NOFILE of them are in
+#     use. A message never says "-1 fds are open".
+
+
+def _open_fds() -> int | None:
+    """Return the number of fds this process has open, or None when they cannot be listed."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:  # EMFILE (no fd to list with), or no /proc: the caller words the unknown
+        return None
+    return max(0, len(names) - 1)  # the listing's own fd is among the names

@@ -8,7 +8,7 @@ __all__ = ["Closeable"]
 
 
 class Closeable:
-    """Mixin for owners of OS resources: ``with`` and garbage collection both call ``close()``.
+    """Mixin for owners of OS resources: ``with`` calls ``close()``, garbage collection ``_finalize()``.
 
     ``close()`` must be idempotent and safe on a half-built object (the
     finalizer also runs when ``__init__`` raised).
@@ -28,6 +28,15 @@ class Closeable:
 
     def __del__(self) -> None:
         try:
-            self.close()
-        except Exception:  # a half-built object, or interpreter shutdown: nothing to report to
+            self._finalize()
+        except Exception:  # noqa: BLE001, S110 - a half-built object, or interpreter shutdown: nothing to report to
             pass
+
+    def _finalize(self) -> None:
+        """What the garbage collector does with an object nobody closed: ``close()``.
+
+        Owners whose ``close()`` converses with a peer or waits (a goodbye, a
+        join) override this to release without waiting and warn instead
+        (STYLE.md: finalizers release, they do not converse).
+        """
+        self.close()

@@ -55,7 +55,7 @@ def fds(pid: int | str = "self") -> dict[int, str]:
 
 def shm_mappings(pid: int | str = "self", contains: str = "") -> list[Mapping]:
     """Return the shared-memory mappings of `pid` whose path contains `contains`."""
-    out = []
+    out: list[Mapping] = []
     try:
         with open(f"/proc/{pid}/maps") as f:
             lines = f.readlines()

@@ -7,16 +7,15 @@ holds only the protocol: frames, the handshake, the connection's states.
 from __future__ import annotations
 
 import array
-import os
-import resource
+import errno
 import socket
 import struct
 from typing import Any
 
-from ._errors import ProtocolError
+from ._errors import FdLimitError, ProtocolError
 from ._fd import Fd
 
-__all__ = ["ms", "fdnum", "take_fds", "close_all", "ctrunc_message", "peer_cred", "grow_buffers"]
+__all__ = ["ms", "fdnum", "take_fds", "close_all", "ctrunc_error", "peer_cred", "grow_buffers"]
 
 _PEERCRED = struct.Struct("3i")
 
@@ -57,23 +56,19 @@ def close_all(fds: list[Fd]) -> None:
         f.close()
 
 
-def ctrunc_message(got: int, max_fds: int) -> str:
+def ctrunc_error(got: int, max_fds: int) -> FdLimitError:
     """Say why the kernel dropped fds (MSG_CTRUNC) and what to do about it."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    try:
-        nopen = len(os.listdir("/proc/self/fd"))
-    except OSError:
-        nopen = -1
-    return (f"fds sent with a message were dropped by the kernel (MSG_CTRUNC; {got} arrived). "
-            f"RLIMIT_NOFILE is {soft} (hard {hard}) and {nopen} fds are open: raise it "
-            f"(ulimit -n / resource.setrlimit) or close fds; or the peer sent more than "
-            f"max_fds={max_fds} in one message")
+    return FdLimitError.exhausted(
+        "recvmsg", errno.EMFILE,
+        f"or the peer sent more than max_fds={max_fds} in one message",
+        cause=f"fds sent with a message were dropped by the kernel (MSG_CTRUNC; {got} arrived)")
 
 
 def peer_cred(sock: socket.socket) -> tuple[int, int, int]:
     """Return (pid, uid, gid) of the process at the other end of a connected AF_UNIX socket."""
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-    return _PEERCRED.unpack(raw)  # type: ignore[return-value]
+    pid, uid, gid = _PEERCRED.unpack(raw)
+    return pid, uid, gid
 
 
 def grow_buffers(sock: socket.socket, max_frame: int) -> None:

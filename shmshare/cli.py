@@ -1,4 +1,4 @@
-"""The ``shmshare`` command line: ``doctor`` (what this host allows) and ``demo`` (the seed, live).
+"""The ``shmshare`` command line: ``doctor`` (what this host allows), ``sweep`` and ``demo``.
 
 The subcommands live in their own modules: ``_doctor`` and ``_demo``.
 """
@@ -12,6 +12,7 @@ import sys
 
 from ._demo import demo
 from ._doctor import doctor
+from .segment import sweep
 
 __all__ = ["main"]
 
@@ -25,6 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     doc = sub.add_parser("doctor", help="check what shmshare needs from this host, and what it means")
     doc.add_argument("--json", action="store_true", help="print a machine-readable report")
+    swp = sub.add_parser("sweep", help="remove /dev/shm/shmshare_* names whose creator died")
+    swp.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
     dem = sub.add_parser("demo", help="run the seed's fd-lifetime walk-through with two processes")
     dem.add_argument("--backend", choices=("memfd", "posix"), default="memfd")
     dem.add_argument("--size", type=_parse_size, default=64 * _MiB,
@@ -33,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "doctor":
             return doctor(as_json=args.json)
+        if args.command == "sweep":
+            return _sweep(args.dry_run)
         if args.command == "demo":
             return demo(backend=args.backend, size=args.size)
     except KeyboardInterrupt:
@@ -44,6 +49,16 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+
+
+def _sweep(dry_run: bool) -> int:
+    """Remove (or list) stale names, one a line; return 0."""
+    paths = sweep(dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
+    for path in paths:
+        print(f"{verb} {path}")
+    print(f"shmshare sweep: {verb} {len(paths)} name(s) of dead processes")
+    return 0
 
 
 def _parse_size(text: str) -> int:

@@ -1,7 +1,7 @@
 """Segments: PyTorch's MapAllocator, one object per mapping.
 
 A :class:`Segment` goes through the four steps that MapAllocator walks
-(``../shared/seed-notes.txt``, "MapAllocator"):
+(``docs/architecture.md``, "The layers", Segment):
 
 1. **open** -- get a fd: ``memfd_create`` (the default backend), ``shm_open``
    (``backend="posix"``), a file ``open`` (a path), or a fd handed in
@@ -12,7 +12,14 @@ A :class:`Segment` goes through the four steps that MapAllocator walks
 3. **map** -- ``mmap`` MAP_SHARED (or MAP_PRIVATE, copy-on-write, for a file
    without SHARED), PROT_READ for READONLY, plus a madvise hint;
 4. **finalize** -- seal the memfd, ``KEEPFD`` keeps the fd (else it is closed:
-   the mapping alone keeps the pages), ``UNLINK`` removes the name at once.
+   the mapping alone keeps the pages). ``UNLINK`` removes the name right
+   after open, before resize (Note [Unlink at once]).
+
+An *expandable* segment (:meth:`Segment.reserve`, or :meth:`Segment.from_fd`
+with ``reserve=True`` on the receiving side) is one memfd behind a reserved
+address range whose pieces are mapped and unmapped later with
+:meth:`Segment.map_range` and :meth:`Segment.unmap_range`. Either way the
+``Segment`` is the only owner of the fd and of the mapping.
 
 Note [Mapping lifetime]
     The mapping is owned by a root :class:`shmshare._native.Lease`; every view
@@ -28,6 +35,26 @@ Note [Seals]
     would SIGBUS the reader). ``Flags.SEAL`` adds ``F_SEAL_SEAL``: the seal
     set is final. POSIX shm objects cannot be sealed; that is one reason
     memfd is the default.
+
+Note [Unlink at once]
+    With ``UNLINK`` a POSIX name is removed right after ``shm_open``
+    succeeds, before ``ftruncate``, ``posix_fallocate`` and ``mmap``: the fd
+    keeps the object alive, and a SIGKILL can leave ``/dev/shm/shmshare_*``
+    behind only between two system calls, not across a slow fallocate of
+    gigabytes. Names left anyway (a crash in that window, or segments made
+    without UNLINK whose creator died) are removed by :func:`sweep`
+    (``shmshare sweep``; Note [Stale shm names] in ``_shmdir``).
+
+Note [Segments in a forked child]
+    A forked child inherits every fd and mapping. It must not send or reuse
+    the parent's segments, and closing an inherited fd is right (the child
+    has its own copy of the fd table), but unmapping is not always: arrays
+    the child inherited may still point into the pages. So
+    ``_forget_after_fork`` closes the fd and gives up the name (only the
+    creating pid unlinks) and keeps the mapping; the caller decides which
+    mappings nothing of the child uses and closes those. This is the one
+    place that knows what a forked child may do with a segment; the pool's
+    provider (``ShmProvider.after_fork_in_child``) applies it to its records.
 """
 
 from __future__ import annotations
@@ -37,20 +64,30 @@ import errno
 import fcntl
 import os
 import secrets
-import stat
 from typing import Any
 
 import numpy as np
 
 from . import _native
 from ._errors import SegmentError
+from ._fd import Fd
 from ._lifetime import Closeable
+from ._segcalls import FD_ERRNOS as _FD_ERRNOS
+from ._segcalls import check_cgroup as _check_cgroup
+from ._segcalls import describe_fd as _describe_fd
+from ._segcalls import fd_error as _fd_error
+from ._segcalls import ftruncate as _ftruncate
+from ._segcalls import memfd_create as _memfd_create
+from ._segcalls import shm_name as _shm_name
+from ._segcalls import shm_open as _shm_open
+from ._segcalls import unlink as _unlink
+from ._shmdir import SHM_DIR as _SHM_DIR
+from ._shmdir import shm_free_bytes, space_hint, sweep
 
-__all__ = ["Flags", "Segment", "DEFAULT_FLAGS", "shm_free_bytes"]
+__all__ = ["Flags", "Segment", "DEFAULT_FLAGS", "shm_free_bytes", "sweep"]
 
 _HUGE_HINT_BYTES = 2 << 20  # madvise(MADV_HUGEPAGE) from this size on
 _NAME_ATTEMPTS = 16  # fresh random names tried before O_EXCL collisions are an error
-_SHM_DIR = "/dev/shm"
 
 
 class Flags(enum.IntFlag):
@@ -97,7 +134,7 @@ class Segment(Closeable):
     backend : str
         ``"memfd"``, ``"posix"`` or ``"file"``.
     address : int
-        First mapped byte.
+        First mapped byte (first reserved byte, for an expandable segment).
     """
 
     fd: int | None
@@ -106,6 +143,10 @@ class Segment(Closeable):
     flags: Flags
     backend: str
     address: int
+    _root: _native.Lease | None  # owns the mapping (Note [Mapping lifetime])
+    _owns_name: bool  # close() unlinks the name (created here, not yet unlinked)
+    _pid: int  # the creating process: only it unlinks (a forked child's close() must not)
+    _grows: bool | None  # None: mapped whole; True: reserve()d here; False: a peer's, reserved
 
     def __init__(self) -> None:
         raise TypeError("use Segment.create(), Segment.open() or Segment.from_fd()")
@@ -191,30 +232,141 @@ class Segment(Closeable):
         try:
             fd = os.open(path, oflag | os.O_CLOEXEC, 0o600)
         except OSError as exc:
+            if exc.errno in _FD_ERRNOS:
+                raise _fd_error(f"open({path!r})", exc) from exc
             raise SegmentError(exc.errno, f"open({path!r}) failed: {exc.strerror}") from exc
         return cls._finish(fd, nbytes, flags, "file", path, may_resize=True)
 
     @classmethod
-    def from_fd(cls, fd: Any, nbytes: int | None = None,
-                flags: Flags = Flags.FROMFD | Flags.KEEPFD) -> Segment:
-        """Map a fd received from another process (it is dup'ed; the caller keeps its own).
+    def from_fd(cls, fd: Fd | int | Any, nbytes: int | None = None,
+                flags: Flags = Flags.FROMFD | Flags.KEEPFD, *, reserve: bool = False) -> Segment:
+        """Map a fd received from another process.
 
-        `fd` is an int or anything with ``fileno()``. `nbytes` None maps the
-        whole object; a larger `nbytes` than the object is refused (touching
-        past its end would raise SIGBUS).
+        Ownership depends on what `fd` is:
+
+        - a :class:`shmshare.wire.Fd` (what ``Connection.recv`` returns) is
+          *taken* (``fd.take()``): no dup, the segment owns the number from
+          now on and the ``Fd`` is left empty. Without ``KEEPFD`` the fd is
+          closed right after mapping, so a receiver holds no fd per classic
+          segment; on any error it is closed too, never leaked.
+        - an int, or another object with ``fileno()``, is dup'ed: the caller
+          keeps its own and still has to close it.
+
+        `nbytes` None maps the whole object; a larger `nbytes` than the
+        object is refused (touching past its end would raise SIGBUS).
+
+        With `reserve` the fd is a peer's expandable segment: `nbytes` of
+        address space are reserved and nothing is mapped yet; map the pieces
+        the peer announces with :meth:`map_range`. The fd is then kept
+        (``KEEPFD`` is implied): later pieces are mapped from it.
         """
-        flags = Flags(int(flags) | _FROMFD)
         if nbytes is not None:
             nbytes = _check_nbytes(nbytes)
-        raw = fd.fileno() if hasattr(fd, "fileno") else fd
-        if not isinstance(raw, int) or raw < 0:
-            raise ValueError(f"fd must be a non-negative int or have fileno(), got {fd!r}")
+        if isinstance(fd, Fd):
+            own = given = fd.take()  # ValueError if it was taken or closed already
+        else:
+            given = fd.fileno() if hasattr(fd, "fileno") else fd
+            if isinstance(given, bool) or not isinstance(given, int) or given < 0:
+                raise ValueError(f"fd must be a non-negative int or have fileno(), got {fd!r}")
+            try:
+                own = os.dup(given)
+            except OSError as exc:
+                raise _fd_error(f"dup({given})", exc) from exc
         try:
-            own = os.dup(raw)
-        except OSError as exc:
-            raise SegmentError(exc.errno, f"dup({raw}) failed: {exc.strerror}") from exc
-        backend, name = _describe_fd(own, raw)
-        return cls._finish(own, nbytes, flags, backend, name, may_resize=False)
+            st = os.fstat(own)
+            backend, name = _describe_fd(own, st, given)
+        except BaseException:
+            os.close(own)
+            raise
+        if reserve:
+            if nbytes is None:
+                os.close(own)
+                raise ValueError("from_fd(reserve=True) needs nbytes: the size of the range to "
+                                 "reserve")
+            return cls._reserved(own, nbytes, Flags(int(flags) | _FROMFD | _KEEPFD), backend, name,
+                                 grows=False)
+        return cls._finish(own, nbytes, Flags(int(flags) | _FROMFD), backend, name,
+                           may_resize=False, current=st.st_size)
+
+    @classmethod
+    def reserve(cls, nbytes: int, flags: Flags = DEFAULT_FLAGS) -> Segment:
+        """Reserve `nbytes` of address space over a fresh, empty memfd: an expandable segment.
+
+        The memfd is 0 bytes and sealed ``F_SEAL_SHRINK`` only (it may grow,
+        never shrink under a reader; Note [Seals]); nothing is mapped and no
+        page is reserved until :meth:`map_range`. The fd is kept (it is what
+        peers receive); `flags` must include SHAREDMEM and KEEPFD.
+        """
+        nbytes = _check_nbytes(nbytes)
+        flags = Flags(flags)
+        if not flags & Flags.SHAREDMEM or not flags & Flags.KEEPFD:
+            raise ValueError("Segment.reserve() needs Flags.SHAREDMEM and Flags.KEEPFD: later "
+                             "ranges are mapped from the kept fd")
+        if flags & (Flags.NOCREATE | Flags.FROMFD | Flags.READONLY):
+            raise ValueError("Segment.reserve() makes new, writable memory; receive a peer's "
+                             "with Segment.from_fd(fd, nbytes, reserve=True)")
+        name = f"shmshare_{os.getpid()}_{secrets.token_hex(4)}"
+        fd = _memfd_create(name)
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK |
+                        (fcntl.F_SEAL_SEAL if flags & Flags.SEAL else 0))
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls._reserved(fd, nbytes, flags, "memfd", name, grows=True)
+
+    # -- expandable segments ------------------------------------------------
+
+    @property
+    def expandable(self) -> bool:
+        """Whether this segment is a reserved range mapped piece by piece (:meth:`reserve`)."""
+        return self._grows is not None
+
+    def map_range(self, offset: int, nbytes: int) -> None:
+        """Map ``[offset, offset + nbytes)`` of the fd at ``address + offset``.
+
+        On a segment from :meth:`reserve`: grow the memfd if needed, check
+        the memory cgroup (Note [Checking memory before reserving] in ``_segcalls``),
+        ``posix_fallocate`` the pages, then map them; all or nothing (pages
+        fallocate got are punched out again on failure). A full memory is a
+        :class:`SegmentError` with ``errno`` ENOSPC/ENOMEM. On a receiver's
+        segment (``from_fd(..., reserve=True)``) the peer has grown the fd:
+        it must already cover the range, and is mapped read-only with
+        ``READONLY``. `offset` and `nbytes` are page multiples.
+        """
+        fd = self._range_fd("map_range", offset, nbytes)
+        end = offset + nbytes
+        if not self._grows:
+            size = os.fstat(fd).st_size
+            if size < end:
+                raise SegmentError(errno.EINVAL, f"{self._what()} is {size} bytes; mapping "
+                                   f"[{offset}, {end}) past its end would SIGBUS on touch")
+            _native.map_fd(self.address + offset, nbytes, fd, offset,
+                           writable=not int(self.flags) & _READONLY)
+            return
+        try:
+            if os.fstat(fd).st_size < end:
+                _ftruncate(fd, end, self._what())
+            self._reserve_pages(offset, nbytes)
+            _native.map_fd(self.address + offset, nbytes, fd, offset)
+        except BaseException:
+            try:  # all or nothing: give back whatever fallocate got
+                _native.punch_hole(fd, offset, nbytes)
+            except OSError:
+                pass  # nothing was allocated there (or the fd is unusable): the error below matters
+            raise
+
+    def unmap_range(self, offset: int, nbytes: int, punch: bool = False) -> None:
+        """Unmap ``[offset, offset + nbytes)``; the addresses stay reserved.
+
+        With `punch` the pages are also punched out of the memfd, so their
+        memory goes back to the host -- only when no peer may still read them
+        (a peer's mapping of a punched range reads zeros).
+        """
+        fd = self._range_fd("unmap_range", offset, nbytes)
+        _native.unmap(self.address + offset, nbytes)
+        if punch:
+            _native.punch_hole(fd, offset, nbytes)
 
     # -- views --------------------------------------------------------------
 
@@ -235,7 +387,7 @@ class Segment(Closeable):
         if offset < 0 or offset + need > self.size:
             raise ValueError(f"view of {need} bytes at offset {offset} does not fit in a "
                              f"{self.size}-byte segment")
-        return np.ndarray(shp, dtype=dt, buffer=root, offset=offset)  # type: ignore[call-overload]
+        return np.ndarray(shp, dtype=dt, buffer=root, offset=offset)  # type: ignore[arg-type]  # numpy types Buffer from 3.12
 
     @property
     def lease(self) -> _native.Lease:
@@ -289,6 +441,16 @@ class Segment(Closeable):
                 os.close(fd)
             del root  # unmaps now unless a view still holds the mapping
 
+    def _forget_after_fork(self) -> None:
+        """In a forked child: close the inherited fd and give up the name; keep the mapping.
+
+        Note [Segments in a forked child]. ``close()`` afterwards unmaps
+        (once no view holds the mapping) and touches no fd or name.
+        """
+        fd, self.fd = self.fd, None  # forget first: close() must not close the number again
+        self._owns_name = False
+        if fd is not None:
+            os.close(fd)
 
     def __reduce__(self) -> Any:
         raise TypeError("a Segment cannot be pickled; send segment.fd over a shmshare.wire "
@@ -304,13 +466,9 @@ class Segment(Closeable):
     @classmethod
     def _create_memfd(cls, nbytes: int, flags: Flags, growable: bool) -> Segment:
         memfd_name = f"shmshare_{os.getpid()}_{secrets.token_hex(4)}"
-        try:
-            fd = os.memfd_create(memfd_name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        except OSError as exc:
-            raise SegmentError(exc.errno, f"memfd_create failed: {exc.strerror}; "
-                               "use backend='posix' on kernels without memfd") from exc
+        fd = _memfd_create(memfd_name)
         return cls._finish(fd, nbytes, flags, "memfd", memfd_name, may_resize=True,
-                           seal=_memfd_seals(flags, growable))
+                           seal=_memfd_seals(flags, growable), current=0)
 
     @classmethod
     def _create_posix(cls, nbytes: int, flags: Flags, name: str | None) -> Segment:
@@ -325,27 +483,59 @@ class Segment(Closeable):
                 raise
             return cls._finish(fd, nbytes, flags, "posix", shm_name, may_resize=True, created=True)
         raise SegmentError(errno.EEXIST, f"shm_open: {_NAME_ATTEMPTS} random names under "
-                           f"{_SHM_DIR} were all taken; clean up stale /dev/shm/shmshare_* entries")
+                           f"{_SHM_DIR} were all taken; remove stale ones with `shmshare sweep`")
 
     @classmethod
-    def _finish(cls, fd: int, nbytes: int | None, flags: Flags, backend: str, name: str | None,
-                *, may_resize: bool, created: bool = False, seal: int = 0) -> Segment:
-        """Run resize -> map -> finalize over an owned `fd`; close it (and unlink) on failure."""
+    def _blank(cls, fd: int, flags: Flags, backend: str, name: str | None,
+               created: bool) -> Segment:
         self = object.__new__(cls)
         self.fd, self._root, self._owns_name, self._pid = fd, None, created, os.getpid()
         self.size, self.name, self.flags, self.backend, self.address = 0, name, flags, backend, 0
+        self._grows = None
+        return self
+
+    @classmethod
+    def _finish(cls, fd: int, nbytes: int | None, flags: Flags, backend: str, name: str | None,
+                *, may_resize: bool, created: bool = False, seal: int = 0,
+                current: int = -1) -> Segment:
+        """Run unlink -> resize -> map -> finalize over an owned `fd`; close it (and unlink) on failure.
+
+        `current` is the object's size when the caller already knows it (-1: fstat here).
+        """
+        self = cls._blank(fd, flags, backend, name, created)
         try:
-            self._resize_and_map(nbytes, may_resize, seal)
+            if int(flags) & _UNLINK and backend != "memfd":
+                self._owns_name = False  # Note [Unlink at once]: before the slow steps
+                _unlink(backend, name)
+            self._resize_and_map(nbytes, may_resize, seal, current)
         except BaseException:
             self.close()  # closes the fd, unmaps, unlinks a name we created
             raise
         return self
 
-    def _resize_and_map(self, nbytes: int | None, may_resize: bool, seal: int) -> None:
+    @classmethod
+    def _reserved(cls, fd: int, nbytes: int, flags: Flags, backend: str, name: str | None,
+                  *, grows: bool) -> Segment:
+        """Reserve `nbytes` of address space for the owned `fd`; map nothing yet."""
+        self = cls._blank(fd, flags, backend, name, False)
+        self._grows = grows
+        try:
+            address = _native.reserve(nbytes)
+            # the root Lease owns the whole range: munmap of it drops mapped pieces and reservation
+            self._root = _native.Lease(None, address, nbytes, readonly=bool(int(flags) & _READONLY),
+                                       unmap=True)
+        except BaseException:
+            self.close()
+            raise
+        self.address, self.size = address, nbytes
+        return self
+
+    def _resize_and_map(self, nbytes: int | None, may_resize: bool, seal: int, current: int) -> None:
         fd, f = self.fd, int(self.flags)
         assert fd is not None
         writable = not f & _READONLY
-        current = os.fstat(fd).st_size
+        if current < 0:
+            current = os.fstat(fd).st_size
         size = current if nbytes is None else nbytes
         if size <= 0:
             raise SegmentError(errno.EINVAL, f"{self._what()} is empty; pass nbytes to create it")
@@ -353,9 +543,9 @@ class Segment(Closeable):
             if not (may_resize and writable and not f & _NOCREATE):
                 raise SegmentError(errno.EINVAL, f"{self._what()} is {current} bytes, "
                                    f"{size} were asked: mapping past its end would SIGBUS on touch")
-            os.ftruncate(fd, size)
+            _ftruncate(fd, size, self._what())
             if f & (_SHAREDMEM | _SHARED):
-                self._reserve_pages(size)
+                self._reserve_pages(0, size)
         if seal:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seal)
         shared = bool(f & (_SHAREDMEM | _SHARED)) or self.backend in _BACKENDS
@@ -367,27 +557,40 @@ class Segment(Closeable):
             try:  # a hint: ignored where shmem THP is off
                 _native.madvise(address, size - size % _native.PAGE_SIZE, _native.MADV_HUGEPAGE)
             except OSError:
-                pass
-        if f & _UNLINK:
-            self._owns_name = False
-            _unlink(self.backend, self.name)
+                pass  # EINVAL where shmem THP is compiled out: the mapping works without it
         if not f & _KEEPFD:
             self.fd = None
             os.close(fd)
 
-    def _reserve_pages(self, size: int) -> None:
-        """posix_fallocate the pages now, so running out is an error here, not SIGBUS later."""
+    def _reserve_pages(self, offset: int, nbytes: int) -> None:
+        """posix_fallocate the pages now, so running out is an error here, not SIGBUS later.
+
+        Shared memory is checked against the memory cgroup first (Note
+        [Checking memory before reserving] in ``_segcalls``); a file on disk is not charged
+        to it as shared memory is, so it is not.
+        """
         assert self.fd is not None
-        while True:
-            try:
-                os.posix_fallocate(self.fd, 0, size)
-                return
-            except InterruptedError:
-                continue
-            except OSError as exc:
-                raise SegmentError(exc.errno, f"cannot reserve {size} bytes for a {self.backend} "
-                                   f"segment: posix_fallocate: {exc.strerror}. "
-                                   f"{_space_hint(self.backend)}") from exc
+        if self.backend != "file":
+            _check_cgroup(nbytes, self.backend)
+        try:
+            os.posix_fallocate(self.fd, offset, nbytes)  # EINTR is retried by Python (PEP 475)
+        except OSError as exc:
+            raise SegmentError(exc.errno, f"cannot reserve {nbytes} bytes for a {self.backend} "
+                               f"segment: posix_fallocate: {exc.strerror}. "
+                               f"{space_hint(self.backend, nbytes, exc.errno or 0)}") from exc
+
+    def _range_fd(self, what: str, offset: int, nbytes: int) -> int:
+        """Check a range call on an expandable segment; return its fd."""
+        if self._grows is None:
+            raise ValueError(f"{what}() is for expandable segments (Segment.reserve(), or "
+                             "from_fd(..., reserve=True)); this one is mapped whole")
+        if self.fd is None or self._root is None:
+            raise ValueError(f"segment {self.name!r} is closed")
+        page = _native.PAGE_SIZE
+        if offset < 0 or nbytes <= 0 or offset % page or nbytes % page or offset + nbytes > self.size:
+            raise ValueError(f"{what}: [{offset}, +{nbytes}) must be whole pages inside the "
+                             f"{self.size}-byte reservation")
+        return self.fd
 
     def _live_root(self) -> _native.Lease:
         if self._root is None:
@@ -396,12 +599,6 @@ class Segment(Closeable):
 
     def _what(self) -> str:
         return f"{self.backend} object {self.name!r}"
-
-
-def shm_free_bytes(path: str = _SHM_DIR) -> tuple[int, int]:
-    """Return (free, total) bytes of the tmpfs at `path` (``/dev/shm``)."""
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
 
 
 def _memfd_seals(flags: Flags, growable: bool) -> int:
@@ -413,62 +610,3 @@ def _check_nbytes(nbytes: Any) -> int:
     if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
         raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
     return int(nbytes)
-
-
-def _shm_name(name: str) -> str:
-    name = name if name.startswith("/") else "/" + name
-    if "/" in name[1:] or len(name) > 255:
-        raise ValueError(f"a POSIX shm name is '/' plus up to 254 characters without '/', got {name!r}")
-    return name
-
-
-def _shm_open(name: str, oflag: int) -> int:
-    try:
-        return os.open(_SHM_DIR + name, oflag | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    except OSError as exc:
-        hint = ""
-        if exc.errno == errno.ENOENT:
-            hint = " (no such shm object: it was never created or was already unlinked)"
-        elif exc.errno == errno.EEXIST:
-            hint = " (it exists and Flags.EXCLUSIVE was given)"
-        raise SegmentError(exc.errno, f"shm_open({name!r}) failed: {exc.strerror}{hint}") from exc
-
-
-def _unlink(backend: str, name: str | None) -> None:
-    if not name or backend == "memfd":
-        return  # a memfd has no name in any file system
-    try:
-        os.unlink(_SHM_DIR + name if backend == "posix" else name)
-    except FileNotFoundError:
-        pass  # someone else unlinked it: the goal is met
-
-
-def _describe_fd(fd: int, given: int) -> tuple[str, str | None]:
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise SegmentError(errno.EINVAL, f"fd {given} is not a regular file or shared memory "
-                           f"object (mode {stat.filemode(st.st_mode)}); only those can be mapped")
-    try:
-        target = os.readlink(f"/proc/self/fd/{fd}")
-    except OSError:
-        return "file", None
-    if target.startswith("/memfd:"):
-        return "memfd", target[len("/memfd:"):].removesuffix(" (deleted)")
-    if target.startswith(_SHM_DIR + "/"):
-        return "posix", target[len(_SHM_DIR):].removesuffix(" (deleted)")
-    return "file", target.removesuffix(" (deleted)")
-
-
-def _space_hint(backend: str) -> str:
-    if backend == "posix":
-        free, total = shm_free_bytes()
-        return (f"{_SHM_DIR} has {free} of {total} bytes free; enlarge it (docker run "
-                "--shm-size=...) or use backend='memfd', which it does not cap")
-    try:
-        import psutil
-        avail = psutil.virtual_memory().available
-        return (f"the host has {avail} bytes available; a memory cgroup limit may be lower "
-                "(check /sys/fs/cgroup/memory.max); free memory or lower the pool size")
-    except Exception:  # psutil missing or /proc unreadable: still raise the real error
-        return "free memory or lower the pool size"

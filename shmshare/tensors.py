@@ -23,8 +23,9 @@ import collections
 import math
 import struct
 import sys
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import msgpack
 import numpy as np
@@ -128,7 +129,7 @@ def parse_desc(data: bytes) -> tuple[int, int, int, Layout]:
             if len(_layouts) >= 4096:
                 _layouts.clear()  # a peer sending ever new shapes: start over, never grow
             _layouts[tail] = layout
-    return (*_WHERE.unpack_from(data), layout)  # type: ignore[return-value]
+    return (*_WHERE.unpack_from(data), layout)
 
 
 _layouts: dict[bytes, Layout] = {}
@@ -158,7 +159,7 @@ def _fields(data: bytes) -> tuple[int, int, int, str, tuple[int, ...], tuple[int
 def span(itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, int]:
     """Return (lowest byte offset, bytes spanned) of a strided layout, relative to element 0."""
     lo = hi = 0
-    for n, st in zip(shape, strides):  # one plain loop: this runs twice for every array sent
+    for n, st in zip(shape, strides, strict=True):  # one plain loop: this runs twice for every array sent
         if n == 0:
             return 0, 0
         if st < 0:
@@ -194,7 +195,7 @@ class Encoder:
         """
         self._failed = None
         try:
-            return self._packer.pack(obj)  # type: ignore[no-any-return]
+            return self._packer.pack(obj)
         except (TypeError, ValueError, OverflowError) as exc:
             failed, self._failed = self._failed, None
             if exc is failed and not isinstance(exc, TypeError):
@@ -279,10 +280,12 @@ class _TupleMark:
 
 _TUPLE_MARK = _TupleMark()
 _TUPLE_EXT = tuple.__new__(msgpack.ExtType, (EXT_TUPLE, b""))
-_BASE_VALUE = ((collections.OrderedDict, lambda d: dict(collections.OrderedDict.items(d))),
-               (dict, lambda d: dict(dict.items(d))), (list, list.copy), (str, str.__str__),
-               (int, int.__index__),
-               (float, float.__float__), (bytes, bytes.__bytes__))
+_BaseValue = tuple[type[Any], Callable[[Any], Any]]  # a base type, and how its value is taken
+_BASE_VALUE: tuple[_BaseValue, ...] = (
+    (collections.OrderedDict, lambda d: dict(collections.OrderedDict.items(d))),
+    (dict, lambda d: dict(dict.items(d))), (list, list.copy), (str, str.__str__),
+    (int, int.__index__),
+    (float, float.__float__), (bytes, bytes.__bytes__))
 
 
 def _tuples(items: list[Any]) -> Any:

@@ -47,16 +47,18 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import msgpack
 
+from . import _fork
 from ._errors import FdLimitError, PeerDied, PeerRefused, ProtocolError, ShmshareTimeout
 from ._fd import Fd
 from ._lifetime import Closeable
 from ._sockets import close_all as _close_all
-from ._sockets import ctrunc_message as _ctrunc_message
+from ._sockets import ctrunc_error as _ctrunc_error
 from ._sockets import fdnum as _fdnum
 from ._sockets import grow_buffers as _grow_buffers
 from ._sockets import ms as _ms
@@ -156,6 +158,7 @@ class Connection(Closeable):
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._hello_sent = False
+        self._farewell: bytes | None = None  # sent by the finalizer, if it can be without waiting
         self.state = State.NEW
         self.peer_hello: dict[str, Any] | None = None
         self._counts = [0, 0, 0, 0, 0, 0]
@@ -165,11 +168,13 @@ class Connection(Closeable):
         self._pollin.register(sock, select.POLLIN)
         self._pollout = select.poll()
         self._pollout.register(sock, select.POLLOUT)
+        _open_socks[id(self)] = sock  # Note [Finalizers and goodbyes]
         try:
             self.peer_cred = _peer_cred(sock)
             _check_uid(self.peer_cred, self._allow_uids)
             _grow_buffers(sock, max_frame)
         except BaseException:
+            _open_socks.pop(id(self), None)
             sock.close()
             raise
 
@@ -320,9 +325,13 @@ class Connection(Closeable):
         fds = _take_fds(anc) if anc else []
         if flags & _CTRUNC:
             _close_all(fds)
-            raise FdLimitError(errno.EMFILE, _ctrunc_message(len(fds), self._max_fds))
+            raise _ctrunc_error(len(fds), self._max_fds)
         if nbytes == 0 and not fds:
-            raise PeerDied(f"the peer ({self._peer_name()}) closed the connection")
+            if self._at_end_of_stream():
+                raise PeerDied(f"the peer ({self._peer_name()}) closed the connection")
+            raise ProtocolError(f"the peer ({self._peer_name()}) sent an empty datagram; a "
+                                "shmshare frame is never empty (it is not end of stream: the "
+                                "peer is still connected)")
         if flags & _TRUNC:
             _close_all(fds)
             raise ProtocolError(f"a frame larger than max_frame={self._max_frame} bytes arrived; "
@@ -378,16 +387,33 @@ class Connection(Closeable):
         """Return a frozen copy of this connection's counters."""
         return Statistics(*self._counts)
 
+    def set_farewell(self, header: dict[Any, Any] | None) -> None:
+        """Make `header` the message a finalizer sends before closing (None: nothing).
+
+        Only the garbage collector sends it, and only if the socket has room
+        at once: a graceful end sends its own goodbye and then ``close()``s.
+        """
+        self._farewell = None if header is None else self._packer.pack([_KIND_MSG, header])
+
     def close(self) -> None:
         """Close the socket. Idempotent; the peer's next recv raises PeerDied."""
         self.state = State.CLOSED
+        self._farewell = None
+        _open_socks.pop(id(self), None)
         self._sock.close()
 
-    def __del__(self) -> None:
-        try:  # only the socket: the state of a collected object matters to no one
-            self._sock.close()
-        except Exception:
-            pass
+    def close_nowait(self) -> None:
+        """Send the farewell if the socket has room now (never waiting), then close. Idempotent."""
+        farewell, self._farewell = self._farewell, None
+        if farewell is not None and self.state is not State.CLOSED and self._hello_sent:
+            try:
+                self._sock.sendmsg([farewell], _NO_ANC, _NOSIGNAL | _DONTWAIT)
+            except OSError:  # full or gone: the peer will see an end without a goodbye
+                pass
+        self.close()
+
+    def _finalize(self) -> None:
+        self.close_nowait()
 
     def __reduce__(self) -> Any:
         # Only for handing an end to a multiprocessing child (spawn/forkserver),
@@ -430,9 +456,24 @@ class Connection(Closeable):
                     return bool(poller.poll(0))
                 step = min(left, _CLOSE_CHECK)
             if poller.poll(_ms(step)):
-                if self.state is State.CLOSED:  # POLLNVAL, or a fd number someone reused
+                if self.state is State.CLOSED:  # type: ignore[comparison-overlap]  # close() from another thread: POLLNVAL, or a fd number someone reused
                     raise ValueError(f"this Connection was closed while {what} waited")
                 return True
+
+    def _at_end_of_stream(self) -> bool:
+        """After a 0-byte read: whether it was end of stream rather than an empty datagram.
+
+        Both read as 0 bytes. Only a closed peer sets POLLHUP; and with it
+        set, a frame still queued behind the empty one shows in a peek.
+        """
+        poller = select.poll()
+        poller.register(self._sock, select.POLLHUP | select.POLLRDHUP)
+        if not poller.poll(0):
+            return False
+        try:
+            return not self._sock.recv(1, socket.MSG_PEEK | _DONTWAIT)
+        except OSError:  # BlockingIOError, ECONNRESET: hung up with nothing queued
+            return True
 
     def _peer_name(self) -> str:
         pid = self.peer_hello.get("pid") if self.peer_hello else self.peer_cred.pid
@@ -450,34 +491,55 @@ def _after_fork_in_child() -> None:
         conn._send_lock = threading.Lock()
         conn._recv_lock = threading.Lock()
         conn._hello_sent = False
+        conn._farewell = None  # the parent's goodbye is not the child's to say
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+# Note [Finalizers and goodbyes]
+#     A Sender dropped in a garbage cycle together with its Connection used
+#     to lose its goodbye: the collector finalizes a cycle's objects in any
+#     order, and the socket's own finalizer could close it first, so the
+#     receiver reported a clean exit as a death. Each open Connection's
+#     socket is therefore held here, outside any cycle, until the Connection
+#     itself closes it; and the goodbye is a farewell frame that the
+#     Connection's own finalizer sends, without waiting, whichever of the two
+#     objects is finalized first.
+_open_socks: dict[int, socket.socket] = {}
+
+
+_fork.on_fork_in_child(2, _after_fork_in_child)
 
 
 class Listener(Closeable):
     """Accept connections from unrelated processes on a Unix socket path.
 
     The socket file is 0600. With `path` None it lives in a fresh 0700
-    directory (removed by ``close()``); a missing parent directory of a given
-    path is created 0700.
+    directory; missing directories above a given path are created 0700, one
+    by one. ``close()`` removes the socket file and every directory it made.
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None, *, backlog: int = 64,
                  allow_uids: Iterable[int] = (), **conn_kw: Any) -> None:
-        self._made_dir: str | None = None
+        self._made_dirs: list[str] = []  # innermost last: removed in reverse by close()
         if path is None:
-            self._made_dir = tempfile.mkdtemp(prefix="shmshare-")  # mode 0700
-            path = os.path.join(self._made_dir, "sock")
+            self._made_dirs.append(tempfile.mkdtemp(prefix="shmshare-"))  # mode 0700
+            path = os.path.join(self._made_dirs[0], "sock")
         self.path = os.fspath(path)
-        parent = os.path.dirname(os.path.abspath(self.path))
-        if not os.path.isdir(parent):
-            os.makedirs(parent, mode=0o700)
-            self._made_dir = parent
+        self._pid = os.getpid()  # only this process removes the socket file
+        try:
+            self._make_parents(os.path.dirname(os.path.abspath(self.path)))
+        except OSError as exc:
+            self._remove_dirs()
+            raise OSError(exc.errno, f"cannot create the directory for {self.path!r}: "
+                          f"{exc.strerror}") from exc
         self._allow_uids = tuple(allow_uids)
         self._conn_kw = conn_kw
-        self._pid = os.getpid()  # only this process removes the socket file
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except OSError as exc:
+            self._remove_dirs()
+            if exc.errno in (errno.EMFILE, errno.ENFILE):
+                raise FdLimitError.exhausted("socket", exc) from exc
+            raise
         try:
             self._sock.bind(self.path)
             os.chmod(self.path, 0o600)
@@ -485,6 +547,7 @@ class Listener(Closeable):
             self._sock.setblocking(False)  # accept() waits in slices (Note [Closing from another thread])
         except OSError as exc:
             self._sock.close()
+            self._remove_dirs()
             hint = " (a socket file is there: another listener, or a stale one to remove)" \
                 if exc.errno == errno.EADDRINUSE else ""
             raise OSError(exc.errno, f"cannot listen on {self.path!r}: {exc.strerror}{hint}") from exc
@@ -505,6 +568,13 @@ class Listener(Closeable):
                 break
             except BlockingIOError:
                 pass  # nobody waiting, or another process took the peer first
+            except (ConnectionAbortedError, InterruptedError):
+                continue  # that peer gave up before we took it: look for the next
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    raise FdLimitError.exhausted(
+                        "accept", exc, "the peer stays queued until a fd is free") from exc
+                raise
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise ShmshareTimeout(f"no peer connected to {self.path!r} within {timeout} s")
@@ -526,24 +596,47 @@ class Listener(Closeable):
         try:
             os.unlink(self.path)
         except FileNotFoundError:
-            pass
-        if self._made_dir:
-            try:
-                os.rmdir(self._made_dir)
-            except OSError:
-                pass
+            pass  # removed by someone else: the goal is met
+        self._remove_dirs()
 
+    def _make_parents(self, parent: str) -> None:
+        """Create the missing directories down to `parent`, each 0700, remembering them."""
+        missing = []
+        while not os.path.isdir(parent):
+            missing.append(parent)
+            parent = os.path.dirname(parent)
+        for d in reversed(missing):
+            os.mkdir(d, 0o700)
+            self._made_dirs.append(d)
+
+    def _remove_dirs(self) -> None:
+        dirs, self._made_dirs = self._made_dirs, []
+        for d in reversed(dirs):
+            try:
+                os.rmdir(d)
+            except OSError:  # someone put files there: theirs to remove, and so are the parents
+                break
 
 
 def pipe(**conn_kw: Any) -> tuple[Connection, Connection]:
     """Return a connected pair of Connections, for a parent and its child."""
-    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise FdLimitError.exhausted("socketpair", exc) from exc
+        raise
     return Connection(a, **conn_kw), Connection(b, **conn_kw)
 
 
 def connect(path: str | os.PathLike[str], timeout: float | None = None, **conn_kw: Any) -> Connection:
     """Connect to a :class:`Listener` at `path` and return the Connection."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise FdLimitError.exhausted("socket", exc) from exc
+        raise
     try:
         sock.settimeout(timeout)
         sock.connect(os.fspath(path))
@@ -567,7 +660,7 @@ def _rebuild_connection(dup: Any, role: str, max_frame: int, max_fds: int,
 
 def _pack(obj: Any) -> bytes:
     try:
-        return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+        return msgpack.packb(obj, use_bin_type=True)
     except Exception as exc:
         _pack_error(exc)
         raise

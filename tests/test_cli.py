@@ -24,7 +24,7 @@ import pytest
 from shmshare import _demo, _procfs, cli
 
 TIMEOUT = 60  # s, per command; the demo takes well under a second here
-CHECKS = {"memfd", "seals", "posix_shm", "dev_shm", "memory_limit", "nofile", "thp_shmem",
+CHECKS = {"memfd", "seals", "posix_shm", "dev_shm", "stale_shm", "memory_limit", "nofile", "thp_shmem",
           "sysv_limits", "scm_rights", "cuda"}
 
 # The seed's i_count at every step, as the demo counts it from /proc.
@@ -184,3 +184,25 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         cli.main(["demo", "--backend", "sysv"])
     assert exc.value.code == 2
+
+
+# -- stale names: doctor reports them, sweep removes them ---------------------
+
+
+def test_doctor_reports_a_stale_name_and_sweep_removes_it() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(TIMEOUT)  # its pid is dead from now on
+    path = f"/dev/shm/shmshare_{child.pid}_5a1e"
+    Path(path).write_bytes(b"x" * 8192)
+    try:
+        _, code, out = run_cli("doctor", "--json")
+        stale = {c["name"]: c for c in json.loads(out)["checks"]}["stale_shm"]
+        assert code == 0 and stale["status"] == "warn" and path in stale["data"]["names"]
+        assert "shmshare sweep" in stale["meaning"]
+        _, code, out = run_cli("sweep", "--dry-run")
+        assert code == 0 and f"would remove {path}" in out and os.path.exists(path)
+        _, code, out = run_cli("sweep")
+        assert code == 0 and f"removed {path}" in out and not os.path.exists(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)

@@ -63,7 +63,7 @@ def agent(conn: wire.Connection, other_end: wire.Connection) -> None:
             if op == "take_fd":
                 held.extend(fds)
             elif op == "map":
-                seg = Segment.from_fd(held[0])
+                seg = Segment.from_fd(held[0].fileno())  # an int is dup'ed, as in the seed
             elif op == "close_received":
                 held.pop().close()
             elif op == "check":

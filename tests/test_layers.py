@@ -9,7 +9,8 @@ import shmshare
 
 # rank: a module may import modules of the same or a lower rank only
 LAYERS = {
-    "_errors": 0, "_native": 0, "_procfs": 0, "_lifetime": 0, "_fd": 0,
+    "_errors": 0, "_fork": 0, "_native": 0, "_procfs": 0, "_lifetime": 0, "_fd": 0,
+    "_cgroup": 0, "_shmdir": 0, "_segcalls": 0,  # cgroup limits; /dev/shm; Segment's syscalls
     "segment": 1,
     "wire": 2, "_sockets": 2,  # _sockets.py: wire's kernel side (SCM_RIGHTS, SO_PEERCRED)
     "memory": 3, "cuda": 3,

@@ -2,15 +2,23 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import gc
 import os
+import resource
+import signal
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
 
-from shmshare import Flags, Segment, SegmentError
+from shmshare import FdLimitError, Flags, Segment, SegmentError, _procfs
+from shmshare._fd import Fd
 from shmshare._procfs import shm_mappings, shm_names
+from shmshare.segment import sweep
 
 BACKENDS = ["memfd", "posix"]
 DEFAULT = Flags.SHAREDMEM | Flags.EXCLUSIVE | Flags.KEEPFD | Flags.UNLINK
@@ -75,7 +83,7 @@ def test_from_fd_dups_and_caller_keeps_its_fd():
 
 def test_from_fd_refuses_mapping_past_the_end():
     with Segment.create(4096) as seg:
-        with pytest.raises(SegmentError, match="4096 bytes, 8192 were asked.*SIGBUS"):
+        with pytest.raises(SegmentError, match=r"4096 bytes, 8192 were asked.*SIGBUS"):
             Segment.from_fd(seg.fd, 8192)
         with pytest.raises(SegmentError, match="not a regular file"):
             r, w = os.pipe()
@@ -89,14 +97,13 @@ def test_from_fd_refuses_mapping_past_the_end():
 
 
 def test_readonly_receiver_cannot_write():
-    with Segment.create(4096) as seg:
-        with Segment.from_fd(seg.fd, flags=Flags.FROMFD | Flags.READONLY) as ro:
-            arr = ro.view(np.uint8, 16)
-            assert not arr.flags.writeable
-            with pytest.raises(ValueError, match="read-only"):
-                arr[0] = 1
-            assert ro.buffer.readonly
-            del arr
+    with Segment.create(4096) as seg, Segment.from_fd(seg.fd, flags=Flags.FROMFD | Flags.READONLY) as ro:
+        arr = ro.view(np.uint8, 16)
+        assert not arr.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            arr[0] = 1
+        assert ro.buffer.readonly
+        del arr
 
 
 def test_posix_without_unlink_keeps_name_until_close_and_open_finds_it():
@@ -205,10 +212,9 @@ def test_views_check_bounds():
 def test_segment_is_not_picklable_and_constructor_is_private():
     import pickle
 
-    with Segment.create(4096) as seg:
-        with pytest.raises(TypeError, match="Segment.from_fd"):
-            pickle.dumps(seg)
-    with pytest.raises(TypeError, match="Segment.create"):
+    with Segment.create(4096) as seg, pytest.raises(TypeError, match=r"Segment\.from_fd"):
+        pickle.dumps(seg)
+    with pytest.raises(TypeError, match=r"Segment\.create"):
         Segment()
 
 
@@ -247,3 +253,129 @@ def test_opening_shared_memory_that_may_be_created_needs_a_size():
     with pytest.raises(ValueError, match="pass nbytes"):
         Segment.open("/shmshare_never_made", flags=Flags.SHAREDMEM)
     assert "shmshare_never_made" not in shm_names()
+
+
+# -- ownership of received fds (issue 9, defect 5) ----------------------------
+
+
+def _open_fds() -> set[int]:
+    return set(_procfs.fds())
+
+
+def test_from_fd_takes_an_Fd_without_a_dup_and_keeps_no_fd_without_keepfd():
+    base = _open_fds()
+    seg = Segment.create(8192)
+    got = Fd(os.dup(seg.fd))  # what Connection.recv hands out
+    number = got.fileno()
+    before = _open_fds()
+    rx = Segment.from_fd(got, flags=Flags.FROMFD)
+    assert got.closed and rx.fd is None  # taken, then closed right after mmap
+    assert _open_fds() == before - {number}  # no dup was ever left behind
+    number2 = os.dup(seg.fd)
+    kept = Segment.from_fd(Fd(number2))  # KEEPFD: the taken number is the segment's fd
+    assert kept.fd == number2
+    seg.view(np.uint8, 8192)[:] = 7
+    assert int(rx.view(np.uint8, 8192)[-1]) == 7 and int(kept.view(np.uint8, 1)[0]) == 7
+    for s in (rx, kept, seg):
+        s.close()
+    assert _open_fds() == base
+
+
+def test_from_fd_closes_a_taken_fd_on_error():
+    r, w = os.pipe()
+    os.close(w)
+    got = Fd(r)
+    with pytest.raises(SegmentError, match="not a regular file"):
+        Segment.from_fd(got)
+    assert got.closed
+    with pytest.raises(OSError):
+        os.fstat(r)  # closed, not leaked
+    with Segment.create(4096) as seg:
+        big = Fd(os.dup(seg.fd))
+        number = big.fileno()
+        with pytest.raises(SegmentError, match="SIGBUS"):
+            Segment.from_fd(big, 8192)
+        assert big.closed and number not in _open_fds()
+        with pytest.raises(ValueError, match="taken or closed"):
+            Segment.from_fd(big)
+
+
+def test_from_fd_with_an_int_still_dups():
+    with Segment.create(4096) as seg:
+        rx = Segment.from_fd(seg.fd, flags=Flags.FROMFD)
+        rx.close()
+        os.fstat(seg.fd)  # the caller's fd is untouched
+
+
+@pytest.mark.parametrize("what", ["memfd", "posix", "dup", "open"])
+def test_fd_exhaustion_is_an_FdLimitError_with_the_limit_and_the_fix(what, tmp_path):
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    src = Segment.create(4096)
+    filler: list[int] = []
+    low = len(_open_fds()) + 4
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    try:
+        with pytest.raises(OSError):
+            while True:
+                filler.append(os.dup(0))
+        with pytest.raises(FdLimitError) as err:
+            if what == "memfd":
+                Segment.create(4096)
+            elif what == "posix":
+                Segment.create(4096, backend="posix")
+            elif what == "dup":
+                Segment.from_fd(src.fd)
+            else:
+                Segment.open(tmp_path / "f", 4096, Flags.SHARED)
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        src.close()
+    text = str(err.value)
+    assert err.value.errno == errno.EMFILE and isinstance(err.value, OSError)
+    assert f"RLIMIT_NOFILE is {low} (hard {hard}) and all {low} of RLIMIT_NOFILE are in use" in text
+    assert "-1 fds" not in text and "raise it" in text
+    assert {"memfd": "memfd_create", "posix": "shm_open", "dup": "dup(", "open": "open("}[what] in text
+    assert not shm_names(f"shmshare_{os.getpid()}_")
+
+
+# -- a crash leaves no name (issue 9, defect 3) --------------------------------
+
+CRASH = textwrap.dedent("""
+    import os, signal, sys
+    from shmshare import Flags, Segment
+    flags = Flags.SHAREDMEM | Flags.EXCLUSIVE | Flags.KEEPFD
+    if sys.argv[1] == "unlink":
+        flags |= Flags.UNLINK
+    # SIGKILL in the window between shm_open and fallocate (where a slow fallocate of a
+    # large segment gives a crash the most time to land)
+    os.posix_fallocate = lambda *a: os.kill(os.getpid(), signal.SIGKILL)
+    Segment.create(1 << 20, flags, backend="posix")
+""")
+
+
+def _crash(mode: str) -> int:
+    """Run CRASH in a child; return its pid once it died of SIGKILL."""
+    proc = subprocess.Popen([sys.executable, "-c", CRASH, mode], stderr=subprocess.PIPE)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode == -signal.SIGKILL, err
+    return proc.pid
+
+
+def test_sigkill_between_shm_open_and_fallocate_leaves_no_name():
+    unlinked, named = _crash("unlink"), _crash("keep-name")
+    try:
+        assert not shm_names(f"shmshare_{unlinked}_")  # UNLINK: the name went right after shm_open
+        (left,) = shm_names(f"shmshare_{named}_")  # without UNLINK a crash leaves the name ...
+        assert f"/dev/shm/{left}" in sweep()  # ... and its creator is dead: sweep removes it
+        assert not shm_names(f"shmshare_{named}_")
+    finally:
+        for pid in (unlinked, named):
+            for name in shm_names(f"shmshare_{pid}_"):
+                os.unlink(f"/dev/shm/{name}")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -47,4 +49,26 @@ def test_posix_on_a_4mb_dev_shm_raises_enospc_with_the_fix():
     assert "ERROR 28" in out.stdout, out.stdout  # ENOSPC, raised by posix_fallocate
     assert "cannot reserve 8388608 bytes for a posix segment" in out.stdout
     assert "/dev/shm has" in out.stdout and "--shm-size" in out.stdout
+    # the size, the free space and the other way out, all on the SegmentError itself
+    assert "free of 4.0 MiB (4194304 bytes) (a tmpfs) and 8.0 MiB (8388608 bytes) were asked" \
+        in out.stdout
+    assert "backend='memfd'" in out.stdout
     assert f"MEMFD OK {8 << 20}" in out.stdout
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.ENOMEM])
+def test_memfd_out_of_memory_names_host_memory_and_the_cgroup(monkeypatch, err):
+    from shmshare import Segment, SegmentError
+
+    def full(fd: int, offset: int, nbytes: int) -> None:
+        raise OSError(err, os.strerror(err))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(SegmentError) as got:
+        Segment.create(4 << 20)
+    text = str(got.value)
+    assert got.value.errno == err
+    assert "cannot reserve 4194304 bytes for a memfd segment: posix_fallocate" in text
+    assert re.search(r"the host has [\d.]+ [KMG]iB \(\d+ bytes\) available", text)
+    assert "memory cgroup" in text and "4.0 MiB (4194304 bytes) were asked" in text
+    assert "docker run --memory" in text

@@ -25,7 +25,7 @@ class Arena:
 
     def place(self, arr):
         arr, tdt = tensors.as_numpy(arr)
-        lo, nbytes = tensors.span(arr.itemsize, arr.shape, arr.strides)
+        _lo, nbytes = tensors.span(arr.itemsize, arr.shape, arr.strides)
         start = self.used
         self.used += (nbytes + 63) // 64 * 64
         dst = np.ndarray(arr.shape, arr.dtype, buffer=self.mem, offset=start)
@@ -78,7 +78,7 @@ def test_keys_subclasses_and_scalars_come_back_as_plain_values():
     class Color(enum.IntEnum):
         RED = 1
 
-    class Name(str, enum.Enum):
+    class Name(str, enum.Enum):  # noqa: UP042 - the mixin, not StrEnum, is what is tested
         RED = "red"
 
     class Loud(str):

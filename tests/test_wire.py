@@ -15,8 +15,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from shmshare import (FdLimitError, PeerDied, PeerRefused, ProtocolError, Segment,
-                      ShmshareTimeout, wire)
+from shmshare import FdLimitError, PeerDied, PeerRefused, ProtocolError, Segment, ShmshareTimeout, wire
 from shmshare.testing import start_child
 
 
@@ -78,7 +77,7 @@ def test_caps_on_frame_size_and_fd_count():
         a.send({}, fds=[0, 1, 2])
     with pytest.raises(TypeError, match="non-negative int"):
         a.send({}, fds=[-3])
-    with pytest.raises(ValueError, match="max_fds must be 1..253"):
+    with pytest.raises(ValueError, match=r"max_fds must be 1\.\.253"):
         wire.pipe(max_fds=300)
     a.close()
     b.close()
@@ -96,7 +95,7 @@ def test_oversize_frame_from_peer_is_a_protocol_error():
 
 def test_timeout_then_eof_after_queued_messages(pair):
     a, b = pair
-    with pytest.raises(ShmshareTimeout, match="recv timed out after 0.05 s"):
+    with pytest.raises(ShmshareTimeout, match=r"recv timed out after 0\.05 s"):
         b.recv(timeout=0.05)
     a.send({"n": 1})
     a.send({"n": 2})
@@ -193,7 +192,7 @@ def test_more_fds_than_max_fds_is_fd_limit_error():
     small = wire.Connection(b._sock, max_fds=2)
     seg = Segment.create(4096)
     a.send({}, fds=[seg.fd] * 8)
-    with pytest.raises(FdLimitError, match="MSG_CTRUNC.*RLIMIT_NOFILE is .*max_fds=2"):
+    with pytest.raises(FdLimitError, match=r"MSG_CTRUNC.*RLIMIT_NOFILE is .*max_fds=2"):
         small.recv(timeout=5)
     seg.close()
     a.close()
@@ -288,7 +287,7 @@ def _connect_as_nobody(path, results):
         c.send({"from": "nobody"})
         results.send({"ok": True})
         c.close()
-    except Exception as exc:  # report, don't hang the parent
+    except Exception as exc:  # noqa: BLE001 - report, don't hang the parent
         results.send({"ok": False, "error": repr(exc)})
     os._exit(0)
 
@@ -370,4 +369,74 @@ def test_a_peer_that_closes_with_frames_unread_still_delivers_what_it_sent():
         while True:
             got.append(b.recv(timeout=5)[0]["i"])
     assert got == [0, 1, 2, 3, 4]
+    b.close()
+
+
+def test_an_empty_datagram_from_a_live_peer_is_not_end_of_stream(pair):
+    a, b = pair
+    a.send({"n": 1})
+    a._sock.send(b"")  # a hostile or broken peer: zero bytes, still connected
+    a.send({"n": 2})
+    assert b.recv(timeout=5)[0] == {"n": 1}
+    with pytest.raises(ProtocolError, match="empty datagram"):
+        b.recv(timeout=5)
+    assert b.recv(timeout=5)[0] == {"n": 2}  # nothing after it was lost
+    a.close()
+    with pytest.raises(PeerDied):
+        b.recv(timeout=5)
+
+
+def test_listener_creates_only_what_it_removes(tmp_path):
+    path = tmp_path / "a" / "b" / "c" / "sock"
+    lst = wire.Listener(path)
+    for d in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "c"):
+        assert stat.S_IMODE(os.stat(d).st_mode) == 0o700, d
+    lst.close()
+    assert os.listdir(tmp_path) == []
+
+
+def test_listener_keeps_directories_that_others_filled(tmp_path):
+    lst = wire.Listener(tmp_path / "a" / "b" / "sock")
+    (tmp_path / "a" / "theirs").write_text("x")
+    lst.close()
+    assert sorted(os.listdir(tmp_path / "a")) == ["theirs"]
+
+
+def test_accept_with_a_full_fd_table_is_fd_limit_error(tmp_path):
+    lst = wire.Listener(tmp_path / "sock")
+    peer = wire.connect(lst.path)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    filler = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        with pytest.raises(OSError):
+            while True:  # every slot taken, holes below the limit included
+                filler.append(os.dup(0))
+        with pytest.raises(FdLimitError, match=r"accept failed.*RLIMIT_NOFILE is \d+") as err:
+            lst.accept(timeout=5)
+        assert "-1 fds" not in str(err.value) and "are in use" in str(err.value)
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    conn = lst.accept(timeout=5)  # the peer stayed queued
+    conn.close()
+    peer.close()
+    lst.close()
+
+
+def test_a_farewell_goes_out_whichever_finalizer_runs_first():
+    import gc
+
+    a, b = wire.pipe()
+    a.send({"n": 1})
+    a.set_farewell({"bye": True})
+    cycle: list[object] = [a]
+    cycle.append(cycle)  # a garbage cycle holding the connection
+    del cycle, a
+    gc.collect()
+    assert b.recv(timeout=5)[0] == {"n": 1}
+    assert b.recv(timeout=5)[0] == {"bye": True}
+    with pytest.raises(PeerDied):
+        b.recv(timeout=5)
     b.close()

@@ -37,7 +37,8 @@ __all__ = ["channel", "listen", "connect", "Sender", "Receiver", "SenderStatisti
 
 
 def channel(*, limit: int = DEFAULT_LIMIT, config: str | None = None, backend: str = "memfd",
-            writable: bool = False) -> tuple[Sender, Receiver]:
+            writable: bool = False, max_peer_bytes: int | None = None,
+            max_peer_segments: int | None = None) -> tuple[Sender, Receiver]:
     """Return a connected (Sender, Receiver) pair.
 
     Parameters
@@ -49,21 +50,34 @@ def channel(*, limit: int = DEFAULT_LIMIT, config: str | None = None, backend: s
     backend : {"memfd", "posix"}
         Shared memory behind the pool.
     writable : bool
-        Whether received numpy arrays are writable (torch tensors always are).
+        Map the sender's pages writable in the receiver (else ``PROT_READ``;
+        torch tensors then arrive as private copies, see :class:`Receiver`).
+    max_peer_bytes, max_peer_segments : int, optional
+        The receiver's caps on what the sender may make it hold.
+
+    With ``backend="posix"`` the receiver maps the sender's unsealed POSIX
+    shm (``trust_unsealed``): both ends are made here, by one caller.
     """
     a, b = wire.pipe()
     a._role, b._role = "sender", "receiver"
-    return Sender(a, limit=limit, config=config, backend=backend), Receiver([b], writable=writable)
+    tx = Sender(a, limit=limit, config=config, backend=backend)
+    return tx, Receiver([b], writable=writable, trust_unsealed=backend == "posix",
+                        max_peer_bytes=max_peer_bytes, max_peer_segments=max_peer_segments)
 
 
 def listen(path: str | os.PathLike[str] | None = None, *, writable: bool = False,
-           **listener_kw: Any) -> Receiver:
+           trust_unsealed: bool = False, max_peer_bytes: int | None = None,
+           max_peer_segments: int | None = None, **listener_kw: Any) -> Receiver:
     """Return a Receiver that accepts senders on a Unix socket at `path` (fan-in).
 
     With `path` None the socket is made in a fresh private directory; the
-    receiver's ``path`` says where.
+    receiver's ``path`` says where. `trust_unsealed` accepts senders of
+    ``backend="posix"``: this receiver trusts them not to truncate their
+    shared memory (Note [Trust no fd] in ``channel/_trust.py``).
     """
-    return Receiver(listener=wire.Listener(path, role="receiver", **listener_kw), writable=writable)
+    return Receiver(listener=wire.Listener(path, role="receiver", **listener_kw),
+                    writable=writable, trust_unsealed=trust_unsealed,
+                    max_peer_bytes=max_peer_bytes, max_peer_segments=max_peer_segments)
 
 
 def connect(path: str | os.PathLike[str], *, timeout: float | None = None,

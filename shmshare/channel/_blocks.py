@@ -21,9 +21,9 @@ Note [Spare blocks]
 from __future__ import annotations
 
 import bisect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..memory import ShmSegment
+from ..memory import CachingAllocator, ShmSegment
 
 __all__ = ["BlockBook", "SPARE_BYTES"]
 
@@ -62,7 +62,13 @@ class BlockBook:
     _leases: dict[int, _Held]
     _peer_dead: bool
     _sent: int  # batches sent so far: the clock of Note [Spare blocks]
-    _alloc: Any
+    _alloc: CachingAllocator
+
+    if TYPE_CHECKING:  # the sender's, declared here for the type checker only
+
+        def _malloc(self, nbytes: int, deadline: float | None) -> Any: ...
+        def _segment_of(self, address: int) -> ShmSegment: ...
+        def _drain(self) -> None: ...
 
     def _new_book(self, spare_limit: int) -> None:
         self._held = {}  # block address -> held block (spares included)

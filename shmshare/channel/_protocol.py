@@ -14,6 +14,7 @@ Sender -> receiver, one frame per ``send``::
 Receiver -> sender::
 
     {"k": "r", "l": [lease, ...]}   # these arrays' last views died
+    {"k": "e", "w": "why"}          # the receiver refused a batch and drops the connection
 
 Segment ids are unique on the host (pid << 32 | counter); lease ids are
 unique per sender. An ArrayDesc with segment 0 is an empty array with no
@@ -22,9 +23,9 @@ memory behind it.
 
 from __future__ import annotations
 
-__all__ = ["KIND", "BATCH", "BYE", "RELEASE", "NEW", "GROW", "DROP", "TREE", "LEASES",
-           "RELEASE_CHUNK"]
+__all__ = ["KIND", "BATCH", "BYE", "RELEASE", "REFUSE", "NEW", "GROW", "DROP", "TREE", "LEASES",
+           "WHY", "RELEASE_CHUNK"]
 
-KIND, BATCH, BYE, RELEASE = "k", "m", "x", "r"
-NEW, GROW, DROP, TREE, LEASES = "s", "g", "d", "b", "l"
+KIND, BATCH, BYE, RELEASE, REFUSE = "k", "m", "x", "r", "e"
+NEW, GROW, DROP, TREE, LEASES, WHY = "s", "g", "d", "b", "l", "w"
 RELEASE_CHUNK = 4096  # lease ids in one release frame: well under wire.MAX_FRAME

@@ -21,22 +21,24 @@ from __future__ import annotations
 
 import bisect
 import collections
-import fcntl
+import errno
 import os
 import selectors
 import threading
 import time
+import warnings
 import weakref
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
-from .. import _native, tensors, wire
-from .._errors import FdLimitError, PeerDied, ProtocolError, SegmentError, ShmshareTimeout
+from .. import _fork, _native, tensors, wire
+from .._errors import FdLimitError, PeerDied, ProtocolError, SegmentError, ShmshareError, ShmshareTimeout
 from .._lifetime import Closeable
 from ..segment import Flags, Segment
-from ._protocol import (BATCH, BYE, DROP, GROW, KIND, NEW, RELEASE, RELEASE_CHUNK, LEASES,
-                        TREE)
+from ._protocol import BATCH, BYE, DROP, GROW, KIND, LEASES, NEW, REFUSE, RELEASE, RELEASE_CHUNK, TREE, WHY
+from ._trust import check_fd, default_max_peer_bytes, default_max_peer_segments
 
 __all__ = ["Receiver"]
 
@@ -45,23 +47,27 @@ _CLOSE_CHECK = wire._CLOSE_CHECK  # s: a wait looks this often whether close() w
 _BATCH = 64  # releases that make recv() send at once, ...
 _BATCH_BYTES = 1 << 20  # ... or bytes released: a sender's pool should not grow by a batch of them
 _pid = os.getpid()  # releases are sent only by the process that received the arrays
+_ACCEPT_BACKOFF = (0.05, 1.0)  # s: accepting pauses this long (doubling) after EMFILE
+_WHY_MAX = 2000  # characters of a refusal told to the sender
 
 
 class _RxSegment:
-    """A sender's segment as mapped here: a root Lease over the whole range."""
+    """A sender's segment as mapped here: its Segment and the root Lease over the whole range."""
 
-    __slots__ = ("root", "address", "size", "fd", "mapped")
+    __slots__ = ("seg", "root", "address", "size", "expandable", "mapped", "nmaps")
 
-    def __init__(self, root: _native.Lease, address: int, size: int, fd: int) -> None:
-        self.root = root  # every array's Lease owns it: the mapping outlives the sender
-        self.address = address
-        self.size = size
-        self.fd = fd  # expandable segments only (-1 otherwise): new ranges are mapped from it
-        self.mapped: list[tuple[int, int]] = [] if fd >= 0 else [(0, size)]  # (start, end), merged
+    def __init__(self, seg: Segment) -> None:
+        self.seg = seg  # owns the mapping, and an expandable segment's fd (new ranges come from it)
+        self.root = seg.lease  # every array's Lease owns it: the mapping outlives the sender
+        self.address = seg.address
+        self.size = seg.size
+        self.expandable = seg.expandable
+        self.mapped: list[tuple[int, int]] = [] if self.expandable else [(0, self.size)]  # merged
+        self.nmaps = 0 if self.expandable else 1  # mappings made for it (Note [Caps per peer])
 
     def add_range(self, start: int, end: int) -> None:
         """Record [start, end) as mapped, merging with touching ranges."""
-        spans = sorted(self.mapped + [(start, end)])
+        spans = sorted([*self.mapped, (start, end)])
         merged = [spans[0]]
         for lo, hi in spans[1:]:
             if lo <= merged[-1][1]:
@@ -79,13 +85,29 @@ class _RxSegment:
 class _Peer:
     """One sender, as the receiver knows it."""
 
-    __slots__ = ("conn", "segments", "bye", "pid", "__weakref__")
+    __slots__ = ("conn", "segments", "bye", "reserved", "nmaps", "__weakref__")
 
     def __init__(self, conn: wire.Connection) -> None:
         self.conn = conn
         self.segments: dict[int, _RxSegment] = {}
         self.bye = False
-        self.pid = conn.peer_cred.pid
+        self.reserved = 0  # bytes of address space its segments take here
+        self.nmaps = 0  # mappings its segments take here
+
+    @property
+    def who(self) -> str:
+        """Name the sending process: the pid of its last HELLO, not the socket's creator.
+
+        A ``channel()`` socketpair is created by the receiver's own process, so
+        its SO_PEERCRED pid is ours until the sender introduces itself.
+        """
+        hello = self.conn.peer_hello
+        if hello is not None and isinstance(hello.get("pid"), int):
+            return f"the sender (pid {hello['pid']})"
+        pid = self.conn.peer_cred.pid
+        if pid == os.getpid():
+            return "the sender (which never sent anything)"
+        return f"the sender (pid {pid})"
 
 
 class _Release:
@@ -111,15 +133,39 @@ class Receiver(Closeable):
     """Receive batches sent by one sender (``channel()``) or many (``listen()``).
 
     ``recv()`` returns the batch with the same structure; arrays are views of
-    the sender's pages, read-only unless `writable`; torch tensors come back
-    as torch tensors sharing that memory. A receiver is iterable, and
-    ``fileno()``/``poll()`` let it sit in a selector.
+    the sender's pages, mapped read-only (``PROT_READ``) unless `writable`.
+    Torch tensors come back as torch tensors: sharing that memory when
+    `writable`, else as private copies (torch has no read-only tensors, and a
+    write into a read-only mapping would be SIGSEGV). A receiver is
+    iterable, and ``fileno()``/``poll()`` let it sit in a selector.
+
+    Parameters
+    ----------
+    writable : bool
+        Map the senders' pages writable: received arrays may be changed in
+        place, and the change is visible to the sender (it is its pool).
+    trust_unsealed : bool
+        Also map unsealed shared memory (POSIX shm, the ``backend="posix"``
+        senders): the receiver trusts its senders not to truncate it, which
+        would kill the receiver with SIGBUS (Note [Trust no fd]).
+    max_peer_bytes, max_peer_segments : int, optional
+        Caps on the address space and mappings one sender may make this
+        receiver hold (Note [Caps per peer]); defaults follow the host.
     """
 
     def __init__(self, conns: Any = (), listener: wire.Listener | None = None, *,
-                 writable: bool = False) -> None:
+                 writable: bool = False, trust_unsealed: bool = False,
+                 max_peer_bytes: int | None = None, max_peer_segments: int | None = None) -> None:
         self._listener = listener
+        self._owner = os.getpid()
         self._writable = writable
+        self._trust_unsealed = trust_unsealed
+        self._max_peer_bytes = _positive(max_peer_bytes, "max_peer_bytes") \
+            or default_max_peer_bytes()
+        self._max_peer_segments = _positive(max_peer_segments, "max_peer_segments") \
+            or default_max_peer_segments()
+        self._accept_paused_until = 0.0  # Note [A full fd table]
+        self._accept_backoff = _ACCEPT_BACKOFF[0]
         self._peers: list[_Peer] = [_Peer(c) for c in conns]
         self._sel: selectors.BaseSelector | None = None
         self._ready: collections.deque[_Peer] = collections.deque()
@@ -171,7 +217,7 @@ class Receiver(Closeable):
                 if self._sel is not None and peer.bye:
                     continue
                 how = "closed the channel" if peer.bye else "died"
-                raise PeerDied(f"the sender (pid {peer.pid}) {how}") from exc
+                raise PeerDied(f"{peer.who} {how}") from exc
             except (ProtocolError, FdLimitError) as exc:
                 raise self._drop(peer, exc) from None
             if got is None:
@@ -182,7 +228,7 @@ class Receiver(Closeable):
                 peer.bye = False  # someone still sends (a goodbye from a parent that forked does not count)
                 try:
                     return self._decode(peer, header, fds)
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - any failure of a hostile batch drops its sender
                     raise self._drop(peer, exc) from None
             for f in fds:
                 f.close()
@@ -221,7 +267,8 @@ class Receiver(Closeable):
     def fileno(self) -> int:
         """Return a fd that is readable when ``recv`` has something (for selectors)."""
         if self._sel is not None:
-            return self._sel.fileno()  # type: ignore[attr-defined]
+            fileno: int = self._sel.fileno()  # type: ignore[attr-defined]  # DefaultSelector is epoll here
+            return fileno
         return self._peers[0].conn.fileno()
 
     # -- lifecycle ---------------------------------------------------------------
@@ -246,12 +293,37 @@ class Receiver(Closeable):
         if self._listener is not None:
             self._listener.close()
 
+    def _finalize(self) -> None:
+        """Collected unclosed: warn, and release without waiting (no join, no goodbye)."""
+        if self._closed:
+            return
+        if self._owner == os.getpid():  # a forked child's copy was never the child's to close
+            warnings.warn(f"unclosed {self!r}; call close() or use it as a context manager",
+                          ResourceWarning, stacklevel=2)
+        self._flush()  # never waits (timeout=0 sends)
+        self._closed = True
+        if self._flusher is None:
+            self._wake.close()
+        else:
+            self._wake.poke()  # the flusher sees _closed and closes the pipe as it returns
+        for p in list(self._peers):
+            self._forget(p)
+        if self._sel is not None:
+            self._sel.close()
+        if self._listener is not None:
+            self._listener.close()
+
+    def __repr__(self) -> str:
+        where = f" on {self.path!r}" if self._listener is not None else ""
+        state = "closed" if self._closed else f"{len(self._peers)} senders"
+        return f"<shmshare Receiver{where} {state}>"
 
     def __reduce__(self) -> Any:
         if self._listener is not None:
             raise TypeError("a listening Receiver cannot be handed to another process; "
                             "listen() there instead")
-        return _rebuild, (self._peers[0].conn, self._writable)
+        return _rebuild, (self._peers[0].conn, self._writable, self._trust_unsealed,
+                          self._max_peer_bytes, self._max_peer_segments)
 
     # -- internals -----------------------------------------------------------------
 
@@ -264,12 +336,22 @@ class Receiver(Closeable):
             if self._closed:
                 raise ValueError("this Receiver is closed")
             left = _left(deadline)  # in slices: Note [Closing from another thread] in wire
-            events = self._sel.select(_CLOSE_CHECK if left is None else min(left, _CLOSE_CHECK))
+            step = _CLOSE_CHECK if left is None else min(left, _CLOSE_CHECK)
+            if self._accept_paused_until:
+                step = min(step, max(0.0, self._accept_paused_until - time.monotonic()))
+                self._maybe_resume_accepting()
+            events = self._sel.select(step)
+            fd_error = None
             for key, _ in events:
                 if key.data is None:
-                    self._accept()
+                    try:
+                        self._accept()
+                    except FdLimitError as exc:
+                        fd_error = exc
                 else:
                     self._ready.append(key.data)
+            if fd_error is not None and not self._ready:
+                raise fd_error  # once: accepting is paused now (Note [A full fd table])
             if not events and deadline is not None and time.monotonic() >= deadline:
                 raise ShmshareTimeout(f"no batch arrived on {self.path!r} before the timeout")
         try:
@@ -283,22 +365,48 @@ class Receiver(Closeable):
             conn = self._listener.accept(timeout=0)
         except ShmshareTimeout:
             return
+        except FdLimitError as exc:
+            # Note [A full fd table]
+            #     The peer stays in the listen backlog and the listener stays
+            #     readable, so retrying at once would spin (the receiver once
+            #     raised 429,095 errors in 3 s, serving no one). Accepting
+            #     pauses instead, doubling from 50 ms up to 1 s while the table
+            #     stays full; connected senders are served meanwhile, and a
+            #     wait with nothing else to deliver raises FdLimitError once.
+            self._sel.unregister(self._listener)
+            self._accept_paused_until = time.monotonic() + self._accept_backoff
+            exc.add_note(f"shmshare: {self.path!r} accepts no new sender for "
+                         f"{self._accept_backoff:g} s; connected senders are still served")
+            self._accept_backoff = min(2 * self._accept_backoff, _ACCEPT_BACKOFF[1])
+            raise
+        self._accept_backoff = _ACCEPT_BACKOFF[0]
         peer = _Peer(conn)
         self._peers.append(peer)
         self._sel.register(conn, selectors.EVENT_READ, peer)
+
+    def _maybe_resume_accepting(self) -> None:
+        if self._accept_paused_until and time.monotonic() >= self._accept_paused_until:
+            assert self._sel is not None and self._listener is not None
+            self._accept_paused_until = 0.0
+            self._sel.register(self._listener, selectors.EVENT_READ, None)
 
     def _drop(self, peer: _Peer, exc: Exception) -> Exception:
         """Forget a sender whose batch could not be taken in; return the error to raise.
 
         Once a batch is lost the two ends no longer agree on segments and
-        leases, so the connection goes: the sender sees PeerDied and takes back
-        everything it lent, and a ``listen()`` receiver goes on with the others.
+        leases, so the connection goes: the sender is told why (if its socket
+        has room) and takes back everything it lent, and a ``listen()``
+        receiver goes on with the others.
         """
-        self._forget(peer)
         if not isinstance(exc, (ProtocolError, FdLimitError, SegmentError)):
             exc = ProtocolError(f"{type(exc).__name__}: {exc}")
-        exc.add_note(f"shmshare: the connection to the sender (pid {peer.pid}) was dropped; it "
-                     "takes back what it lent, and arrays already received stay valid")
+        try:  # never wait: a sender that does not read must not stall us
+            peer.conn.send({KIND: REFUSE, WHY: str(exc)[:_WHY_MAX]}, timeout=0)
+        except (ShmshareError, OSError, ValueError):
+            pass  # gone or full: it sees the connection end without the reason
+        self._forget(peer)
+        exc.add_note(f"shmshare: the connection to {peer.who} was dropped; it takes back what "
+                     "it lent, and arrays already received stay valid")
         return exc
 
     def _forget(self, peer: _Peer) -> None:
@@ -312,7 +420,9 @@ class Receiver(Closeable):
             except ValueError:
                 pass
         peer.conn.close()
-        peer.segments.clear()  # each mapping goes when its last array does
+        for rec in peer.segments.values():
+            rec.seg.close()  # each mapping goes when its last array does
+        peer.segments.clear()
 
     def _decode(self, peer: _Peer, header: dict[str, Any], fds: list[wire.Fd]) -> Any:
         if fds or NEW in header:
@@ -335,36 +445,64 @@ class Receiver(Closeable):
     def _grow_and_drop(self, peer: _Peer, header: dict[str, Any]) -> None:
         for seg_id, offset, nbytes in header.get(GROW, ()):
             rec = self._segment(peer, seg_id)
-            if rec.fd < 0:
+            if not rec.expandable:
                 raise ProtocolError(f"growth announced for segment {seg_id}, which is not expandable")
-            if offset < 0 or nbytes <= 0 or offset + nbytes > rec.size:
-                raise ProtocolError(f"growth [{offset}, +{nbytes}) outside segment {seg_id}")
-            _check_sealed(rec.fd, offset + nbytes, need_seal=True)
-            _native.map_fd(rec.address + offset, nbytes, rec.fd, offset)
+            if (type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes <= 0
+                    or offset + nbytes > rec.size or (offset | nbytes) % _native.PAGE_SIZE):
+                raise ProtocolError(f"growth [{offset!r}, +{nbytes!r}) of segment {seg_id} is not "
+                                    "whole pages inside it")
+            self._charge(peer, 0, 1)
+            check_fd(rec.seg.fileno(), offset + nbytes, trust_unsealed=self._trust_unsealed,
+                     writable=self._writable)
+            _locally(rec.seg.map_range, offset, nbytes)
             rec.add_range(offset, offset + nbytes)
+            rec.nmaps += 1
+            peer.nmaps += 1
         for seg_id in header.get(DROP, ()):
-            peer.segments.pop(seg_id, None)
+            gone = peer.segments.pop(seg_id, None)
+            if gone is not None:
+                gone.seg.close()  # its arrays keep the mapping; an expandable one's fd goes now
+                peer.reserved -= gone.size
+                peer.nmaps -= gone.nmaps
 
     def _map_new(self, peer: _Peer, new: Any, fds: list[wire.Fd]) -> None:
         if len(new) != len(fds):
             raise ProtocolError(f"{len(new)} new segments were announced with {len(fds)} fds")
-        for (seg_id, size, expandable), fd in zip(new, fds):
-            _check_sealed(fd.fileno(), 0 if expandable else size, need_seal=expandable)
-            if expandable:
-                address = _native.reserve(size)
-                own = fd.take()
-                root = _native.Lease(None, address, size, unmap=True, fd=own)  # gone with the last array
-                peer.segments[seg_id] = _RxSegment(root, address, size, own)
-            else:
-                seg = Segment.from_fd(fd, size, Flags.FROMFD)  # mapped writable, fd not kept
-                peer.segments[seg_id] = _RxSegment(seg.lease, seg.address, size, -1)
-                seg.close()  # the Lease keeps the mapping
+        for (seg_id, size, expandable), fd in zip(new, fds, strict=True):
+            if type(size) is not int or size <= 0 or seg_id in peer.segments:
+                raise ProtocolError(f"a malformed announcement of segment {seg_id!r} "
+                                    f"({size!r} bytes)")
+            self._charge(peer, size, 0 if expandable else 1)
+            check_fd(fd.fileno(), 0 if expandable else size,
+                     trust_unsealed=self._trust_unsealed, writable=self._writable)
+            flags = Flags.FROMFD if self._writable else Flags.FROMFD | Flags.READONLY
+            # The Fd is taken, never dup'ed: a classic segment's is closed once mapped, an
+            # expandable one's is kept by its Segment to map the ranges announced later.
+            seg = _locally(Segment.from_fd, fd, size, flags, reserve=bool(expandable))
+            peer.segments[seg_id] = _RxSegment(seg)
+            if not expandable:
+                seg.close()  # no fd to close any more; the Lease keeps the mapping
+            peer.reserved += size
+            peer.nmaps += 0 if expandable else 1
+
+    def _charge(self, peer: _Peer, nbytes: int, nmaps: int) -> None:
+        """Refuse what would take `peer` past its caps (Note [Caps per peer])."""
+        if peer.reserved + nbytes > self._max_peer_bytes:
+            raise ProtocolError(
+                f"{peer.who} announced segments of {peer.reserved + nbytes} bytes in all, past "
+                f"this receiver's max_peer_bytes={self._max_peer_bytes}; raise it (listen(..., "
+                "max_peer_bytes=)) or give the sender a smaller pool (limit=)")
+        if peer.nmaps + nmaps > self._max_peer_segments:
+            raise ProtocolError(
+                f"{peer.who} would need {peer.nmaps + nmaps} mappings here, past this "
+                f"receiver's max_peer_segments={self._max_peer_segments}; raise it, or give the "
+                "sender larger segments")
 
     def _segment(self, peer: _Peer, seg_id: int) -> _RxSegment:
         try:
             return peer.segments[seg_id]
         except KeyError:
-            raise ProtocolError(f"pid {peer.pid} referred to segment {seg_id}, which it never "
+            raise ProtocolError(f"{peer.who} referred to segment {seg_id}, which it never "
                                 "announced or already dropped") from None
 
     def _view(self, peer: _Peer, seg_id: int, block: int, offset: int,
@@ -380,18 +518,21 @@ class Receiver(Closeable):
         rec = peer.segments.get(seg_id) or self._segment(peer, seg_id)
         start = offset + lay.lo
         nbytes = lay.nbytes
-        if not (0 <= start and start + nbytes <= rec.size if rec.fd < 0
+        if not (start >= 0 and start + nbytes <= rec.size if not rec.expandable
                 else rec.covers(start, start + nbytes)):
             raise ProtocolError(f"an array of {nbytes} bytes at offset {start} lies outside the "
                                 f"mapped part of segment {seg_id} ({rec.size} bytes)")
-        writable = self._writable or lay.torch_dtype is not None  # torch has no read-only tensors
-        lease = _native.Lease(rec.root, rec.address + start, nbytes, not writable,
+        lease = _native.Lease(rec.root, rec.address + start, nbytes, not self._writable,
                               _Release(self, peer, block, nbytes))  # positional: cheaper to parse
         if lay.dense:
-            arr = np.ndarray(lay.shape, dt, buffer=lease)
+            arr = np.ndarray(lay.shape, dt, buffer=lease)  # type: ignore[arg-type]  # numpy types Buffer from 3.12
         else:
-            arr = np.ndarray(lay.shape, dt, buffer=lease, offset=-lay.lo, strides=lay.strides)
-        return _as_torch(arr, lay.torch_dtype) if lay.torch_dtype else arr
+            arr = np.ndarray(lay.shape, dt, buffer=lease, offset=-lay.lo,  # type: ignore[arg-type]
+                             strides=lay.strides)
+        if lay.torch_dtype is None:
+            return arr
+        # torch has no read-only tensors: from a read-only mapping, a private copy
+        return _as_torch(arr if self._writable else arr.copy(), lay.torch_dtype)
 
     # -- releases ----------------------------------------------------------------
 
@@ -501,6 +642,7 @@ def _flusher_main(ref: weakref.ref[Receiver], wake: _WakePipe) -> None:
         poller.poll(1000)  # disarmed: sleep until a release arms us (or a second passes)
         rx = ref()
         if rx is None or rx._closed:
+            wake.close()  # a finalized receiver leaves its pipe to us; close() joined us first
             return
         try:
             os.read(wake_r, 4096)
@@ -509,6 +651,7 @@ def _flusher_main(ref: weakref.ref[Receiver], wake: _WakePipe) -> None:
         while True:  # armed: look every _MAX_AGE until the queue stays empty
             time.sleep(_MAX_AGE)
             if rx._closed:
+                wake.close()
                 return
             if time.monotonic() - rx._last_flush >= _MAX_AGE:
                 rx._flush()
@@ -520,18 +663,27 @@ def _flusher_main(ref: weakref.ref[Receiver], wake: _WakePipe) -> None:
         del rx
 
 
-def _check_sealed(fd: int, size: int, need_seal: bool) -> None:
-    """Refuse a fd that a peer could shrink under our mapping (a SIGBUS on the next read)."""
+def _locally(fn: Any, *args: Any, **kw: Any) -> Any:
+    """Run a mapping call; a failure of ours (not the peer's) is a SegmentError saying so."""
     try:
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-    except OSError:
-        seals = None  # not a memfd: POSIX shm cannot be sealed; its peer is trusted (same uid)
-    if (seals is None and need_seal) or (seals is not None and not seals & fcntl.F_SEAL_SHRINK):
-        raise ProtocolError("a segment fd arrived that is not a memfd sealed F_SEAL_SHRINK: its "
-                            "sender could shrink it under our arrays")
-    actual = os.fstat(fd).st_size
-    if actual < size:
-        raise ProtocolError(f"a segment fd of {actual} bytes was announced as {size} bytes")
+        return fn(*args, **kw)
+    except (ShmshareError, ValueError):
+        raise
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise FdLimitError.exhausted("mapping a sender's segment", exc) from exc
+        hint = {errno.ENOMEM: "out of address space or mappings: RLIMIT_AS (ulimit -v) or "
+                              "vm.max_map_count",
+                errno.EPERM: "mapping was denied here (a seccomp or LSM policy?)",
+                errno.EACCES: "mapping was denied here"}.get(exc.errno or 0, "see errno")
+        raise SegmentError(exc.errno, f"this process could not map a sender's segment "
+                           f"({exc}): a local limit, not the sender's doing: {hint}") from exc
+
+
+def _positive(value: int | None, name: str) -> int | None:
+    if value is not None and (type(value) is not int or value <= 0):
+        raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+    return value
 
 
 def _as_torch(arr: np.ndarray, torch_dtype: str) -> Any:
@@ -556,8 +708,10 @@ def _after_fork() -> None:
         rx._after_fork_in_child()
 
 
-os.register_at_fork(after_in_child=_after_fork)
+_fork.on_fork_in_child(5, _after_fork)
 
 
-def _rebuild(conn: wire.Connection, writable: bool) -> Receiver:
-    return Receiver([conn], writable=writable)
+def _rebuild(conn: wire.Connection, writable: bool, trust_unsealed: bool, max_peer_bytes: int,
+             max_peer_segments: int) -> Receiver:
+    return Receiver([conn], writable=writable, trust_unsealed=trust_unsealed,
+                    max_peer_bytes=max_peer_bytes, max_peer_segments=max_peer_segments)

@@ -6,7 +6,7 @@ Note [Leases]
     comes back in a release frame. The pool reuses a block only when every
     lease on it is back and no local view (``empty()``) is alive -- the
     caching allocator's "a block used on another stream waits for its
-    events", with a release message as the event (DESIGN.md). Leases are
+    events", with a release message as the event (docs/architecture.md). Leases are
     counted per block here rather than as stream-ordered events in the
     allocator because releases come back in any order (Note [Streams of the
     shm provider] in ``memory/_shm.py``).
@@ -27,19 +27,19 @@ import math
 import os
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import numpy as np
 
-from .. import _native, tensors, wire
-from .._errors import PeerDied, PoolExhausted, ShmshareTimeout
+from .. import _fork, _native, tensors, wire
+from .._errors import PeerDied, PoolExhausted, ProtocolError, SegmentError, ShmshareError, ShmshareTimeout
 from .._lifetime import Closeable
 from ..memory import CachingAllocator, OutOfMemoryError, ShmProvider, ShmSegment
 from ._blocks import SPARE_BYTES, BlockBook, _Held
-from ._protocol import BATCH, BYE, DROP, GROW, KIND, LEASES, NEW, RELEASE, TREE
+from ._protocol import BATCH, BYE, DROP, GROW, KIND, LEASES, NEW, REFUSE, RELEASE, TREE, WHY
 
 __all__ = ["Sender", "DEFAULT_LIMIT", "SenderStatistics"]
 
@@ -84,6 +84,14 @@ class Sender(BlockBook, Closeable):
         Shared memory for classic segments.
     """
 
+    _lock: threading.RLock
+    _in_send: bool  # this thread is inside send(): a nested send() is refused
+    _last_drain: float
+    _taken: list[int]
+    _deadline: float | None
+    _encoder: tensors.Encoder
+    _refused: str | None  # why the receiver dropped us (a REFUSE frame)
+
     def __init__(self, conn: wire.Connection, *, limit: int = DEFAULT_LIMIT,
                  config: str | None = None, backend: str = "memfd") -> None:
         self._conn = conn
@@ -124,7 +132,10 @@ class Sender(BlockBook, Closeable):
                     header, fds = {KIND: BATCH, TREE: tree}, _NO_FDS
                 self._send_draining(header, fds, deadline)
             except PeerDied as exc:
+                self._take_refusal()
                 self._on_peer_death()
+                if self._refused is not None:
+                    raise self._refusal() from exc
                 raise PeerDied("the receiver is gone; its arrays stay valid, but nothing more "
                                "can be sent on this channel") from exc
             except BaseException:
@@ -134,6 +145,8 @@ class Sender(BlockBook, Closeable):
                 self._in_send = False
             if fds or len(header) > 2:
                 self._commit_header(header)
+            if not self._sent:  # a finalizer says goodbye too (Note [Finalizers and goodbyes])
+                self._conn.set_farewell({KIND: BYE})
             self._sent += 1
 
     def empty(self, shape: Any, dtype: Any = np.float64, timeout: float | None = None) -> Any:
@@ -164,8 +177,8 @@ class Sender(BlockBook, Closeable):
                 held.local = True
         # positional: keyword parsing costs more than the rest of the call
         lease = _native.Lease(self._alloc, held.block.address, nbytes, False,
-                              partial(self._local_done.append, held))
-        arr = np.ndarray(shp, np_dtype, buffer=lease)
+                              _ViewDied(self._local_done, self._ref, held))
+        arr = np.ndarray(shp, np_dtype, buffer=lease)  # type: ignore[arg-type]  # numpy types Buffer from 3.12
         if torch_dtype is None:
             return arr
         import torch
@@ -232,11 +245,47 @@ class Sender(BlockBook, Closeable):
                 except (PeerDied, ShmshareTimeout, OSError):
                     pass  # the receiver will see a crash rather than a goodbye: it stopped reading
             self._conn.close()
-            self._on_peer_death()
-            self._drain_local()
-            self._free_spares()
-            self._alloc.empty_cache()
+            self._release_all()
+        self._reap_closed()
 
+    def _finalize(self) -> None:
+        """Collected unclosed: warn, say goodbye only if it goes without waiting, release."""
+        if self._closed:
+            return
+        if self._owner == os.getpid():
+            warnings.warn(f"unclosed {self!r}; call close() or use it as a context manager",
+                          ResourceWarning, stacklevel=2)
+        self._closing = True
+        with self._lock:  # free: nothing else can hold a sender that is being collected
+            self._closed = True
+            self._conn.close_nowait()  # the farewell, if the socket has room now
+            self._release_all()
+        self._reap_closed()
+
+    def _release_all(self) -> None:
+        """After the connection closed: every lease is void; give back all not in local use."""
+        self._on_peer_death()
+        self._drain_local()
+        self._free_spares()
+        self._alloc.empty_cache()
+        self._reap = True  # from now on a dying local view gives its block back at once
+
+    def _reap_closed(self) -> None:
+        """After close: free what local views that died left, and the segments they held.
+
+        Runs from the views' callbacks, in any thread and in the middle of
+        any bytecode (the garbage collector), so it only tries its lock: a
+        thread that fails leaves the work to the holder, who looks again
+        after letting go (Note [Callbacks from the garbage collector]).
+        """
+        while self._local_done:
+            if not self._reap_lock.acquire(blocking=False):
+                return
+            try:
+                self._drain_local()
+                self._alloc.empty_cache()
+            finally:
+                self._reap_lock.release()
 
     def __reduce__(self) -> Any:
         return _rebuild, (self._conn, self._limit, self._config, self._backend)
@@ -284,8 +333,8 @@ class Sender(BlockBook, Closeable):
         if held is None:
             held = self._new_held(want, self._deadline, local=False)
         try:
-            dst = np.ndarray(arr.shape, arr.dtype, buffer=_native.Lease(None, held.block.address,
-                                                                          want))
+            raw = _native.Lease(None, held.block.address, want)
+            dst = np.ndarray(arr.shape, arr.dtype, buffer=raw)  # type: ignore[arg-type]
             np.copyto(dst, arr, casting="no")
         except BaseException:
             self._maybe_free(held)
@@ -327,14 +376,18 @@ class Sender(BlockBook, Closeable):
                 if self._spare_bytes:
                     self._free_spares()  # blocks kept for other sizes: give them back first
                     continue
+                host = _host_cause(exc)
                 if not self._held and not self._local_done:
+                    if host is not None:
+                        raise PoolExhausted(f"no shared memory for an array of {nbytes} bytes "
+                                            f"(the pool is empty): {host}") from host
                     raise PoolExhausted(
                         f"an array of {nbytes} bytes cannot fit in this sender's pool of "
                         f"{self._limit} bytes even when it is empty (the pool rounds requests up "
                         f"to whole segments: {exc.size} bytes here); raise limit=") from exc
                 left = _remaining(deadline)
                 if left is not None and left <= 0:
-                    raise self._exhausted(nbytes, deadline) from exc
+                    raise self._exhausted(nbytes, host) from exc
                 # wait for a release (or a local view dying), then try again
                 wait = _POLL_SLICE if left is None else min(left, _POLL_SLICE)
                 if self._peer_dead:
@@ -346,10 +399,15 @@ class Sender(BlockBook, Closeable):
                                      "pool") from exc
                 self._drain()
 
-    def _exhausted(self, nbytes: int, deadline: float | None) -> PoolExhausted:
+    def _exhausted(self, nbytes: int, host: Exception | None) -> PoolExhausted:
         held = set(self._leases.values())
         pinned = sum(h.block.size for h in held)
         local = sum(h.block.size for h in self._held.values() if h.local)
+        if host is not None:
+            return PoolExhausted(
+                f"no shared memory for {nbytes} bytes within the timeout: {host}. Meanwhile the "
+                f"receiver holds {pinned} bytes of this pool in {len(self._leases)} arrays, and "
+                f"{local} bytes are in local arrays from empty()")
         return PoolExhausted(
             f"no room for {nbytes} bytes in the sender's pool (limit {self._limit} bytes) within "
             f"the timeout: the receiver still holds {pinned} bytes in {len(self._leases)} arrays, "
@@ -368,10 +426,29 @@ class Sender(BlockBook, Closeable):
                 header, fds = got
                 for f in fds:
                     f.close()
-                if header.get(KIND) == RELEASE:
+                kind = header.get(KIND)
+                if kind == RELEASE:
                     self._return_leases(header.get(LEASES, ()))
+                elif kind == REFUSE:
+                    self._refused = str(header.get(WHY))
         except PeerDied:
             self._on_peer_death()
+
+    def _take_refusal(self) -> None:
+        """The receiver hung up: read what it said before (a REFUSE frame says why)."""
+        try:
+            while self._refused is None and (got := self._conn.recv_nowait()) is not None:
+                header, fds = got
+                for f in fds:
+                    f.close()
+                if header.get(KIND) == REFUSE:
+                    self._refused = str(header.get(WHY))
+        except (ShmshareError, ValueError):
+            pass  # end of stream, or a frame we cannot read: there is no reason to give
+
+    def _refusal(self) -> ProtocolError:
+        return ProtocolError(f"the receiver refused a batch from this sender and dropped the "
+                             f"connection: {self._refused}")
 
     def _drain_local(self) -> None:
         q = self._local_done
@@ -452,6 +529,11 @@ class Sender(BlockBook, Closeable):
 
     def _new_pool(self) -> None:
         self._lock = threading.RLock()
+        self._reap_lock = threading.Lock()  # _reap_closed only
+        self._reap = False  # closed and released: dying local views free at once
+        self._refused = None  # why the receiver dropped us (a REFUSE frame)
+        self._owner = os.getpid()
+        self._ref = weakref.ref(self)
         self._provider = ShmProvider(self._limit, self._backend)
         self._provider.listeners.append(self._on_segment_event)
         self._alloc = CachingAllocator(self._provider, self._config)
@@ -469,32 +551,17 @@ class Sender(BlockBook, Closeable):
         self._sent = self._copied = self._in_place = self._n_announced = 0
         self._last_drain = 0.0
         self._encoder = tensors.Encoder(self._place)
-        self._taken: list[int] = []  # lease ids the send in progress took (under the lock)
-        self._deadline: float | None = None  # the send in progress's deadline
+        self._taken = []  # lease ids the send in progress took (under the lock)
+        self._deadline = None  # the send in progress's deadline
         self._in_send = False  # this thread is inside send(): a nested send() is refused
         self._new_book(min(self._limit // 8, SPARE_BYTES))
 
     def _after_fork_in_child(self) -> None:
-        # The child must never hand out or release the parent's blocks: give it a
-        # pool of its own, and drop (without unmapping: inherited arrays may
-        # still point there) the fds of the parent's segments.
+        # The child must never hand out or release the parent's blocks: give it a pool of its
+        # own. The provider forgets the parent's fds and keeps mapped only the segments an
+        # array from empty() may still point into (Note [Segments in a forked child]).
         in_use = {h.seg.id for h in self._held.values() if h.local}
-        kept = []
-        for seg in self._provider.segments.values():
-            if seg.segment is not None:  # forget the fd everywhere before closing it
-                fd, seg.segment.fd, seg.fd = seg.segment.fd, None, -1
-            else:
-                fd, seg.fd = seg.fd, -1
-            if fd is not None and fd >= 0:
-                os.close(fd)
-            if seg.id in in_use:
-                kept.append(seg)  # an array from empty() may still point here: keep it mapped
-            elif seg.segment is not None:
-                seg.segment.close()  # unmaps: nothing of the child's points into it
-                seg.segment = None
-            else:
-                _native.unmap(seg.address, seg.size, release=True)
-        _inherited.append(kept)  # mappings that inherited arrays need, never reused
+        _inherited.append(self._provider.after_fork_in_child(in_use))  # never reused
         self._new_pool()
 
     def _check_usable(self) -> None:
@@ -504,8 +571,26 @@ class Sender(BlockBook, Closeable):
         if self._closed:
             raise ValueError("this Sender is closed")
         if self._peer_dead:
+            if self._refused is not None:
+                raise self._refusal()
             raise PeerDied("the receiver is gone; its arrays stay valid, but nothing more can be "
                            "sent on this channel")
+
+
+class _ViewDied:
+    """on_release of a local array (``empty()``): Note [Callbacks from the garbage collector]."""
+
+    __slots__ = ("done", "sender", "held")
+
+    def __init__(self, done: collections.deque[_Held], sender: weakref.ref[Sender],
+                 held: _Held) -> None:
+        self.done, self.sender, self.held = done, sender, held
+
+    def __call__(self) -> None:
+        self.done.append(self.held)
+        sender = self.sender()
+        if sender is not None and sender._reap:
+            sender._reap_closed()  # closed: nobody else will take it in
 
 
 _live: weakref.WeakSet[Sender] = weakref.WeakSet()
@@ -517,11 +602,21 @@ def _after_fork() -> None:
         sender._after_fork_in_child()
 
 
-os.register_at_fork(after_in_child=_after_fork)
+_fork.on_fork_in_child(5, _after_fork)
 
 
 def _rebuild(conn: wire.Connection, limit: int, config: str | None, backend: str) -> Sender:
     return Sender(conn, limit=limit, config=config, backend=backend)
+
+
+def _host_cause(exc: BaseException) -> SegmentError | None:
+    """Return the host's error (a full /dev/shm, a cgroup limit) behind a pool OOM, if any."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, SegmentError):
+            return seen
+        seen = seen.__cause__
+    return None
 
 
 def _remaining(deadline: float | None) -> float | None:

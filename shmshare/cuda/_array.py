@@ -59,7 +59,7 @@ class DeviceArray:
         self.shape = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
         if any(n < 0 for n in self.shape):
             raise ValueError(f"shape must not have negative sizes, got {self.shape}")
-        self.dtype = np.dtype(dtype)
+        self.dtype: np.dtype[Any] = np.dtype(dtype)
         if strides is not None and len(strides) != len(self.shape):
             raise ValueError(f"strides {strides} do not match shape {self.shape}")
         self.address = address  # device address of element 0

@@ -25,10 +25,10 @@ Note [Event pool]
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
+from .. import _fork
 from ._driver import call, driver, query
 
 __all__ = ["Context", "Event", "EventPool", "Stream", "stream_handle"]
@@ -193,7 +193,7 @@ class Stream:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:  # interpreter shutdown or a dead context: nothing left to free
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown or a dead context: nothing left to free
             pass
 
     def __repr__(self) -> str:
@@ -297,7 +297,7 @@ class EventPool:
         for raw in raws:
             try:
                 call("cuEventDestroy", raw)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - raised below, once the others are destroyed
                 error = error or exc
         if error is not None:
             raise error
@@ -363,7 +363,7 @@ class Event:
     def __del__(self) -> None:
         try:
             self.release()
-        except Exception:
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown, or the context is gone and its events with it
             pass
 
     def __repr__(self) -> str:
@@ -375,4 +375,4 @@ def _forget_primary_after_fork() -> None:
     _primary.clear()  # a forked child's contexts are not usable (see Note [Lazy driver])
 
 
-os.register_at_fork(after_in_child=_forget_primary_after_fork)
+_fork.on_fork_in_child(3, _forget_primary_after_fork)

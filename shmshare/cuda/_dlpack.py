@@ -125,14 +125,17 @@ def live_count() -> int:
         return len(_live)
 
 
-@_Deleter
+# ctypes types what a CFUNCTYPE wraps as Callable[..., Any]: the callbacks' own signatures stay.
+@_Deleter  # type: ignore[untyped-decorator]
 def _deleter(managed: Any) -> None:
     key = ctypes.cast(managed, ctypes.c_void_p).value
+    if key is None:
+        return  # a NULL tensor: nothing was registered under it
     with _live_lock:
         _live.pop(key, None)
 
 
-@_CapsuleDestructor
+@_CapsuleDestructor  # type: ignore[untyped-decorator]
 def _capsule_destructor(capsule: int) -> None:
     # A consumed capsule was renamed "used_dltensor": the consumer calls the deleter.
     if _capsule_is_valid(capsule, _NAME):

@@ -28,6 +28,7 @@ import os
 import threading
 from typing import Any
 
+from .. import _fork
 from .._errors import ShmshareError
 from ..memory._provider import ProviderOutOfMemory
 
@@ -137,7 +138,7 @@ def result_name(err: Any) -> str:
         return name
     try:
         return str(_probe()[0].CUresult(int(err)).name)
-    except Exception:  # an unknown code, or no module to ask
+    except Exception:  # noqa: BLE001 - an unknown code, or no module to ask: the number says it
         return f"CUresult {int(err)}"
 
 
@@ -164,11 +165,11 @@ def _initialize() -> tuple[Any, str | None]:
         module = _import_driver()
     except ImportError as exc:
         return None, f"cuda-python is not installed ({exc}); pip install 'shmshare[cuda]'"
-    except Exception as exc:  # a broken install: say so rather than fail every import of shmshare
+    except Exception as exc:  # noqa: BLE001 - a broken install: say so rather than fail every import of shmshare
         return None, f"importing cuda-python failed: {type(exc).__name__}: {exc}"
     try:
         (err,) = module.cuInit(0)
-    except Exception as exc:  # cuda-python raises when it cannot load libcuda.so
+    except Exception as exc:  # noqa: BLE001 - cuda-python raises when it cannot load libcuda.so: say so
         return None, f"the NVIDIA driver library libcuda.so could not be loaded: {exc}"
     if int(err) != SUCCESS:
         return None, f"cuInit(0) failed with {_name_from(module, err)}"
@@ -184,9 +185,9 @@ def _initialize() -> tuple[Any, str | None]:
 
 def _import_driver() -> Any:
     try:
-        from cuda.bindings import driver as module  # type: ignore[import-not-found]
+        from cuda.bindings import driver as module
     except ImportError:
-        from cuda import cuda as module  # type: ignore[import-not-found,no-redef]  # cuda-python < 12.6
+        from cuda import cuda as module  # cuda-python < 12.6
     return module
 
 
@@ -196,7 +197,7 @@ def _name_from(module: Any, err: Any) -> str:
         return name
     try:
         return str(module.CUresult(int(err)).name)
-    except Exception:
+    except Exception:  # noqa: BLE001 - a code this binding does not name: the number says it
         return f"CUresult {int(err)}"
 
 
@@ -221,4 +222,4 @@ def _after_fork_in_child() -> None:
         _forked_after_init = True
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+_fork.on_fork_in_child(3, _after_fork_in_child)

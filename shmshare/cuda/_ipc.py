@@ -184,7 +184,7 @@ def recv_device_memory(conn: Connection, *, timeout: float | None = None,
         if vrange is not None:
             try:
                 vrange.close()  # every chunk mapped so far, then the range; nothing used them: no synchronize
-            except Exception as cleanup:  # keep the first error: it says what went wrong
+            except Exception as cleanup:  # noqa: BLE001 - noted on the first error, which says what went wrong
                 exc.add_note(f"releasing the partly imported range failed too: {cleanup!r}")
         raise
     finally:
@@ -262,7 +262,7 @@ class _Mapping:
         try:
             vrange.context.synchronize()  # kernels may still read it: cuMemUnmap does not wait
             vrange.close()
-        except Exception:  # interpreter shutdown: the driver tears everything down anyway
+        except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the driver tears everything down anyway
             pass
 
 
@@ -332,7 +332,7 @@ def _release_quietly(handles: list[Any]) -> None:
     for handle in handles:
         try:
             call("cuMemRelease", handle)
-        except Exception:
+        except Exception:  # noqa: BLE001, S110 - the error on its way out says what went wrong
             pass
 
 
@@ -341,7 +341,7 @@ def _abort(conn: Connection, index: int, count: int, exc: BaseException) -> None
     try:
         conn.send({"kind": KIND_ABORT, "index": index,
                    "error": f"{type(exc).__name__}: {exc}"[:1000]}, (), _ABORT_TIMEOUT)
-    except Exception:  # the connection is broken too: the receiver sees that instead
+    except Exception:  # noqa: BLE001, S110 - the connection is broken too: the receiver sees that instead
         pass
 
 

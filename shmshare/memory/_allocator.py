@@ -247,7 +247,7 @@ class CachingAllocator(ReclaimMixin):
             self._observers.remove(observer)
 
     def check_invariants(self) -> None:
-        """Check DESIGN.md's pool invariants; raise ``InvariantError`` naming what broke."""
+        """Check the pool invariants (docs/architecture.md); raise ``InvariantError`` naming one."""
         with self._lock:
             check_invariants(self)
 

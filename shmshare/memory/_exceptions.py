@@ -57,6 +57,6 @@ class OutOfMemoryError(ShmshareError, MemoryError):
 class InvariantError(ShmshareError, AssertionError):
     """Report a broken pool invariant found by ``check_invariants()``.
 
-    The message names the invariant (numbered as in DESIGN.md), the segment
+    The message names the invariant (numbered as in docs/architecture.md), the segment
     and the block, with their addresses and sizes.
     """

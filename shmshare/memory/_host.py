@@ -129,9 +129,9 @@ class CachingHostAllocator:
             raise ValueError("allocate() on a closed CachingHostAllocator")
         self._raise_background_error()
         if nbytes == 0:  # PyTorch returns a null pointer; a block of size 0 is its twin
-            block = HostBlock(self, 0, 0, None, False)
-            block.allocated = True
-            return block
+            empty = HostBlock(self, 0, 0, None, False)
+            empty.allocated = True
+            return empty
         size = 1 << (nbytes - 1).bit_length()
         with self._lock:
             background = self.config.pinned_use_background_threads
@@ -192,7 +192,8 @@ class CachingHostAllocator:
         block = self.allocate(nbytes)
         lease = _native.Lease(self, block.address, nbytes,
                               on_release=functools.partial(_free_quietly, weakref.ref(self), block))
-        return np.ndarray(shp, dtype=dt, buffer=lease)  # type: ignore[call-overload]
+        # numpy's stubs name a few buffer types, not every object with the buffer protocol
+        return np.ndarray(shp, dtype=dt, buffer=lease)  # type: ignore[arg-type]
 
     def block_of(self, address: int) -> HostBlock | None:
         """Return the block that starts at ``address``, or None."""
@@ -325,7 +326,8 @@ class CachingHostAllocator:
 
     def _process_events_for_size(self, size: int) -> None:
         """Query only events of ``size`` blocks, until one block becomes free."""
-        done, kept, found = self.provider.event_done, deque(), False
+        kept: deque[tuple[object, HostBlock]] = deque()
+        done, found = self.provider.event_done, False
         try:
             while self._events:
                 event, block = item = self._events[0]
@@ -446,7 +448,7 @@ def _background_loop(ref: weakref.ref[CachingHostAllocator], stop: threading.Eve
         try:
             with allocator._lock:
                 allocator._process_events()
-        except BaseException as exc:  # a driver error: report it at the next allocate
+        except BaseException as exc:  # noqa: BLE001 - a driver error: raised by the next allocate
             allocator._background_error = exc
             allocator._thread = None
             return

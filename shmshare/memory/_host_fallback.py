@@ -61,7 +61,7 @@ class AnonymousMemory:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:  # half-built object or interpreter shutdown
+        except Exception:  # noqa: BLE001, S110 - half-built object or interpreter shutdown: nothing mapped to free
             pass
 
     def __repr__(self) -> str:

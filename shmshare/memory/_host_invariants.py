@@ -37,7 +37,8 @@ def check_host_invariants(pool: CachingHostAllocator) -> None:
     for index, blocks in pool._free.items():
         for block in blocks:
             if pool._blocks.get(block.address) is not block or block.size != 1 << index:
-                raise InvariantError(f"host pool: free list {index} holds {block!r}, not a free pool block of 2**{index}")
+                raise InvariantError(f"host pool: free list {index} holds {block!r}, "
+                                     f"not a free pool block of 2**{index}")
     _check_stats(pool, in_use)
     _check_carving(pool)
 

@@ -1,4 +1,4 @@
-"""``check_invariants()``: DESIGN.md's pool invariants, checked by a full walk.
+"""``check_invariants()``: the pool invariants (docs/architecture.md), checked by a walk.
 
 1. Blocks of a segment tile it exactly: sorted by address, each starts where
    the previous ends, sizes add up to the segment's size, and ``prev``/

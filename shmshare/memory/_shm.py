@@ -1,11 +1,12 @@
 """ShmProvider: memfd (or POSIX shm) segments for the caching allocator.
 
-Classic segments are :class:`~shmshare.Segment` objects (sealed memfds,
-pages reserved with ``posix_fallocate``). Expandable segments are one memfd
-per reservation, grown with ``ftruncate`` and mapped piece by piece into a
-``_native.reserve``'d address range; unmapping a page range punches a hole
-in the memfd, so its memory goes back to the host while the address range
-and the fd stay (Note [Expandable shm segments]).
+Every record holds a :class:`~shmshare.Segment`, the only owner of its fd
+and mapping. Classic segments are ``Segment.create`` (sealed memfds, pages
+reserved with ``posix_fallocate``). Expandable segments are
+``Segment.reserve``: one memfd behind a reserved address range, grown and
+mapped piece by piece with ``map_range``; ``unmap_range(punch=True)`` gives
+a range's memory back to the host while the address range and the fd stay
+(Note [Expandable shm segments]).
 
 Note [Streams of the shm provider]
     Here a stream would be a consumer process and an event its release of a
@@ -27,14 +28,12 @@ Note [Expandable shm segments]
 from __future__ import annotations
 
 import errno
-import fcntl
 import itertools
 import os
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
-from .. import _native
 from .._errors import SegmentError
 from .._lifetime import Closeable
 from ..segment import DEFAULT_FLAGS, Segment, shm_free_bytes
@@ -54,32 +53,44 @@ def _new_id() -> int:
 
 @dataclass(eq=False)
 class ShmSegment(Closeable):
-    """A segment the provider made: its id, fd and address range."""
+    """A segment the provider made: its id and the :class:`Segment` that owns fd and mapping."""
 
     id: int  # unique across processes of this host
-    address: int  # first byte in this process
-    size: int  # bytes of address range (reserved, for expandable)
-    fd: int  # the memfd; owned by `segment` (classic) or by this record (expandable)
-    expandable: bool
-    segment: Segment | None = None  # classic segments only
+    segment: Segment  # the only owner of the fd and of the mapping
     mapped: dict[int, int] = field(default_factory=dict)  # expandable: offset -> nbytes mapped
     keep_pages: bool = False  # a peer may still read it: unmap here, never punch holes
 
-    def close(self) -> None:
-        """Unmap and close everything this record owns. Idempotent.
+    @property
+    def address(self) -> int:
+        """First byte in this process (of the reservation, for expandable segments)."""
+        return self.segment.address
 
-        Forget before acting: a second call (``__del__``, maybe much later
-        from the garbage collector) must not unmap an address range or close
-        a fd number that by then belongs to someone else.
+    @property
+    def size(self) -> int:
+        """Bytes of address range (reserved, for expandable segments)."""
+        return self.segment.size
+
+    @property
+    def fd(self) -> int:
+        """The memfd, owned by `segment`; -1 once closed (or forgotten in a forked child)."""
+        fd = self.segment.fd
+        return -1 if fd is None else fd
+
+    @property
+    def expandable(self) -> bool:
+        """Whether this is a reserved range mapped piece by piece."""
+        return self.segment.expandable
+
+    def close(self) -> None:
+        """Close the segment: its fd now, its mapping once no view holds it. Idempotent.
+
+        ``Segment.close`` forgets before it acts, so a second call (``__del__``,
+        maybe much later from the garbage collector) touches no address range
+        or fd number that by then belongs to someone else.
         """
-        seg, self.segment = self.segment, None
+        seg = getattr(self, "segment", None)  # a half-built record has none
         if seg is not None:
-            self.fd = -1  # the Segment owns it
             seg.close()
-        elif self.fd >= 0:
-            fd, self.fd = self.fd, -1
-            _native.unmap(self.address, self.size, release=True)
-            os.close(fd)
 
 
 class ShmProvider:
@@ -121,8 +132,7 @@ class ShmProvider:
             if exc.errno in _OOM_ERRNOS:
                 raise ProviderOutOfMemory(f"shm: cannot create a {nbytes}-byte segment: {exc}") from exc
             raise
-        assert seg.fd is not None
-        rec = ShmSegment(_new_id(), seg.address, nbytes, seg.fd, False, seg)
+        rec = ShmSegment(_new_id(), seg)
         self.segments[rec.id] = rec
         self._notify("segment_alloc", rec, 0, nbytes)
         return rec.address, rec
@@ -139,36 +149,23 @@ class ShmProvider:
 
     def reserve(self, nbytes: int) -> tuple[int, object]:
         """Reserve `nbytes` of address space backed by a fresh growable memfd (0 bytes yet)."""
-        fd = os.memfd_create(f"shmshare_{os.getpid()}_x", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
-            address = _native.reserve(nbytes)
-        except BaseException:
-            os.close(fd)
-            raise
-        rec = ShmSegment(_new_id(), address, nbytes, fd, True)
+        seg = Segment.reserve(nbytes)
+        rec = ShmSegment(_new_id(), seg)
         self.segments[rec.id] = rec
         self._notify("segment_reserve", rec, 0, nbytes)
-        return address, rec
+        return rec.address, rec
 
     def map(self, handle: object, offset: int, nbytes: int) -> None:
         """Grow the memfd if needed, reserve the pages, map them at address+offset."""
         rec = self._record(handle)
         self._charge(nbytes, "map")
         try:
-            if os.fstat(rec.fd).st_size < offset + nbytes:
-                os.ftruncate(rec.fd, offset + nbytes)
-            os.posix_fallocate(rec.fd, offset, nbytes)
-            _native.map_fd(rec.address + offset, nbytes, rec.fd, offset)
-        except OSError as exc:
+            rec.segment.map_range(offset, nbytes)  # all or nothing
+        except BaseException as exc:
             self._refund(nbytes)
-            try:  # all or nothing: give back whatever fallocate got
-                _native.punch_hole(rec.fd, offset, nbytes)
-            except OSError:
-                pass
-            if exc.errno in _OOM_ERRNOS:
+            if isinstance(exc, OSError) and exc.errno in _OOM_ERRNOS:
                 raise ProviderOutOfMemory(f"shm: cannot map {nbytes} bytes at offset {offset} of an "
-                                          f"expandable segment: {exc.strerror}") from exc
+                                          f"expandable segment: {exc}") from exc
             raise
         rec.mapped[offset] = nbytes
         self._notify("segment_map", rec, offset, nbytes)
@@ -177,9 +174,7 @@ class ShmProvider:
         """Unmap a range (the addresses stay reserved) and punch its pages out of the memfd."""
         rec = self._record(handle)
         self._notify("segment_unmap", rec, offset, nbytes)
-        _native.unmap(rec.address + offset, nbytes)
-        if not rec.keep_pages:
-            _native.punch_hole(rec.fd, offset, nbytes)
+        rec.segment.unmap_range(offset, nbytes, punch=not rec.keep_pages)
         _forget_range(rec.mapped, offset, nbytes)
         self._refund(nbytes)
 
@@ -218,6 +213,25 @@ class ShmProvider:
 
     def synchronize(self, stream: Hashable | None = None) -> None:
         """Return at once: nothing runs asynchronously on shared memory."""
+
+    def after_fork_in_child(self, keep: set[int]) -> list[ShmSegment]:
+        """In a forked child: forget every segment's fd; unmap all but the ids in `keep`.
+
+        The segments in `keep` stay mapped (arrays the child inherited point
+        into them) and are returned: the caller keeps them alive and never
+        reuses them. The provider is empty afterwards (Note [Segments in a
+        forked child] in ``segment``).
+        """
+        kept = []
+        for rec in self.segments.values():
+            rec.segment._forget_after_fork()
+            if rec.id in keep:
+                kept.append(rec)
+            else:
+                rec.close()  # unmaps: nothing of the child's points into it
+        self.segments.clear()
+        self.used = 0
+        return kept
 
     def close(self) -> None:
         """Close every segment still open (the allocator normally frees them first)."""

@@ -234,7 +234,7 @@ class MemoryStats:
         out: dict[str, int] = {}
         for name, stats in self.stat_arrays().items():
             columns: tuple[SumStat | PoolStat, ...] = stats
-            for type_name, stat in zip(TYPE_NAMES, columns):
+            for type_name, stat in zip(TYPE_NAMES, columns, strict=True):
                 for field, value in stat.as_dict().items():
                     out[f"{name}.{type_name}.{field}"] = value
         for name in ("oversize_allocations", "oversize_segments"):

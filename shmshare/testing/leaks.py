@@ -5,8 +5,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from .._procfs import Mapping, fds, shm_mappings, shm_names
 

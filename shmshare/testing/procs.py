@@ -5,7 +5,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 __all__ = ["Child", "start_child"]
 
@@ -59,6 +60,7 @@ class Child:
 
 def start_child(target: Callable[..., Any], *args: Any, method: str = "fork") -> Child:
     """Start `target(*args)` in a child process made with the `method` start method."""
-    proc = mp.get_context(method).Process(target=target, args=args, daemon=True)
+    # Every concrete context has Process; typeshed's BaseContext, which get_context(str) returns, does not.
+    proc = mp.get_context(method).Process(target=target, args=args, daemon=True)  # type: ignore[attr-defined]
     proc.start()
     return Child(proc)

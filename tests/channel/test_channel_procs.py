@@ -22,10 +22,11 @@ def _produce(tx, count, tag, in_place):
     send_patterns(tx, count, N, tag, in_place)
 
 
+@pytest.mark.parametrize("backend", ["memfd", "posix"])
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 @pytest.mark.parametrize("in_place", [False, True], ids=["copied", "in_place"])
-def test_child_sends_to_parent_in_order(method, in_place):
-    tx, rx = shmshare.channel(limit=16 << 20)
+def test_child_sends_to_parent_in_order(method, in_place, backend):
+    tx, rx = shmshare.channel(limit=16 << 20, backend=backend)
     with start_child(_produce, tx, 300, 7, in_place, method=method) as child:
         tx.close()  # the child has its own copy of the sending end
         got = [rx.recv(timeout=60) for _ in range(300)]
@@ -49,9 +50,10 @@ def _consume(rx, results_tx, count):
     rx.close()
 
 
+@pytest.mark.parametrize("backend", ["memfd", "posix"])
 @pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_parent_sends_to_child(method):
-    tx, rx = shmshare.channel(limit=4 << 20)  # small: blocks are reused under back-pressure
+def test_parent_sends_to_child(method, backend):
+    tx, rx = shmshare.channel(limit=4 << 20, backend=backend)  # small: blocks are reused under back-pressure
     res_tx, res_rx = shmshare.channel()
     with start_child(_consume, rx, res_tx, 500, method=method) as child:
         rx.close()

@@ -181,7 +181,9 @@ class DriverModel:
         return self._ok(1)
 
     def _cuDeviceGet(self, ordinal: int) -> Any:
-        return self._ok(self._wrap("CUdevice", ordinal)) if ordinal == 0 else self._err(CUresult.CUDA_ERROR_INVALID_DEVICE)
+        if ordinal != 0:
+            return self._err(CUresult.CUDA_ERROR_INVALID_DEVICE)
+        return self._ok(self._wrap("CUdevice", ordinal))
 
     def _cuDevicePrimaryCtxRetain(self, dev: Any) -> Any:
         self.retains += 1
@@ -377,7 +379,8 @@ class DriverModel:
     def _cuMemMap(self, address: Any, size: int, offset: int, handle: Any, flags: int) -> Any:
         start, pid = int(address), self.handles[int(handle)]
         assert offset == 0 and size == self.phys[pid], "cuMemMap must map a whole allocation here"
-        assert any(r <= start and start + size <= r + s for r, s in self.reservations.items()), "map outside a reservation"
+        assert any(r <= start and start + size <= r + s for r, s in self.reservations.items()), \
+            "map outside a reservation"
         assert not any(m < start + size and start < m + s for m, (s, _) in self.mappings.items()), "map over a mapping"
         self.mappings[start] = (size, pid)
         return self._ok()[:1]

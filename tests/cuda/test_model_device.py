@@ -97,11 +97,11 @@ def test_a_map_that_runs_out_of_memory_maps_nothing(driver_model: DriverModel,
     driver_model.capacity = 9 * MiB
     provider = cuda.CudaDeviceProvider()
     _, vrange = provider.reserve(20 * MiB)
-    with pytest.raises(cuda.CudaOutOfMemory, match="reports 9.00 MiB free"):
+    with pytest.raises(cuda.CudaOutOfMemory, match=r"reports 9\.00 MiB free"):
         provider.map(vrange, 0, 20 * MiB)  # hopeless: refused before any chunk is made
     assert "cuMemCreate" not in [n for n, _ in driver_model.calls]
     monkeypatch.setattr(provider, "free_bytes", lambda: 1 << 40)  # another process freed memory, then took it back
-    with pytest.raises(cuda.CudaOutOfMemory, match="cuMemCreate.*CUDA_ERROR_OUT_OF_MEMORY"):
+    with pytest.raises(cuda.CudaOutOfMemory, match=r"cuMemCreate.*CUDA_ERROR_OUT_OF_MEMORY"):
         provider.map(vrange, 0, 20 * MiB)
     assert not driver_model.mappings and not driver_model.handles and driver_model.used == 0
     provider.release(vrange)

@@ -302,7 +302,7 @@ def test_register_refuses_what_is_not_an_open_segment(driver_model: DriverModel)
 def test_a_failed_register_holds_nothing(driver_model: DriverModel) -> None:
     with Segment.create(MiB) as seg:
         driver_model.registered[seg.address] = 10  # somebody else pinned it
-        with pytest.raises(cuda.CudaError, match="cuMemHostRegister.*CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"):
+        with pytest.raises(cuda.CudaError, match=r"cuMemHostRegister.*CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED"):
             cuda.register_segment(seg)
         del driver_model.registered[seg.address]
     assert not any(m.start == seg.address for m in shm_mappings("self"))

@@ -37,7 +37,7 @@ def test_a_gap_in_a_segment_breaks_invariant_1(alloc: CachingAllocator) -> None:
 
 def test_a_broken_link_breaks_invariant_1(alloc: CachingAllocator) -> None:
     free_block(alloc).prev = None
-    with pytest.raises(InvariantError, match="invariant 1: .* prev/next links"):
+    with pytest.raises(InvariantError, match=r"invariant 1: .* prev/next links"):
         alloc.check_invariants()
 
 
@@ -49,7 +49,7 @@ def test_unmerged_free_neighbours_break_invariant_2(alloc: CachingAllocator) -> 
     upper.prev, block.next = block, upper
     alloc._large.insert(block)
     alloc._large.insert(upper)
-    with pytest.raises(InvariantError, match="invariant 2: .* adjacent and free but not merged"):
+    with pytest.raises(InvariantError, match=r"invariant 2: .* adjacent and free but not merged"):
         alloc.check_invariants()
 
 
@@ -61,7 +61,7 @@ def test_a_lost_block_breaks_invariant_3(alloc: CachingAllocator) -> None:
 
 def test_a_stale_key_breaks_invariant_3(alloc: CachingAllocator) -> None:
     free_block(alloc).size += 512  # changed while in the free list
-    with pytest.raises(InvariantError, match="invariant 3: .* stale key"):
+    with pytest.raises(InvariantError, match=r"invariant 3: .* stale key"):
         alloc.check_invariants()
 
 
@@ -69,7 +69,7 @@ def test_an_allocated_block_in_a_free_list_breaks_invariant_3(alloc: CachingAllo
     (allocated,) = alloc._active
     alloc._active.discard(allocated)
     alloc._large.insert(allocated)
-    with pytest.raises(InvariantError, match="invariant 3: .* not free and mapped"):
+    with pytest.raises(InvariantError, match=r"invariant 3: .* not free and mapped"):
         alloc.check_invariants()
 
 
@@ -77,13 +77,13 @@ def test_a_page_mapped_behind_the_allocators_back_breaks_invariant_4(device: Sim
     alloc = CachingAllocator(device, "expandable_segments:True")
     block = alloc.malloc(3 * MiB)
     block.segment.pages[1] = 1  # type: ignore[attr-defined]
-    with pytest.raises(InvariantError, match="invariant 4: .* covers a mapped page"):
+    with pytest.raises(InvariantError, match=r"invariant 4: .* covers a mapped page"):
         alloc.check_invariants()
 
 
 def test_a_wrong_statistic_breaks_invariant_5(alloc: CachingAllocator) -> None:
     alloc.stats.allocated_bytes[2].current += 512
-    with pytest.raises(InvariantError, match="invariant 5: statistic allocated_bytes.large_pool is"):
+    with pytest.raises(InvariantError, match=r"invariant 5: statistic allocated_bytes\.large_pool is"):
         alloc.check_invariants()
 
 

@@ -9,8 +9,7 @@ import pytest
 
 from shmshare import _native
 from shmshare._procfs import meminfo_kb, shm_mappings
-from shmshare.memory import CachingAllocator, OutOfMemoryError, ProviderOutOfMemory
-from shmshare.memory import ShmProvider
+from shmshare.memory import CachingAllocator, OutOfMemoryError, ProviderOutOfMemory, ShmProvider
 from shmshare.testing.pool_contract import PoolContract
 
 MiB = 1 << 20
@@ -60,7 +59,7 @@ def test_limit_is_an_oom_with_the_numbers():
     prov = ShmProvider(limit=32 * MiB)
     alloc = CachingAllocator(prov)
     b = alloc.malloc(20 * MiB)
-    with pytest.raises(OutOfMemoryError, match="Tried to allocate 30.00 MiB") as err:
+    with pytest.raises(OutOfMemoryError, match=r"Tried to allocate 30\.00 MiB") as err:
         alloc.malloc(30 * MiB)
     assert isinstance(err.value.__cause__, ProviderOutOfMemory)
     assert "pool limit of 33554432 bytes" in str(err.value.__cause__)

@@ -57,7 +57,7 @@ def test_capacity_is_enforced_in_2_mib_granules() -> None:
     device = SimulatedDevice(10 * MiB)
     _, handle = device.allocate(3 * MiB)
     assert device.used == 4 * MiB and device.free_bytes() == 6 * MiB
-    with pytest.raises(ProviderOutOfMemory, match="4.00 MiB of 10.00 MiB in use"):
+    with pytest.raises(ProviderOutOfMemory, match=r"4\.00 MiB of 10\.00 MiB in use"):
         device.allocate(7 * MiB)
     assert device.used == 4 * MiB and device.statistics().ooms == 1
     device.free(handle)
@@ -68,7 +68,7 @@ def test_addresses_are_aligned_disjoint_and_reused() -> None:
     device = SimulatedDevice(100 * MiB)
     sizes = (2 * MiB, 6 * MiB, 2 * MiB)
     ranges = [device.allocate(size) for size in sizes]
-    spans = sorted((address, address + size) for (address, _), size in zip(ranges, sizes))
+    spans = sorted((address, address + size) for (address, _), size in zip(ranges, sizes, strict=True))
     assert all(start % (2 * MiB) == 0 for start, _ in spans)
     for (_, end), (start, _) in itertools.pairwise(spans):
         assert end + 2 * MiB <= start  # disjoint, with a guard gap between

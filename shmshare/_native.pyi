@@ -1,0 +1,98 @@
+# Types for the C extension built from native/shmshare_native.c and native/lease.c.
+#
+# Functions parsed with PyArg_ParseTuple take their arguments by position only
+# (hence the `/`); those parsed with PyArg_ParseTupleAndKeywords take them by
+# position or by the keyword names in their kwlist. "p" arguments accept any
+# object and use its truth value; they are typed `bool` because that is what a
+# caller means. Addresses are plain ints ("K": unsigned long long).
+# `python -m mypy.stubtest shmshare._native` checks this file against the build.
+
+from collections.abc import Callable
+from typing import Any, Final, final
+
+import numpy as np
+from typing_extensions import Buffer
+
+PAGE_SIZE: Final[int]
+"""sysconf(_SC_PAGESIZE), read at import."""
+MADV_NORMAL: Final[int]
+MADV_SEQUENTIAL: Final[int]
+MADV_WILLNEED: Final[int]
+MADV_DONTNEED: Final[int]
+MADV_REMOVE: Final[int]
+MADV_HUGEPAGE: Final[int]
+MADV_POPULATE_READ: Final[int]
+MADV_POPULATE_WRITE: Final[int]
+
+def reserve(nbytes: int, /) -> int:
+    """Reserve address space (PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE); the address."""
+
+def map_fd(address: int, nbytes: int, fd: int, offset: int = 0, writable: bool = True) -> None:
+    """Map `fd` with MAP_SHARED|MAP_FIXED into a reserved, page-aligned range."""
+
+def mmap(
+    nbytes: int,
+    fd: int,
+    offset: int = 0,
+    writable: bool = True,
+    shared: bool = True,
+    populate: bool = False,
+) -> int:
+    """Map `fd` where the kernel chooses (MAP_SHARED, or MAP_PRIVATE copy-on-write); the address."""
+
+def unmap(address: int, nbytes: int, release: bool = False) -> None:
+    """Turn a range back into a PROT_NONE reservation, or munmap it when `release`."""
+
+def punch_hole(fd: int, offset: int, nbytes: int, /) -> None:
+    """fallocate(PUNCH_HOLE|KEEP_SIZE): give the pages back, keep the size."""
+
+def madvise(address: int, nbytes: int, advice: int, /) -> None:
+    """madvise(2) on a page-aligned range; `advice` is one of the MADV_* constants."""
+
+def prefault(address: int, nbytes: int, threads: int = 1, writable: bool = False) -> None:
+    """Fault every page in on 1..64 `threads` with the GIL released."""
+
+# Before 3.12 numpy's stubs do not make an ndarray a Buffer (nor take one as ndarray(buffer=)).
+def extent(obj: Buffer | np.ndarray[Any, Any], /) -> tuple[int, int, int]:
+    """(address, lo, span): where element 0 of a strided buffer lies, and the bytes its elements
+    cover, [address + lo, address + lo + span); an empty buffer gives lo = span = 0."""
+
+# No Py_TPFLAGS_BASETYPE: the type cannot be subclassed.
+@final
+class Lease:
+    """Export [address, address+nbytes) through the buffer protocol while keeping `owner` alive.
+
+    When the lease and every buffer exported from it are gone, exactly once: the range is
+    munmap'ed if `unmap`, `fd` is closed if >= 0 (the lease owns it), and `on_release()` is
+    called.
+    """
+
+    def __init__(
+        self,
+        owner: object,
+        address: int,
+        nbytes: int,
+        readonly: bool = False,
+        on_release: Callable[[], object] | None = None,
+        unmap: bool = False,
+        fd: int = -1,
+    ) -> None: ...
+    @property
+    def address(self) -> int:
+        """First byte exported."""
+    @property
+    def nbytes(self) -> int:
+        """Number of bytes exported."""
+    @property
+    def readonly(self) -> bool:
+        """Whether exports are read-only."""
+    @property
+    def exports(self) -> int:
+        """Number of live buffer exports."""
+    @property
+    def owner(self) -> object:
+        """The object this lease keeps alive (None once released by the collector)."""
+    # The buffer protocol (bf_getbuffer / bf_releasebuffer), spelled as PEP 688 spells it so
+    # that a Lease is a `collections.abc.Buffer` to the type checker.
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+    def __release_buffer__(self, buffer: memoryview, /) -> None: ...

@@ -1,0 +1,122 @@
+"""The system calls behind :class:`shmshare.Segment`, each failure turned into an error with its fix.
+
+Layer 0: ``segment.py`` calls these; they know nothing of segments beyond a
+backend's name. Fd exhaustion is always :class:`FdLimitError` (worded in
+one place, ``FdLimitError.exhausted``); everything else a
+:class:`SegmentError` that keeps ``errno``.
+
+Note [Checking memory before reserving]
+    ``posix_fallocate`` inside a memory cgroup does not fail past
+    ``memory.max``: the kernel OOM-kills the process. So every reservation
+    of pages (a fresh classic segment, a range mapped into an expandable
+    one) first asks ``_cgroup.memory_limit`` and refuses with
+    ``SegmentError(ENOMEM)`` naming the cgroup, its limit, its usage and the
+    request. The check is cached and cheap, and not exact: Note [Checking the
+    cgroup before fallocate] in ``_cgroup`` says what can still race.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+from . import _cgroup
+from ._errors import FdLimitError, SegmentError
+from ._shmdir import SHM_DIR
+
+__all__ = ["FD_ERRNOS", "check_cgroup", "describe_fd", "fd_error", "ftruncate", "memfd_create",
+           "shm_name", "shm_open", "unlink"]
+
+FD_ERRNOS = (errno.EMFILE, errno.ENFILE)  # the fd table (ours or the system's) is full
+
+
+def shm_name(name: str) -> str:
+    """Return `name` as a POSIX shm name (``/x``), or raise ValueError."""
+    name = name if name.startswith("/") else "/" + name
+    if "/" in name[1:] or len(name) > 255:
+        raise ValueError(f"a POSIX shm name is '/' plus up to 254 characters without '/', got {name!r}")
+    return name
+
+
+def shm_open(name: str, oflag: int) -> int:
+    """Open ``/dev/shm/<name>`` (what glibc's shm_open does); return the owned fd."""
+    try:
+        return os.open(SHM_DIR + name, oflag | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        if exc.errno in FD_ERRNOS:
+            raise fd_error(f"shm_open({name!r})", exc) from exc
+        hint = ""
+        if exc.errno == errno.ENOENT:
+            hint = " (no such shm object: it was never created or was already unlinked)"
+        elif exc.errno == errno.EEXIST:
+            hint = " (it exists and Flags.EXCLUSIVE was given)"
+        raise SegmentError(exc.errno, f"shm_open({name!r}) failed: {exc.strerror}{hint}") from exc
+
+
+def unlink(backend: str, name: str | None) -> None:
+    """Remove a posix or file name; a memfd has none. Idempotent."""
+    if not name or backend == "memfd":
+        return  # a memfd has no name in any file system
+    try:
+        os.unlink(SHM_DIR + name if backend == "posix" else name)
+    except FileNotFoundError:
+        pass  # someone else unlinked it: the goal is met
+
+
+def describe_fd(fd: int, st: os.stat_result, given: int) -> tuple[str, str | None]:
+    """Return (backend, name) of a fd to map, or raise SegmentError if it cannot be mapped."""
+    if not stat.S_ISREG(st.st_mode):  # the caller closes `fd`
+        raise SegmentError(errno.EINVAL, f"fd {given} is not a regular file or shared memory "
+                           f"object (mode {stat.filemode(st.st_mode)}); only those can be mapped")
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "file", None
+    if target.startswith("/memfd:"):
+        return "memfd", target[len("/memfd:"):].removesuffix(" (deleted)")
+    if target.startswith(SHM_DIR + "/"):
+        return "posix", target[len(SHM_DIR):].removesuffix(" (deleted)")
+    return "file", target.removesuffix(" (deleted)")
+
+
+def memfd_create(name: str) -> int:
+    """Create a sealable, close-on-exec memfd; return the owned fd."""
+    try:
+        return os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as exc:
+        if exc.errno in FD_ERRNOS:
+            raise fd_error("memfd_create", exc) from exc
+        raise SegmentError(exc.errno, f"memfd_create failed: {exc.strerror}; "
+                           "use backend='posix' on kernels without memfd") from exc
+
+
+def ftruncate(fd: int, size: int, what: str) -> None:
+    """Set the size of `fd` (`what` names it in the error)."""
+    try:
+        os.ftruncate(fd, size)
+    except OSError as exc:
+        raise SegmentError(exc.errno, f"ftruncate of {what} to {size} bytes failed: "
+                           f"{exc.strerror}") from exc
+
+
+def fd_error(syscall: str, exc: OSError) -> OSError:
+    """Return FdLimitError for EMFILE/ENFILE (the one wording, in _errors), else a SegmentError."""
+    if exc.errno in FD_ERRNOS:
+        return FdLimitError.exhausted(syscall, exc, "each kept segment holds one fd")
+    return SegmentError(exc.errno, f"{syscall} failed: {exc.strerror}")
+
+
+def check_cgroup(nbytes: int, backend: str) -> None:
+    """Refuse `nbytes` the memory cgroup cannot take (Note [Checking memory before reserving])."""
+    lim = _cgroup.memory_limit(nbytes=nbytes)
+    if lim is None or lim.fits(nbytes):
+        return
+    cache = f", {lim.reclaimable} of them reclaimable page cache" if lim.reclaimable else ""
+    raise SegmentError(errno.ENOMEM, (
+        f"cannot reserve {nbytes} bytes for a {backend} segment: memory cgroup {lim.path} "
+        f"(v{lim.version}, {lim.directory}) has a limit of {lim.limit} bytes and {lim.usage} in "
+        f"use{cache}, {lim.slack} kept as headroom; posix_fallocate past the limit would get "
+        "this process OOM-killed, so it was not tried. Free memory (drop arrays of earlier "
+        "batches, empty_cache()), lower the pool's limit, or raise the cgroup's (docker run "
+        "--memory, memory.max)"))

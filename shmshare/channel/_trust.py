@@ -1,0 +1,121 @@
+"""What a receiver checks before it maps a fd a peer sent, and what it lets one peer hold.
+
+Note [Trust no fd]
+    A mapping of a file that someone shrinks turns the next read past the
+    new end into SIGBUS, which kills the receiver: Python cannot catch it.
+    So a receiver maps only what cannot be shrunk under it:
+
+    - a memfd sealed ``F_SEAL_SHRINK`` (what every shmshare sender sends by
+      default), always;
+    - an unsealed shared-memory file (a POSIX shm object under /dev/shm, a
+      tmpfs file, a memfd without the seal) only when the receiver was made
+      with ``trust_unsealed=True``: it trusts its senders not to truncate;
+    - nothing else: a regular file on a disk file system can be truncated by
+      anyone holding it, and pipes, sockets, devices, directories and
+      anonymous inodes cannot be mapped as a peer's memory at all.
+
+    ``F_GET_SEALS`` tells shared memory from the rest: it succeeds on shmem
+    and hugetlbfs files only (on a POSIX shm object it returns
+    ``F_SEAL_SEAL``: never sealable). The fd's access mode must allow the
+    mapping asked for, and the object must be as large as announced.
+
+Note [Caps per peer]
+    A peer's announcements cost the receiver address space (an expandable
+    segment reserves its whole range at once) and mappings, of which a
+    process may hold ``vm.max_map_count``; without a bound one same-uid peer
+    could reserve terabytes or use up every mapping. Each peer is capped in
+    both; past a cap the receiver refuses the batch with a ProtocolError
+    naming the cap, tells the sender why, and drops that connection only.
+    The defaults are generous and follow the host: four times its RAM
+    (at least 64 GiB) of address space, and an eighth of max_map_count.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import stat
+
+from .._errors import ProtocolError
+
+__all__ = ["check_fd", "describe_fd", "default_max_peer_bytes", "default_max_peer_segments"]
+
+
+def check_fd(fd: int, size: int, *, trust_unsealed: bool, writable: bool) -> None:
+    """Raise ProtocolError unless `fd` is shared memory we may map (Note [Trust no fd]).
+
+    `size` is the bytes that will be mapped from offset 0; `writable`
+    needs an ``O_RDWR`` fd.
+    """
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise ProtocolError(f"the sender sent {describe_fd(fd, st)} as a segment; only shared "
+                            "memory (a sealed memfd) can be mapped")
+    try:
+        seals: int | None = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:
+        seals = None  # not shmem or hugetlbfs: a file anyone holding it can truncate
+    if seals is None:
+        raise ProtocolError(f"the sender sent {describe_fd(fd, st)} as a segment; it can be "
+                            "truncated under our mapping (SIGBUS), so only shared memory is mapped")
+    if not seals & fcntl.F_SEAL_SHRINK and not trust_unsealed:
+        raise ProtocolError(
+            f"the sender sent {describe_fd(fd, st)}, which is not a memfd sealed F_SEAL_SHRINK: it "
+            "could shrink it under our arrays (SIGBUS). A receiver maps unsealed shared memory (the "
+            "POSIX backend) only when made with trust_unsealed=True")
+    mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
+    if mode == os.O_WRONLY or (writable and mode != os.O_RDWR):
+        need = "read-write" if writable else "readable"
+        raise ProtocolError(f"the sender sent a segment fd that is not {need} "
+                            f"({describe_fd(fd, st)})")
+    if st.st_size < size:
+        raise ProtocolError(f"a segment fd of {st.st_size} bytes was announced as {size} bytes")
+
+
+def describe_fd(fd: int, st: os.stat_result | None = None) -> str:
+    """Say what `fd` is, in words: "a pipe", "a regular file on ext4 (/tmp/x)", ..."""
+    st = os.fstat(fd) if st is None else st
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        target = "?"
+    fmt = stat.S_IFMT(st.st_mode)
+    kinds = {stat.S_IFIFO: "a pipe", stat.S_IFSOCK: "a socket", stat.S_IFDIR: "a directory",
+             stat.S_IFCHR: "a character device", stat.S_IFBLK: "a block device",
+             stat.S_IFLNK: "a symbolic link"}
+    if fmt in kinds:
+        return f"{kinds[fmt]} ({target})"
+    if fmt == 0 or target.startswith("anon_inode:"):
+        return f"an anonymous inode ({target})"
+    if target.startswith("/memfd:"):
+        return f"a memfd ({target})"
+    return f"a regular file on {_fs_type(st.st_dev)} ({target})"
+
+
+def default_max_peer_bytes() -> int:
+    """Address space one peer may make us reserve: 4x the host's RAM, at least 64 GiB."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(64 << 30, 4 * ram)
+
+
+def default_max_peer_segments() -> int:
+    """Mappings one peer may make us hold: an eighth of vm.max_map_count."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return max(64, int(f.read()) // 8)
+    except (OSError, ValueError):  # no procfs: the kernel's default of 65530
+        return 65530 // 8
+
+
+def _fs_type(dev: int) -> str:
+    """Return the file system type of the mount with device number `dev` (mountinfo)."""
+    want = f"{os.major(dev)}:{os.minor(dev)}"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                if left.split()[2:3] == [want]:
+                    return right.split()[0]
+    except OSError:  # only a message loses its detail
+        pass
+    return f"the file system of device {want}"

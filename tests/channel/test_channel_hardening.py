@@ -1,0 +1,372 @@
+"""The receiver against hostile senders, and the errors that must point the right way (issue 9)."""
+
+from __future__ import annotations
+
+import fcntl
+import gc
+import multiprocessing as mp
+import os
+import resource
+import signal
+import socket
+
+import msgpack
+import numpy as np
+import pytest
+
+import shmshare
+from shmshare import FdLimitError, PeerDied, PoolExhausted, ProtocolError, Receiver, wire
+from shmshare._procfs import shm_mappings
+from shmshare.tensors import ArrayDesc
+
+
+def _raw_sender(**rx_kw):
+    a, b = wire.pipe()
+    return a, Receiver([b], **rx_kw)
+
+
+def _batch_on(seg_id: int, size: int, n: int = 4) -> dict:
+    tree = msgpack.packb(ArrayDesc(seg_id, 1, 0, "<u1", (n,), (1,)).pack())
+    return {"k": "m", "s": [[seg_id, size, False]], "b": tree}
+
+
+def test_a_truncatable_regular_file_is_refused_naming_what_it_is(tmp_path):
+    # Defect 1: a regular file passed F_GET_SEALS's failure as "trusted POSIX shm"; its sender
+    # truncated it and the receiver's next read was SIGBUS.
+    fd = os.open(tmp_path, os.O_TMPFILE | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 1 << 20)
+    a, rx = _raw_sender(trust_unsealed=True)  # even a trusting receiver maps only shared memory
+    a.send(_batch_on(9, 1 << 20), fds=[fd])
+    with pytest.raises(ProtocolError, match=r"a regular file on .* truncated"):
+        rx.recv(timeout=5)
+    os.close(fd)
+    a.close()
+    rx.close()
+
+
+@pytest.mark.parametrize("kind", ["pipe", "socket", "directory", "character device",
+                                  "anonymous inode"])
+def test_fds_that_are_not_files_are_refused_by_name(kind, tmp_path):
+    made = []
+    if kind == "pipe":
+        r, w = os.pipe()
+        made, fd = [r, w], r
+    elif kind == "socket":
+        s1, s2 = socket.socketpair()
+        made, fd = [s1.detach(), s2.detach()], None
+        fd = made[0]
+    elif kind == "directory":
+        fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+        made = [fd]
+    elif kind == "character device":
+        fd = os.open("/dev/zero", os.O_RDWR)
+        made = [fd]
+    else:
+        fd = os.eventfd(0)
+        made = [fd]
+    a, rx = _raw_sender()
+    a.send(_batch_on(9, 4096), fds=[fd])
+    with pytest.raises(ProtocolError, match=f"sent an? {kind}"):
+        rx.recv(timeout=5)
+    for f in made:
+        os.close(f)
+    a.close()
+    rx.close()
+
+
+@pytest.mark.parametrize("how", ["channel", "listen"])
+def test_the_posix_backend_delivers_to_a_trusting_receiver(how, tmp_path):
+    # Defect 2: F_GET_SEALS succeeds on tmpfs (F_SEAL_SEAL), so every POSIX segment was refused.
+    if how == "channel":
+        tx, rx = shmshare.channel(backend="posix")
+    else:
+        rx = shmshare.listen(tmp_path / "sock", trust_unsealed=True)
+        tx = shmshare.connect(rx.path, backend="posix")
+    x = np.arange(1 << 16, dtype=np.float32)
+    tx.send({"x": x})
+    got = rx.recv(timeout=5)
+    assert np.array_equal(got["x"], x)
+    assert any("/dev/shm/shmshare_" in m.path for m in shm_mappings(contains="shmshare_"))
+    del got
+    tx.close()
+    rx.close()
+
+
+def test_a_receiver_that_does_not_trust_refuses_posix_senders(tmp_path):
+    rx = shmshare.listen(tmp_path / "sock")
+    tx = shmshare.connect(rx.path, backend="posix")
+    tx.send(np.ones(10))
+    with pytest.raises(ProtocolError, match="trust_unsealed=True"):
+        rx.recv(timeout=5)
+    with pytest.raises(ProtocolError, match=r"refused a batch .*trust_unsealed"):
+        for _ in range(50):  # the sender is told why
+            tx.send(np.ones(10), timeout=5)
+    tx.close()
+    rx.close()
+
+
+def _maps_of(address: int) -> str:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return line.split()[1]
+    raise AssertionError(f"address {address:#x} is not mapped")
+
+
+@pytest.mark.parametrize("writable", [False, True])
+def test_the_receiver_maps_read_only_unless_asked(writable):
+    # Defect 7: the mapping was rw-s whatever `writable` said; a receiver wrote into the
+    # sender's live empty() array.
+    tx, rx = shmshare.channel(writable=writable)
+    arr = tx.empty(4096, np.uint8)
+    arr[:] = 7
+    tx.send(arr)
+    got = rx.recv(timeout=5)
+    perms = _maps_of(got.__array_interface__["data"][0])
+    assert perms == ("rw-s" if writable else "r--s")
+    if writable:
+        got[0] = 1
+        assert arr[0] == 1  # shared memory: the sender sees it (documented)
+    else:
+        with pytest.raises(ValueError, match="read-only"):
+            got[0] = 1
+        assert arr[0] == 7
+    del got, arr
+    tx.close()
+    rx.close()
+
+
+def test_torch_tensors_from_a_read_only_receiver_are_private_copies():
+    torch = pytest.importorskip("torch")
+    tx, rx = shmshare.channel()
+    t = tx.empty(16, torch.float32)
+    t.fill_(3)
+    tx.send(t)
+    got = rx.recv(timeout=5)
+    got.add_(1)  # no SIGSEGV: the copy is ours
+    assert t[0].item() == 3 and got[0].item() == 4
+    del got, t
+    tx.close()
+    rx.close()
+
+
+def test_caps_per_peer_refuse_and_tell_the_sender(tmp_path):
+    # Defect 8: one connection reserved ~128 TiB of address space and 65,216 mappings.
+    rx = shmshare.listen(tmp_path / "sock", max_peer_segments=3)
+    other = shmshare.connect(rx.path)
+    other.send(np.ones(4))
+    assert rx.recv(timeout=5)[0] == 1  # a well-behaved sender, served before and after
+    a = wire.connect(rx.path)
+    segs = [shmshare.Segment.create(4096) for _ in range(4)]
+    for i, seg in enumerate(segs, start=1):
+        a.send(_batch_on(100 + i, 4096), fds=[seg])
+    for _ in range(3):
+        assert rx.recv(timeout=5).shape == (4,)
+    with pytest.raises(ProtocolError, match="max_peer_segments=3"):
+        rx.recv(timeout=5)
+    got, _ = a.recv(timeout=5)
+    assert got["k"] == "e" and "max_peer_segments=3" in got["w"]
+    other.send(np.full(4, 2.0))
+    assert rx.recv(timeout=5)[0] == 2
+    for seg in segs:
+        seg.close()
+    a.close()
+    other.close()
+    rx.close()
+
+
+def test_address_space_cap_refuses_a_huge_expandable_announcement():
+    a, rx = _raw_sender(max_peer_bytes=1 << 30)
+    seg = shmshare.Segment.create(4096, growable=True)
+    tree = msgpack.packb(ArrayDesc(0, 0, 0, "<u1", (0,), (1,)).pack())
+    a.send({"k": "m", "s": [[5, 1 << 40, True]], "b": tree}, fds=[seg])
+    with pytest.raises(ProtocolError, match="max_peer_bytes=1073741824"):
+        rx.recv(timeout=5)
+    seg.close()
+    a.close()
+    rx.close()
+
+
+def _fork_child_sends_then_dies(tx):
+    tx.send(np.ones(4))
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_peer_died_names_the_sender_not_the_receiver_after_fork():
+    # Defect 9: after channel() + fork, PeerDied named the receiver's own pid.
+    tx, rx = shmshare.channel()
+    p = mp.get_context("fork").Process(target=_fork_child_sends_then_dies, args=(tx,))
+    p.start()
+    try:
+        tx.close()
+        rx.recv(timeout=10)
+        with pytest.raises(PeerDied) as err:
+            rx.recv(timeout=10)
+        assert f"pid {p.pid}" in str(err.value) and f"pid {os.getpid()}" not in str(err.value)
+    finally:
+        p.join(10)
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(5)
+    rx.close()
+
+
+def test_a_local_mapping_failure_is_a_segment_error_not_the_peers_fault():
+    # Defect 9: ENOMEM under RLIMIT_AS in the receiver's own mmap was labelled ProtocolError.
+    tx, rx = shmshare.channel()
+    tx.send(np.ones(64 << 20, dtype=np.uint8))  # the sender's 64 MiB segment is mapped here...
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    try:
+        resource.setrlimit(resource.RLIMIT_AS, (vm + (8 << 20), hard))
+        with pytest.raises(shmshare.SegmentError, match="local limit, not the sender"):
+            rx.recv(timeout=5)  # ...but the receiver (this process) cannot map it again
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+    tx.close()
+    rx.close()
+
+
+def test_a_closed_sender_gives_back_a_segment_when_its_last_view_dies():
+    # Defect 10: an empty() array that died after close() kept a fd and a mapping until the
+    # Sender object was collected.
+    tx, rx = shmshare.channel()
+    arr = tx.empty(1 << 20, np.uint8)
+    tx.close()
+    before = len(shm_mappings(contains=f"shmshare_{os.getpid()}_"))
+    assert before >= 1
+    del arr
+    assert len(shm_mappings(contains=f"shmshare_{os.getpid()}_")) == before - 1
+    assert tx is not None  # the sender object is still alive
+    rx.close()
+
+
+def test_a_sender_collected_in_a_cycle_says_goodbye():
+    # Finalizers never lie: the Connection's finalizer used to close the socket first, so the
+    # receiver reported a clean exit as "the sender died".
+    tx, rx = shmshare.channel()
+    tx.send(np.ones(3))
+    cycle = [tx]
+    cycle.append(cycle)
+    del tx, cycle
+    with pytest.warns(ResourceWarning, match="unclosed"):
+        gc.collect()
+    assert rx.recv(timeout=5)[0] == 1
+    with pytest.raises(PeerDied, match="closed the channel"):
+        rx.recv(timeout=5)
+    rx.close()
+
+
+def test_a_full_pool_host_says_dev_shm_not_raise_limit(monkeypatch):
+    # Defect 9: a full /dev/shm read "pool of 1073741824 bytes ... raise limit=".
+    from shmshare.memory import _shm
+
+    def full(*a, **k):
+        raise shmshare.SegmentError(28, "cannot reserve 2097152 bytes for a posix segment: "
+                                        "posix_fallocate: No space left on device. /dev/shm has 0 "
+                                        "of 4194304 bytes free")
+
+    tx, rx = shmshare.channel(backend="posix")
+    monkeypatch.setattr(_shm.Segment, "create", full)
+    with pytest.raises(PoolExhausted, match="/dev/shm has 0") as err:
+        tx.send(np.ones(16), timeout=1)
+    assert "raise limit" not in str(err.value)
+    tx.close()
+    rx.close()
+
+
+def test_accept_under_a_full_fd_table_serves_connected_senders(tmp_path):
+    # Defect 4: EMFILE escaped accept(); recv(timeout=1) raised it 429,095 times in 3 s.
+    rx = shmshare.listen(tmp_path / "sock")
+    tx = shmshare.connect(rx.path)
+    tx.send(np.ones(2))
+    assert rx.recv(timeout=5)[0] == 1
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    idle = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(3)]
+    for s in idle:
+        s.connect(rx.path)
+    filler = []
+    raised = delivered = 0
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
+        try:
+            while True:
+                filler.append(os.dup(0))
+        except OSError:
+            pass
+        for i in range(20):  # connected senders are served: what they send comes first
+            tx.send(np.full(2, float(i)))
+            try:
+                got = rx.recv(timeout=1)
+            except FdLimitError:
+                got = rx.recv(timeout=1)
+            assert got[0] == i
+            delivered += 1
+        for _ in range(10):  # nothing to deliver: each wait says why at most once, no spinning
+            try:
+                rx.recv(timeout=0.2)
+            except FdLimitError as exc:
+                raised += 1
+                assert "RLIMIT_NOFILE" in str(exc) and "-1 fds" not in str(exc)
+            except shmshare.ShmshareTimeout:
+                pass
+        tx.send(np.full(2, 99.0))
+        try:
+            got = rx.recv(timeout=1)
+        except FdLimitError:
+            got = rx.recv(timeout=1)
+        assert got[0] == 99
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert delivered == 20 and 1 <= raised <= 10, raised
+    for s in idle:
+        s.close()
+    tx.close()
+    rx.close()
+
+
+def test_fcntl_seals_of_what_a_sender_sends():
+    tx, rx = shmshare.channel()
+    seg = tx.allocator.provider  # the pool's provider: every segment it sends is sealed
+    tx.send(np.ones(4))
+    rx.recv(timeout=5)
+    for rec in seg.segments.values():
+        assert fcntl.fcntl(rec.fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
+    tx.close()
+    rx.close()
+
+
+def test_a_receiver_spends_no_fd_of_its_own_on_a_classic_segment():
+    # Defect 5: Segment.from_fd dup'ed every received fd, so a batch of K new segments needed
+    # K + 1 free slots; under a low RLIMIT_NOFILE that was "SegmentError: dup() failed".
+    tx, rx = shmshare.channel()
+    k = 3
+    tx.send([np.full(12 << 20, i, dtype=np.uint8) for i in range(k)])  # a segment each
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    filler: list[int] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+        try:
+            while True:
+                filler.append(os.dup(0))
+        except OSError:
+            pass
+        for _ in range(k):  # room for exactly the k fds the kernel installs, not one more
+            os.close(filler.pop())
+        got = rx.recv(timeout=5)
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert [int(a[0]) for a in got] == list(range(k))
+    from shmshare._procfs import fds
+
+    senders = {r.fd for r in tx.allocator.provider.segments.values()}
+    assert not [n for n, t in fds().items() if "memfd:shmshare" in t and n not in senders]
+    del got
+    tx.close()
+    rx.close()
