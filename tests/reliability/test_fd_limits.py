@@ -24,8 +24,10 @@ SHORT, STRESS = {"senders": 6, "idle": 40, "markers": 20}, {"senders": 30, "idle
                                                            "markers": 200}
 
 
-def _check_fd_errors(errors: list[dict], where: str) -> None:
+def _check_fd_errors(errors: list[dict], where: str, allow: tuple[str, ...] = ()) -> None:
     for e in errors:
+        if e["type"] in allow:
+            continue
         assert e["type"] == "FdLimitError", f"{where}: recv() raised {e['type']}: {e['msg']}"
         assert "RLIMIT_NOFILE" in e["msg"], f"{where}: {e['msg']}"
         assert "-1 fds" not in e["msg"], f"{where}: {e['msg']}"
@@ -77,7 +79,8 @@ def test_idle_connects_do_not_stop_a_connected_sender(size: str) -> None:
             for s in idle:
                 s.close()
         bye = rc.finish()
-        _check_fd_errors(rc.errors, f"{len(idle)} idle connects")
+        # Idle peers the receiver did accept and that then closed without a word: PeerDied.
+        _check_fd_errors(rc.errors, f"{len(idle)} idle connects", allow=("PeerDied",))
         # No spinning: each recv() raised at most once, and recv() returned (or raised)
         # a bounded number of times, not once per turn of a busy loop.
         assert bye["raised"] <= 4 * n["markers"] + 50, f"recv() raised {bye['raised']} times: {bye}"
@@ -114,7 +117,7 @@ def test_many_senders_at_the_limit(size: str) -> None:
             for tx in senders:
                 tx.close()
         rc.finish()
-        _check_fd_errors(rc.errors, f"{n['senders']} senders")
+        _check_fd_errors(rc.errors, f"{n['senders']} senders", allow=("PeerDied",))
 
 
 def test_classic_segments_cost_the_receiver_no_fd() -> None:
