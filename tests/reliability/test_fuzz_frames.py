@@ -28,7 +28,7 @@ from .rxchild import ReceiverChild, receiver_child
 
 SHORT_SEEDS = [1]
 STRESS_SEEDS = list(range(100, 110))
-SHORT_CASES, STRESS_CASES = 60, 2000
+SHORT_CASES, STRESS_CASES = 200, 2000
 SEG = (12345 << 32) | 1  # the segment id our forged peers announce
 SEG_SIZE = 1 << 16
 ALLOWED = {"ProtocolError", "FdLimitError", "PeerDied", "PeerRefused"}  # what recv() may raise for junk

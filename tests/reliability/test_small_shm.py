@@ -53,10 +53,10 @@ def run(seed: int, trials: int) -> list[str]:
     lines = out.stdout.splitlines()
     assert lines and lines[-1] == "LEFT []", where
     assert not [ln for ln in lines if "CORRUPT" in ln], where
-    assert any(ln.startswith("SENT") and int(ln.split()[2]) <= 1 << 20 for ln in lines), where
-    for ln in lines:
+    assert any(ln.startswith("SENT") for ln in lines), f"nothing fitted: {where}"
+    for ln in lines:  # what does not fit is said at allocation time, naming /dev/shm
         if ln.startswith("REFUSED"):
-            assert int(ln.split()[2]) > 1 << 20, f"a small array was refused: {where}"
+            assert "/dev/shm" in ln, f"a refusal that does not say where: {ln}"
     return lines
 
 
