@@ -18,7 +18,8 @@ import shutil
 import signal
 import time
 import traceback
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -99,7 +100,7 @@ def _child_main(body: Callable[..., None], conn: wire.Connection, other: wire.Co
     code = 0
     try:
         body(conn, *args)
-    except BaseException as exc:  # reported, never raised into multiprocessing
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which fails on it
         code = 3
         with contextlib.suppress(Exception):
             conn.send({"ev": "crash", "type": type(exc).__name__, "msg": str(exc),

@@ -15,15 +15,25 @@ import faulthandler
 import os
 import signal
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
 import shmshare
 from shmshare import ShmshareTimeout
 
-from .helpers import (CHILD_DEADLINE, Kid, error_report, exit_status, fd_count, pattern,
-                      remove_private_dir, set_nofile, touch_all)
+from .helpers import (
+    CHILD_DEADLINE,
+    Kid,
+    error_report,
+    exit_status,
+    fd_count,
+    pattern,
+    remove_private_dir,
+    set_nofile,
+    touch_all,
+)
 
 MAX_ERROR_REPORTS = 300  # past this, errors are only counted (a spinning recv() must not flood us)
 
@@ -55,7 +65,7 @@ def receiver_main(ctl: Any, opts: dict[str, Any]) -> None:
                 batch = rx.recv(timeout=0.2)
             except ShmshareTimeout:
                 continue
-            except Exception as exc:  # every kind is reported: the test judges them
+            except Exception as exc:  # noqa: BLE001 - every kind is reported: the test judges them
                 raised += 1
                 kinds[type(exc).__name__] = kinds.get(type(exc).__name__, 0) + 1
                 if reports < opts.get("max_reports", MAX_ERROR_REPORTS):

@@ -13,14 +13,14 @@ import os
 import random
 import signal
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 import shmshare
 
-from .helpers import MiB, Kid, exit_status, shmem_bytes, wait_shmem_below
+from .helpers import Kid, MiB, exit_status, shmem_bytes, wait_shmem_below
 
 LIMIT = 160 * MiB
 
@@ -72,7 +72,7 @@ def memory_cgroup(limit: int) -> Iterator[tuple[str, str]]:
 
 
 def _ask_too_much(ctl, backend: str, seed: int) -> None:
-    msg, _ = ctl.recv(timeout=30)  # wait until the parent moved us into the cgroup
+    ctl.recv(timeout=30)  # wait until the parent moved us into the cgroup
     rng = random.Random(seed)
     tx, rx = shmshare.channel(backend=backend, limit=1 << 30)
     small = tx.empty(MiB // 4, np.uint32)  # what fits: a positive control

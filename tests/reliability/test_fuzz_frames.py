@@ -15,7 +15,8 @@ from __future__ import annotations
 import os
 import random
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgpack
 import pytest

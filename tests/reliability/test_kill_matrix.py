@@ -23,7 +23,7 @@ import pytest
 import shmshare
 from shmshare import PeerDied, Segment, segment, wire
 
-from .helpers import MiB, Kid, exit_status, shm_left, shmem_bytes, wait_shmem_below
+from .helpers import Kid, MiB, exit_status, shm_left, shmem_bytes, wait_shmem_below
 
 BACKENDS = ["memfd", "posix"]
 BIG = 64 * MiB
