@@ -34,7 +34,15 @@ from typing import Any
 import numpy as np
 
 from .. import _fork, _native, tensors, wire
-from .._errors import FdLimitError, PeerDied, ProtocolError, SegmentError, ShmshareError, ShmshareTimeout
+from .._errors import (
+    FdLimitError,
+    PeerDied,
+    PeerRefused,
+    ProtocolError,
+    SegmentError,
+    ShmshareError,
+    ShmshareTimeout,
+)
 from .._lifetime import Closeable
 from ..segment import Flags, Segment
 from ._protocol import BATCH, BYE, DROP, GROW, KIND, LEASES, NEW, REFUSE, RELEASE, RELEASE_CHUNK, TREE, WHY
@@ -218,7 +226,7 @@ class Receiver(Closeable):
                     continue
                 how = "closed the channel" if peer.bye else "died"
                 raise PeerDied(f"{peer.who} {how}") from exc
-            except (ProtocolError, FdLimitError) as exc:
+            except (ProtocolError, FdLimitError, PeerRefused) as exc:  # PeerRefused: a HELLO of another version
                 raise self._drop(peer, exc) from None
             if got is None:
                 continue
@@ -398,7 +406,7 @@ class Receiver(Closeable):
         has room) and takes back everything it lent, and a ``listen()``
         receiver goes on with the others.
         """
-        if not isinstance(exc, (ProtocolError, FdLimitError, SegmentError)):
+        if not isinstance(exc, (ProtocolError, FdLimitError, SegmentError, PeerRefused)):
             exc = ProtocolError(f"{type(exc).__name__}: {exc}")
         try:  # never wait: a sender that does not read must not stall us
             peer.conn.send({KIND: REFUSE, WHY: str(exc)[:_WHY_MAX]}, timeout=0)
@@ -511,8 +519,11 @@ class Receiver(Closeable):
         if dt.hasobject:  # bytes in shared memory would be taken for PyObject pointers
             raise ProtocolError(f"an array of dtype {dt} holds object references; refused")
         if seg_id == 0:
-            if 0 not in lay.shape and dt.itemsize:
-                raise ProtocolError(f"a descriptor without memory has shape {lay.shape}, not empty")
+            # numpy makes a 0-byte string dtype (S0, U0) 1 byte wide: such an "empty" array of
+            # 2**31 items would be 2 GiB of our memory
+            if 0 not in lay.shape and (dt.itemsize or dt.kind in "SU"):
+                raise ProtocolError(f"a descriptor without memory has shape {lay.shape} and dtype "
+                                    f"{dt.str}, not empty")
             arr = np.empty(lay.shape, dt)  # nothing to share in an empty array
             return _as_torch(arr, lay.torch_dtype) if lay.torch_dtype else arr
         rec = peer.segments.get(seg_id) or self._segment(peer, seg_id)
