@@ -15,9 +15,9 @@ the least room wins. This module is layer 0: stdlib only.
 
 Note [Checking the cgroup before fallocate]
     What the check costs: the chain of cgroup directories is resolved once
-    (``/proc/self/cgroup`` plus a walk up to the root) and cached; a check
-    then reads two small files per *limited* level (usually one level, so two
-    files), and ``memory.stat`` only when the quick sum says no (page cache
+    per distinct ``/proc/self/cgroup`` (a walk up to the root) and cached; a
+    check then reads that file and two small files per *limited* level
+    (usually one level, so three files), and ``memory.stat`` only when the quick sum says no (page cache
     counts in the usage but the kernel reclaims it before it kills, so it is
     subtracted before refusing). It runs once per fresh segment or mapped
     range, never per message.
@@ -26,8 +26,9 @@ Note [Checking the cgroup before fallocate]
     processes of the cgroup may allocate between the two; anonymous memory of
     this process (the interpreter, numpy temporaries) grows too; the kernel
     charges in per-CPU batches, so ``memory.current`` lags by up to a few
-    hundred KiB per CPU; and a limit lowered, or a process moved to another
-    cgroup, after the chain was cached is not seen until :func:`reset`. The
+    hundred KiB per CPU; and a limit set on a cgroup level that had none when
+    the chain was resolved is not seen until :func:`reset` (a process moved
+    to another cgroup is seen: ``/proc/self/cgroup`` is read each time). The
     check keeps ``_SLACK`` bytes of headroom for the last two; the first is a
     race only the kernel could close. So an OOM kill stays possible under
     memory pressure from elsewhere; what is gone is the certain one, of a
@@ -80,7 +81,8 @@ class _Level:
 
 
 _lock = threading.Lock()
-_chains: dict[str, tuple[_Level, ...]] = {}  # root -> the limited levels, innermost first
+# (root, /proc/self/cgroup as read) -> the limited levels, innermost first
+_chains: dict[tuple[str, str], tuple[_Level, ...]] = {}
 
 
 def memory_limit(root: str = "/", nbytes: int = 0) -> MemoryLimit | None:
@@ -107,29 +109,31 @@ def memory_limit(root: str = "/", nbytes: int = 0) -> MemoryLimit | None:
 def reset(root: str | None = None) -> None:
     """Forget the cached cgroup chain (all roots when None): after moving to another cgroup."""
     with _lock:
-        if root is None:
-            _chains.clear()
-        else:
-            _chains.pop(root, None)
+        for key in [k for k in _chains if root is None or k[0] == root]:
+            del _chains[key]
 
 
 # -- internals ----------------------------------------------------------------
 
 
 def _chain(root: str) -> tuple[_Level, ...]:
-    chain = _chains.get(root)
-    if chain is None:
-        chain = _resolve(root)
-        with _lock:
-            _chains[root] = chain
-    return chain
-
-
-def _resolve(root: str) -> tuple[_Level, ...]:
-    """Find this process's memory cgroup and keep the levels up to the root that set a limit."""
+    # /proc/self/cgroup is read every time (one small file per fresh segment): a process moved
+    # to another cgroup -- a forked child put in one by its parent, say -- is seen at once
     lines = _read(os.path.join(root, "proc/self/cgroup"))
     if lines is None:
         return ()
+    chain = _chains.get((root, lines))
+    if chain is None:
+        chain = _resolve(root, lines)
+        with _lock:
+            if len(_chains) > 64:  # moved around a lot: keep the cache small
+                _chains.clear()
+            _chains[(root, lines)] = chain
+    return chain
+
+
+def _resolve(root: str, lines: str) -> tuple[_Level, ...]:
+    """Find this process's memory cgroup and keep the levels up to the root that set a limit."""
     v2_path = v1_path = None
     for line in lines.splitlines():
         hier, _, rest = line.partition(":")

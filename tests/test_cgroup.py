@@ -79,14 +79,21 @@ def test_page_cache_counts_as_room_only_when_the_quick_read_says_no(tmp_path):
 
 def test_the_chain_is_cached_and_usage_is_read_every_time(tmp_path):
     root = _tree(tmp_path, "0::/a\n", {"cgroup.controllers": "memory",
-                                       "a/memory.max": str(64 * MiB), "a/memory.current": "0"})
+                                       "a/memory.max": str(64 * MiB), "a/memory.current": "0",
+                                       "b/memory.max": str(32 * MiB), "b/memory.current": "0"})
     assert _cgroup.memory_limit(root).usage == 0
+    assert len(_cgroup._chains) == 1
     (tmp_path / "sys/fs/cgroup/a/memory.current").write_text(str(MiB))
-    (tmp_path / "proc/self/cgroup").write_text("0::/elsewhere\n")  # not looked at again ...
     assert _cgroup.memory_limit(root).usage == MiB
-    shutil.rmtree(tmp_path / "sys/fs/cgroup/a")  # ... until our cgroup disappears
+    assert len(_cgroup._chains) == 1  # the same cgroup: the chain was not resolved again
+    # Moved to another cgroup (a forked child its parent put in one): seen at once. A chain
+    # cached in the parent before the fork once hid the child's limit, and it was OOM-killed.
+    (tmp_path / "proc/self/cgroup").write_text("0::/b\n")
+    got = _cgroup.memory_limit(root)
+    assert got.path == "/b" and got.limit == 32 * MiB
+    shutil.rmtree(tmp_path / "sys/fs/cgroup/b")  # our cgroup disappears: no limit, resolved afresh
     assert _cgroup.memory_limit(root) is None
-    assert root not in _cgroup._chains  # resolved afresh next time
+    assert not [k for k in _cgroup._chains if k[0] == root]
 
 
 def test_no_proc_means_no_limit(tmp_path):
