@@ -57,6 +57,7 @@ _BATCH_BYTES = 1 << 20  # ... or bytes released: a sender's pool should not grow
 _pid = os.getpid()  # releases are sent only by the process that received the arrays
 _ACCEPT_BACKOFF = (0.05, 1.0)  # s: accepting pauses this long (doubling) after EMFILE
 _WHY_MAX = 2000  # characters of a refusal told to the sender
+_STUCK_MAX_AGE = 0.1  # s: the flusher's longest pause while a sender's socket stays full
 
 
 class _RxSegment:
@@ -563,14 +564,19 @@ class Receiver(Closeable):
                                              self._wake), name="shmshare-releases", daemon=True)
             self._flusher.start()
 
-    def _flush(self) -> None:
-        """Send every queued release, one frame per sender (a sender gone is skipped)."""
+    def _flush(self) -> bool:
+        """Send every queued release, one frame per sender (a sender gone is skipped).
+
+        Return False when a sender's socket was full: its releases stay queued
+        for the next flush (never dropped: its pool would never get them back).
+        """
+        stuck = False
         with self._flush_lock:
             self._last_flush = time.monotonic()
             q = self._released
             self._released_bytes = 0
             if not q:
-                return
+                return True
             by_peer: dict[_Peer, list[int]] = {}
             while q:
                 peer, lease = q.popleft()
@@ -582,11 +588,13 @@ class Receiver(Closeable):
                     try:  # never wait: a sender stuck on a full socket must not stall recv()
                         peer.conn.send({KIND: RELEASE, LEASES: ids[i:i + RELEASE_CHUNK]},
                                        timeout=0)
+                    except ShmshareTimeout:  # first: it is an OSError too
+                        q.extend((peer, x) for x in ids[i:])  # its socket is full: next time
+                        stuck = True
+                        break
                     except (PeerDied, OSError, ValueError):
                         break  # it died: recv() reports that; its leases are void
-                    except ShmshareTimeout:
-                        q.extend((peer, x) for x in ids[i:])  # its socket is full: next time
-                        break
+        return not stuck
 
     def _check_open(self) -> None:
         if self._closed:
@@ -659,13 +667,15 @@ def _flusher_main(ref: weakref.ref[Receiver], wake: _WakePipe) -> None:
             os.read(wake_r, 4096)
         except BlockingIOError:
             pass
+        pause = _MAX_AGE
         while True:  # armed: look every _MAX_AGE until the queue stays empty
-            time.sleep(_MAX_AGE)
+            time.sleep(pause)
             if rx._closed:
                 wake.close()
                 return
             if time.monotonic() - rx._last_flush >= _MAX_AGE:
-                rx._flush()
+                # a sender that does not read: look less often (and batch more) until it does
+                pause = _MAX_AGE if rx._flush() else min(2 * pause, _STUCK_MAX_AGE)
             rx._armed = False  # disarm first, then look: a release racing with us re-arms
             if rx._released:
                 rx._armed = True

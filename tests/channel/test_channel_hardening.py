@@ -370,3 +370,26 @@ def test_a_receiver_spends_no_fd_of_its_own_on_a_classic_segment():
     del got
     tx.close()
     rx.close()
+
+
+def test_releases_wait_for_room_on_a_full_socket_and_are_never_dropped():
+    # Found by review: a release frame that met a full socket was dropped (ShmshareTimeout is an
+    # OSError, and the OSError clause came first), so the sender counted those arrays as lent
+    # for good and ended in PoolExhausted while the receiver held nothing.
+    tx, rx = shmshare.channel(limit=64 << 20)
+    n = 1500
+    kept = []
+    for _ in range(n):
+        tx.send(np.ones(4096, np.uint8), timeout=5)
+        kept.append(rx.recv(timeout=5))
+    while kept:  # the sender reads nothing meanwhile; one release frame each
+        kept.pop()
+        rx._flush()
+    for _ in range(200):  # bounded: the sender reads, the receiver sends the rest
+        tx.poll_releases()
+        rx._flush()
+        if not tx.statistics().leases_out:
+            break
+    assert tx.statistics().leases_out == 0
+    tx.close()
+    rx.close()
