@@ -582,6 +582,12 @@ class Listener(Closeable):
         sock.setblocking(True)  # a Connection sets its own flags per call
         return Connection(sock, allow_uids=self._allow_uids, **self._conn_kw)
 
+    @property
+    def max_fds(self) -> int:
+        """The most fds one message of an accepted connection may carry."""
+        got = self._conn_kw.get("max_fds", MAX_FDS)
+        return got if isinstance(got, int) else MAX_FDS
+
     def fileno(self) -> int:
         """Return the listening socket's fd (readable = a peer is waiting)."""
         return self._sock.fileno()

@@ -67,7 +67,8 @@ def channel(*, limit: int = DEFAULT_LIMIT, config: str | None = None, backend: s
 
 def listen(path: str | os.PathLike[str] | None = None, *, writable: bool = False,
            trust_unsealed: bool = False, max_peer_bytes: int | None = None,
-           max_peer_segments: int | None = None, **listener_kw: Any) -> Receiver:
+           max_peer_segments: int | None = None, max_peers: int | None = None,
+           **listener_kw: Any) -> Receiver:
     """Return a Receiver that accepts senders on a Unix socket at `path` (fan-in).
 
     With `path` None the socket is made in a fresh private directory; the
@@ -77,7 +78,8 @@ def listen(path: str | os.PathLike[str] | None = None, *, writable: bool = False
     """
     return Receiver(listener=wire.Listener(path, role="receiver", **listener_kw),
                     writable=writable, trust_unsealed=trust_unsealed,
-                    max_peer_bytes=max_peer_bytes, max_peer_segments=max_peer_segments)
+                    max_peer_bytes=max_peer_bytes, max_peer_segments=max_peer_segments,
+                    max_peers=max_peers)
 
 
 def connect(path: str | os.PathLike[str], *, timeout: float | None = None,

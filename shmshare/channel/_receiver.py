@@ -23,6 +23,7 @@ import bisect
 import collections
 import errno
 import os
+import resource
 import selectors
 import threading
 import time
@@ -58,24 +59,30 @@ _pid = os.getpid()  # releases are sent only by the process that received the ar
 _ACCEPT_BACKOFF = (0.05, 1.0)  # s: accepting pauses this long (doubling) after EMFILE
 _WHY_MAX = 2000  # characters of a refusal told to the sender
 _STUCK_MAX_AGE = 0.1  # s: the flusher's longest pause while a sender's socket stays full
+_GROW_MAPS = 2  # mappings one announced range may cost (it splits the reservation around it)
+_TOTAL_PEERS_SHARE = 4  # all senders together may hold this many times one sender's caps
+_MAX_PEERS = 256  # connections a listen() receiver keeps at once, by default
+_FD_MARGIN = 8  # fds kept free beyond one message's worth before accepting another sender
 
 
 class _RxSegment:
     """A sender's segment as mapped here: its Segment and the root Lease over the whole range."""
 
-    __slots__ = ("seg", "root", "address", "size", "expandable", "mapped", "nmaps")
+    __slots__ = ("seg", "root", "address", "size", "expandable", "mapped", "charge")
 
-    def __init__(self, seg: Segment) -> None:
+    def __init__(self, seg: Segment, charge: _Charge, readonly: bool) -> None:
         self.seg = seg  # owns the mapping, and an expandable segment's fd (new ranges come from it)
-        self.root = seg.lease  # every array's Lease owns it: the mapping outlives the sender
+        # Every array's Lease owns this root, and the root the Segment's own: the mapping
+        # outlives the sender, and the charge is given back when the mapping goes.
+        self.root = _native.Lease(seg.lease, seg.address, seg.size, readonly, charge)
         self.address = seg.address
         self.size = seg.size
         self.expandable = seg.expandable
         self.mapped: list[tuple[int, int]] = [] if self.expandable else [(0, self.size)]  # merged
-        self.nmaps = 0 if self.expandable else 1  # mappings made for it (Note [Caps per peer])
+        self.charge = charge
 
-    def add_range(self, start: int, end: int) -> None:
-        """Record [start, end) as mapped, merging with touching ranges."""
+    def with_range(self, start: int, end: int) -> list[tuple[int, int]]:
+        """Return the mapped ranges with [start, end) added, touching ranges merged."""
         spans = sorted([*self.mapped, (start, end)])
         merged = [spans[0]]
         for lo, hi in spans[1:]:
@@ -83,12 +90,30 @@ class _RxSegment:
                 merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
             else:
                 merged.append((lo, hi))
-        self.mapped = merged
+        return merged
 
     def covers(self, start: int, end: int) -> bool:
         """Return whether [start, end) lies in one mapped range (reading elsewhere would fault)."""
         i = bisect.bisect_right(self.mapped, (start, float("inf"))) - 1
         return i >= 0 and self.mapped[i][0] <= start and end <= self.mapped[i][1]
+
+
+class _Charge:
+    """What one segment costs its receiver, until its mapping is gone (Note [Caps per peer]).
+
+    Called as the on_release of the segment's root Lease -- at any bytecode
+    of any thread (the garbage collector) -- so it only queues itself; the
+    receiver takes the charge off at its next announcement.
+    """
+
+    __slots__ = ("peer", "nbytes", "nmaps", "done")
+
+    def __init__(self, peer: _Peer, nbytes: int, nmaps: int,
+                 done: collections.deque[_Charge]) -> None:
+        self.peer, self.nbytes, self.nmaps, self.done = peer, nbytes, nmaps, done
+
+    def __call__(self) -> None:
+        self.done.append(self)
 
 
 class _Peer:
@@ -159,12 +184,17 @@ class Receiver(Closeable):
         would kill the receiver with SIGBUS (Note [Trust no fd]).
     max_peer_bytes, max_peer_segments : int, optional
         Caps on the address space and mappings one sender may make this
-        receiver hold (Note [Caps per peer]); defaults follow the host.
+        receiver hold (Note [Caps per peer]); defaults follow the host. All
+        senders together may hold four times as much.
+    max_peers : int, optional
+        Senders a ``listen()`` receiver keeps connected at once (256); more
+        wait in the listen backlog until one leaves.
     """
 
     def __init__(self, conns: Any = (), listener: wire.Listener | None = None, *,
                  writable: bool = False, trust_unsealed: bool = False,
-                 max_peer_bytes: int | None = None, max_peer_segments: int | None = None) -> None:
+                 max_peer_bytes: int | None = None, max_peer_segments: int | None = None,
+                 max_peers: int | None = None) -> None:
         self._listener = listener
         self._owner = os.getpid()
         self._writable = writable
@@ -173,6 +203,10 @@ class Receiver(Closeable):
             or default_max_peer_bytes()
         self._max_peer_segments = _positive(max_peer_segments, "max_peer_segments") \
             or default_max_peer_segments()
+        self._max_peers = _positive(max_peers, "max_peers") or _MAX_PEERS
+        # Note [Caps per peer]: what all senders together hold here, and charges to take off
+        self._reserved = self._nmaps = 0
+        self._uncharged: collections.deque[_Charge] = collections.deque()
         self._accept_paused_until = 0.0  # Note [A full fd table]
         self._accept_backoff = _ACCEPT_BACKOFF[0]
         self._peers: list[_Peer] = [_Peer(c) for c in conns]
@@ -370,7 +404,13 @@ class Receiver(Closeable):
 
     def _accept(self) -> None:
         assert self._listener is not None and self._sel is not None
+        if len(self._peers) >= self._max_peers:
+            # the newcomer waits in the backlog until a sender leaves (_forget resumes)
+            self._sel.unregister(self._listener)
+            self._accept_paused_until = float("inf")
+            return
         try:
+            _check_fd_room(self._listener.max_fds)
             conn = self._listener.accept(timeout=0)
         except ShmshareTimeout:
             return
@@ -421,6 +461,8 @@ class Receiver(Closeable):
     def _forget(self, peer: _Peer) -> None:
         if peer in self._peers:
             self._peers.remove(peer)
+            if self._accept_paused_until == float("inf") and not self._closed:
+                self._accept_paused_until = time.monotonic()  # room for a newcomer again
             self._bye_seen = peer.bye
             if self._sel is not None:
                 self._sel.unregister(peer.conn)
@@ -460,19 +502,17 @@ class Receiver(Closeable):
                     or offset + nbytes > rec.size or (offset | nbytes) % _native.PAGE_SIZE):
                 raise ProtocolError(f"growth [{offset!r}, +{nbytes!r}) of segment {seg_id} is not "
                                     "whole pages inside it")
-            self._charge(peer, 0, 1)
+            self._charge(peer, 0, _GROW_MAPS)
+            spans = rec.with_range(offset, offset + nbytes)
             check_fd(rec.seg.fileno(), offset + nbytes, trust_unsealed=self._trust_unsealed,
-                     writable=self._writable)
+                     writable=self._writable, backed=sum(hi - lo for lo, hi in spans))
             _locally(rec.seg.map_range, offset, nbytes)
-            rec.add_range(offset, offset + nbytes)
-            rec.nmaps += 1
-            peer.nmaps += 1
+            rec.mapped = spans
+            self._add(rec.charge, 0, _GROW_MAPS)
         for seg_id in header.get(DROP, ()):
             gone = peer.segments.pop(seg_id, None)
-            if gone is not None:
+            if gone is not None:  # its charge goes with its mapping, when its arrays do
                 gone.seg.close()  # its arrays keep the mapping; an expandable one's fd goes now
-                peer.reserved -= gone.size
-                peer.nmaps -= gone.nmaps
 
     def _map_new(self, peer: _Peer, new: Any, fds: list[wire.Fd]) -> None:
         if len(new) != len(fds):
@@ -488,14 +528,26 @@ class Receiver(Closeable):
             # The Fd is taken, never dup'ed: a classic segment's is closed once mapped, an
             # expandable one's is kept by its Segment to map the ranges announced later.
             seg = _locally(Segment.from_fd, fd, size, flags, reserve=bool(expandable))
-            peer.segments[seg_id] = _RxSegment(seg)
+            charge = _Charge(peer, 0, 0, self._uncharged)
+            peer.segments[seg_id] = _RxSegment(seg, charge, not self._writable)
+            self._add(charge, size, 0 if expandable else 1)
             if not expandable:
                 seg.close()  # no fd to close any more; the Lease keeps the mapping
-            peer.reserved += size
-            peer.nmaps += 0 if expandable else 1
+
+    def _add(self, charge: _Charge, nbytes: int, nmaps: int) -> None:
+        charge.nbytes += nbytes
+        charge.nmaps += nmaps
+        charge.peer.reserved += nbytes
+        charge.peer.nmaps += nmaps
+        self._reserved += nbytes
+        self._nmaps += nmaps
 
     def _charge(self, peer: _Peer, nbytes: int, nmaps: int) -> None:
-        """Refuse what would take `peer` past its caps (Note [Caps per peer])."""
+        """Refuse what would take `peer`, or all senders, past the caps (Note [Caps per peer])."""
+        done = self._uncharged
+        while done:  # mappings gone since: their charges come off first
+            c = done.popleft()
+            self._add(c, -c.nbytes, -c.nmaps)
         if peer.reserved + nbytes > self._max_peer_bytes:
             raise ProtocolError(
                 f"{peer.who} announced segments of {peer.reserved + nbytes} bytes in all, past "
@@ -506,6 +558,13 @@ class Receiver(Closeable):
                 f"{peer.who} would need {peer.nmaps + nmaps} mappings here, past this "
                 f"receiver's max_peer_segments={self._max_peer_segments}; raise it, or give the "
                 "sender larger segments")
+        if self._reserved + nbytes > _TOTAL_PEERS_SHARE * self._max_peer_bytes or \
+                self._nmaps + nmaps > _TOTAL_PEERS_SHARE * self._max_peer_segments:
+            raise ProtocolError(
+                f"{peer.who} announced a segment past what all senders together may hold here "
+                f"({self._reserved} bytes of address space and {self._nmaps} mappings held, at "
+                f"most {_TOTAL_PEERS_SHARE}x max_peer_bytes / max_peer_segments); drop received "
+                "arrays sooner, or raise the caps")
 
     def _segment(self, peer: _Peer, seg_id: int) -> _RxSegment:
         try:
@@ -699,6 +758,28 @@ def _locally(fn: Any, *args: Any, **kw: Any) -> Any:
                 errno.EACCES: "mapping was denied here"}.get(exc.errno or 0, "see errno")
         raise SegmentError(exc.errno, f"this process could not map a sender's segment "
                            f"({exc}): a local limit, not the sender's doing: {hint}") from exc
+
+
+def _check_fd_room(max_fds: int) -> None:
+    """Raise FdLimitError unless accepting leaves room for a full message's fds.
+
+    A connected sender's next batch may bring up to `max_fds` fds, which the
+    kernel drops (MSG_CTRUNC, and that sender is lost) when the table is full;
+    a newcomer must not take the last of that room (Note [A full fd table]):
+    one message's worth, or an eighth of a table too small for that.
+    """
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    try:
+        nopen = len(os.listdir("/proc/self/fd"))
+    except OSError as exc:
+        raise FdLimitError.exhausted("accept", exc) from exc
+    need = min(max_fds + _FD_MARGIN, max(2, soft // 8))  # a tiny table still takes senders
+    if soft - nopen < need:
+        raise FdLimitError.exhausted(
+            "accept", errno.EMFILE,
+            f"a new sender is not accepted while fewer than {need} fds are free: the connected "
+            "senders' segments need them",
+            cause=f"accept: only {soft - nopen} fds are free")
 
 
 def _positive(value: int | None, name: str) -> int | None:

@@ -16,8 +16,20 @@ Note [Trust no fd]
 
     ``F_GET_SEALS`` tells shared memory from the rest: it succeeds on shmem
     and hugetlbfs files only (on a POSIX shm object it returns
-    ``F_SEAL_SEAL``: never sealable). The fd's access mode must allow the
-    mapping asked for, and the object must be as large as announced.
+    ``F_SEAL_SEAL``: never sealable); hugetlbfs is refused too. The fd's
+    access mode must allow the mapping asked for (and a writable receiver
+    takes no fd sealed against writes), and the object must be as large as
+    announced.
+
+    A hole is the other way to hurt a reader without shrinking anything:
+    reading a page that was never allocated allocates it, charged to the
+    *reader's* memory cgroup (an OOM kill of the receiver) or, on a full
+    tmpfs, SIGBUS. Senders reserve every page (``posix_fallocate``) before
+    they send, so the pages to be mapped must all be there already
+    (``st_blocks``). What remains: ``F_SEAL_SHRINK`` does not stop a sender
+    from punching holes *after* the check (only ``F_SEAL_WRITE`` would,
+    and a pool's pages must stay writable), so a hostile sender can still
+    make a receiver allocate up to what it maps -- bounded by the caps below.
 
 Note [Caps per peer]
     A peer's announcements cost the receiver address space (an expandable
@@ -40,12 +52,17 @@ from .._errors import ProtocolError
 
 __all__ = ["check_fd", "describe_fd", "default_max_peer_bytes", "default_max_peer_segments"]
 
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1
 
-def check_fd(fd: int, size: int, *, trust_unsealed: bool, writable: bool) -> None:
+
+def check_fd(fd: int, size: int, *, trust_unsealed: bool, writable: bool,
+             backed: int | None = None) -> None:
     """Raise ProtocolError unless `fd` is shared memory we may map (Note [Trust no fd]).
 
     `size` is the bytes that will be mapped from offset 0; `writable`
-    needs an ``O_RDWR`` fd.
+    needs an ``O_RDWR`` fd that is not sealed against writes; `backed` (by
+    default `size`) is how many bytes of it must have pages already.
     """
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
@@ -63,13 +80,26 @@ def check_fd(fd: int, size: int, *, trust_unsealed: bool, writable: bool) -> Non
             f"the sender sent {describe_fd(fd, st)}, which is not a memfd sealed F_SEAL_SHRINK: it "
             "could shrink it under our arrays (SIGBUS). A receiver maps unsealed shared memory (the "
             "POSIX backend) only when made with trust_unsealed=True")
+    if st.st_blksize > _PAGE:
+        raise ProtocolError(f"the sender sent {describe_fd(fd, st)}, a hugetlbfs file (blocks of "
+                            f"{st.st_blksize} bytes); only ordinary shared memory is mapped")
+    if writable and seals & (fcntl.F_SEAL_WRITE | _F_SEAL_FUTURE_WRITE):
+        raise ProtocolError(f"the sender sent {describe_fd(fd, st)}, sealed against writes, to a "
+                            "writable receiver: it cannot be mapped writable")
     mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
     if mode == os.O_WRONLY or (writable and mode != os.O_RDWR):
-        need = "read-write" if writable else "readable"
-        raise ProtocolError(f"the sender sent a segment fd that is not {need} "
+        access = "read-write" if writable else "readable"
+        raise ProtocolError(f"the sender sent a segment fd that is not {access} "
                             f"({describe_fd(fd, st)})")
     if st.st_size < size:
         raise ProtocolError(f"a segment fd of {st.st_size} bytes was announced as {size} bytes")
+    need = size if backed is None else backed
+    if st.st_blocks * 512 < need:
+        raise ProtocolError(
+            f"the sender sent {describe_fd(fd, st)} with holes: {st.st_blocks * 512} of the "
+            f"{need} bytes to be mapped have pages. Reading a hole would allocate a page charged "
+            "to this process (its memory cgroup could OOM-kill it; a full tmpfs is SIGBUS); "
+            "senders reserve every page before they send (posix_fallocate)")
 
 
 def describe_fd(fd: int, st: os.stat_result | None = None) -> str:

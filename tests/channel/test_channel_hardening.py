@@ -166,6 +166,8 @@ def test_caps_per_peer_refuse_and_tell_the_sender(tmp_path):
     with pytest.raises(ProtocolError, match="max_peer_segments=3"):
         rx.recv(timeout=5)
     got, _ = a.recv(timeout=5)
+    while got["k"] == "r":  # releases of the arrays it got may come first
+        got, _ = a.recv(timeout=5)
     assert got["k"] == "e" and "max_peer_segments=3" in got["w"]
     other.send(np.full(4, 2.0))
     assert rx.recv(timeout=5)[0] == 2
@@ -392,4 +394,78 @@ def test_releases_wait_for_room_on_a_full_socket_and_are_never_dropped():
             break
     assert tx.statistics().leases_out == 0
     tx.close()
+    rx.close()
+
+
+def _sealed_memfd(size: int, *, fallocate: bool = True, seals: int = fcntl.F_SEAL_SHRINK) -> int:
+    fd = os.memfd_create("hostile", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if fallocate:
+        os.posix_fallocate(fd, 0, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    return fd
+
+
+def test_a_segment_with_holes_is_refused():
+    # Found by review: a sealed but sparse memfd passed every check; reading its holes
+    # allocated pages charged to the receiver (OOM-killed in a 64 MiB cgroup), and a sparse
+    # POSIX file on a full tmpfs was SIGBUS for a trusting receiver.
+    fd = _sealed_memfd(1 << 20, fallocate=False)
+    a, rx = _raw_sender()
+    a.send(_batch_on(9, 1 << 20), fds=[fd])
+    with pytest.raises(ProtocolError, match="with holes: 0 of the 1048576 bytes"):
+        rx.recv(timeout=5)
+    os.close(fd)
+    a.close()
+    rx.close()
+
+
+def test_a_write_sealed_memfd_is_refused_by_a_writable_receiver():
+    fd = _sealed_memfd(4096, seals=fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_WRITE)
+    a, rx = _raw_sender(writable=True)
+    a.send(_batch_on(9, 4096), fds=[fd])
+    with pytest.raises(ProtocolError, match="sealed against writes"):
+        rx.recv(timeout=5)
+    os.close(fd)
+    a.close()
+    rx.close()
+
+
+def test_a_dropped_segment_counts_against_the_caps_while_its_arrays_live():
+    # Found by review: DROP took a segment's charge off at once, so a peer that pinned each
+    # segment with one small array and dropped it mapped without bound.
+    a, rx = _raw_sender(max_peer_segments=3)
+    kept, fds = [], []
+    for i in range(1, 4):
+        fds.append(_sealed_memfd(4096))
+        a.send(_batch_on(100 + i, 4096), fds=[fds[-1]])
+        kept.append(rx.recv(timeout=5))
+        a.send({"k": "m", "d": [100 + i], "b": msgpack.packb(None)})  # dropped, array kept
+        assert rx.recv(timeout=5) is None
+    fds.append(_sealed_memfd(4096))
+    a.send(_batch_on(104, 4096), fds=[fds[-1]])
+    with pytest.raises(ProtocolError, match="max_peer_segments=3"):
+        rx.recv(timeout=5)
+    assert len(rx._uncharged) == 0
+    del kept
+    gc.collect()
+    assert len(rx._uncharged) == 3  # the mappings went with the arrays: their charges come off
+    a.close()
+    for fd in fds:
+        os.close(fd)
+    rx.close()
+
+
+def test_a_receiver_keeps_at_most_max_peers_and_takes_the_next_when_one_leaves(tmp_path):
+    rx = shmshare.listen(tmp_path / "sock", max_peers=1)
+    first = shmshare.connect(rx.path)
+    first.send(np.full(2, 1.0))
+    assert rx.recv(timeout=5)[0] == 1
+    second = shmshare.connect(rx.path)  # queued in the backlog
+    second.send(np.full(2, 2.0))
+    with pytest.raises(shmshare.ShmshareTimeout):
+        rx.recv(timeout=0.5)
+    first.close()
+    assert rx.recv(timeout=5)[0] == 2
+    second.close()
     rx.close()
