@@ -18,9 +18,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
-__all__ = ["on_fork_in_child"]
+__all__ = ["on_fork_in_child", "on_fork_in_parent"]
 
 _handlers: list[tuple[int, int, Callable[[], None]]] = []  # (layer, order registered, handler)
+_parent_handlers: list[Callable[[], None]] = []
 
 
 def on_fork_in_child(layer: int, handler: Callable[[], None]) -> None:
@@ -29,9 +30,19 @@ def on_fork_in_child(layer: int, handler: Callable[[], None]) -> None:
     _handlers.sort(key=lambda h: (h[0], h[1]))
 
 
+def on_fork_in_parent(handler: Callable[[], None]) -> None:
+    """Run `handler` in the parent after each fork (to note what a child may now hold too)."""
+    _parent_handlers.append(handler)
+
+
 def _run() -> None:
     for _, _, handler in _handlers:
         handler()
 
 
-os.register_at_fork(after_in_child=_run)
+def _run_in_parent() -> None:
+    for handler in _parent_handlers:
+        handler()
+
+
+os.register_at_fork(after_in_child=_run, after_in_parent=_run_in_parent)

@@ -100,6 +100,7 @@ class Sender(BlockBook, Closeable):
         self._closing = False  # close() was called, maybe from another thread: waits stop
         self._peer_dead = False
         self._new_pool()
+        self._conn.set_farewell({KIND: BYE})  # Note [Finalizers and goodbyes]; see close()
         _live.add(self)
 
     # -- public API -----------------------------------------------------------
@@ -236,9 +237,11 @@ class Sender(BlockBook, Closeable):
             if self._closed:
                 return
             self._closed = True
-            # Goodbye only from a process that sent: a parent closing its copy of an end it
-            # handed to a child must not end the child's stream.
-            if not self._peer_dead and self._sent:
+            # Goodbye from a process that sent, or that made this sender and never handed it to
+            # a child: a parent closing its copy of an end a child uses must not end the
+            # child's stream, and a producer with nothing to send has not died.
+            if not self._peer_dead and (self._sent or (self._owner == os.getpid()
+                                                       and not self._handed)):
                 try:  # behind every batch still queued: wait (taking releases in) for room
                     self._send_draining({KIND: BYE}, [], time.monotonic() + _BYE_WAIT,
                                         closing=True)
@@ -288,6 +291,7 @@ class Sender(BlockBook, Closeable):
                 self._reap_lock.release()
 
     def __reduce__(self) -> Any:
+        self._hand_over()  # a spawned child uses it now
         return _rebuild, (self._conn, self._limit, self._config, self._backend)
 
     def __repr__(self) -> str:
@@ -533,6 +537,7 @@ class Sender(BlockBook, Closeable):
         self._reap = False  # closed and released: dying local views free at once
         self._refused = None  # why the receiver dropped us (a REFUSE frame)
         self._owner = os.getpid()
+        self._handed = False  # a child may use it too (forked or spawned): see close()
         self._ref = weakref.ref(self)
         self._provider = ShmProvider(self._limit, self._backend)
         self._provider.listeners.append(self._on_segment_event)
@@ -563,6 +568,12 @@ class Sender(BlockBook, Closeable):
         in_use = {h.seg.id for h in self._held.values() if h.local}
         _inherited.append(self._provider.after_fork_in_child(in_use))  # never reused
         self._new_pool()
+
+    def _hand_over(self) -> None:
+        """A child may use this sender now: this process says goodbye only if it sent."""
+        self._handed = True
+        if not self._sent:
+            self._conn.set_farewell(None)
 
     def _check_usable(self) -> None:
         if self._in_send:
@@ -602,7 +613,13 @@ def _after_fork() -> None:
         sender._after_fork_in_child()
 
 
+def _after_fork_in_parent() -> None:
+    for sender in list(_live):
+        sender._hand_over()
+
+
 _fork.on_fork_in_child(5, _after_fork)
+_fork.on_fork_in_parent(_after_fork_in_parent)
 
 
 def _rebuild(conn: wire.Connection, limit: int, config: str | None, backend: str) -> Sender:

@@ -469,3 +469,29 @@ def test_a_receiver_keeps_at_most_max_peers_and_takes_the_next_when_one_leaves(t
     assert rx.recv(timeout=5)[0] == 2
     second.close()
     rx.close()
+
+
+def test_a_sender_that_closes_without_sending_has_not_died():
+    # Found by review: the goodbye went only from a process that had sent, so a producer with
+    # nothing to produce made its consumer's loop raise PeerDied.
+    tx, rx = shmshare.channel()
+    tx.close()
+    assert list(rx) == []
+    rx.close()
+
+
+def test_a_parent_that_forked_its_sender_away_says_no_goodbye():
+    tx, rx = shmshare.channel()
+    p = mp.get_context("fork").Process(target=_fork_child_sends_then_dies, args=(tx,))
+    p.start()
+    try:
+        tx.close()  # the child uses it: no goodbye from here
+        assert rx.recv(timeout=10)[0] == 1
+        with pytest.raises(PeerDied, match="died"):
+            rx.recv(timeout=10)
+    finally:
+        p.join(10)
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(5)
+    rx.close()
