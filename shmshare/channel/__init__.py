@@ -60,9 +60,21 @@ def channel(*, limit: int = DEFAULT_LIMIT, config: str | None = None, backend: s
     """
     a, b = wire.pipe()
     a._role, b._role = "sender", "receiver"
-    tx = Sender(a, limit=limit, config=config, backend=backend)
-    return tx, Receiver([b], writable=writable, trust_unsealed=backend == "posix",
-                        max_peer_bytes=max_peer_bytes, max_peer_segments=max_peer_segments)
+    try:
+        tx = Sender(a, limit=limit, config=config, backend=backend)
+    except BaseException:
+        a.close()
+        b.close()
+        raise
+    try:
+        rx = Receiver([b], writable=writable, trust_unsealed=backend == "posix",
+                      max_peer_bytes=max_peer_bytes, max_peer_segments=max_peer_segments)
+    except BaseException:
+        tx._conn.set_farewell(None)  # never used: no goodbye to say
+        tx.close()
+        b.close()
+        raise
+    return tx, rx
 
 
 def listen(path: str | os.PathLike[str] | None = None, *, writable: bool = False,
@@ -76,10 +88,14 @@ def listen(path: str | os.PathLike[str] | None = None, *, writable: bool = False
     ``backend="posix"``: this receiver trusts them not to truncate their
     shared memory (Note [Trust no fd] in ``channel/_trust.py``).
     """
-    return Receiver(listener=wire.Listener(path, role="receiver", **listener_kw),
-                    writable=writable, trust_unsealed=trust_unsealed,
-                    max_peer_bytes=max_peer_bytes, max_peer_segments=max_peer_segments,
-                    max_peers=max_peers)
+    listener = wire.Listener(path, role="receiver", **listener_kw)
+    try:
+        return Receiver(listener=listener, writable=writable, trust_unsealed=trust_unsealed,
+                        max_peer_bytes=max_peer_bytes, max_peer_segments=max_peer_segments,
+                        max_peers=max_peers)
+    except BaseException:
+        listener.close()  # the socket file and the directories made for it go too
+        raise
 
 
 def connect(path: str | os.PathLike[str], *, timeout: float | None = None,

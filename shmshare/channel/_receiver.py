@@ -215,7 +215,7 @@ class Receiver(Closeable):
         self._closed = False
         self._new_flusher_state()
         if listener is not None:
-            self._sel = selectors.DefaultSelector()
+            self._sel = _fds_or_limit("epoll_create", selectors.DefaultSelector)
             self._sel.register(listener, selectors.EVENT_READ, None)
             for p in self._peers:
                 self._sel.register(p.conn, selectors.EVENT_READ, p)
@@ -687,7 +687,7 @@ class _WakePipe(Closeable):
     __slots__ = ("r", "w", "lock")
 
     def __init__(self) -> None:
-        self.r, self.w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.r, self.w = _fds_or_limit("pipe2", os.pipe2, os.O_NONBLOCK | os.O_CLOEXEC)
         self.lock = threading.Lock()
 
     def poke(self) -> None:
@@ -758,6 +758,16 @@ def _locally(fn: Any, *args: Any, **kw: Any) -> Any:
                 errno.EACCES: "mapping was denied here"}.get(exc.errno or 0, "see errno")
         raise SegmentError(exc.errno, f"this process could not map a sender's segment "
                            f"({exc}): a local limit, not the sender's doing: {hint}") from exc
+
+
+def _fds_or_limit(syscall: str, fn: Any, *args: Any) -> Any:
+    """Call `fn`, which makes fds: a full fd table is FdLimitError, not a bare OSError."""
+    try:
+        return fn(*args)
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise FdLimitError.exhausted(syscall, exc) from exc
+        raise
 
 
 def _check_fd_room(max_fds: int) -> None:

@@ -35,7 +35,15 @@ from typing import Any
 import numpy as np
 
 from .. import _fork, _native, tensors, wire
-from .._errors import PeerDied, PoolExhausted, ProtocolError, SegmentError, ShmshareError, ShmshareTimeout
+from .._errors import (
+    PeerDied,
+    PeerRefused,
+    PoolExhausted,
+    ProtocolError,
+    SegmentError,
+    ShmshareError,
+    ShmshareTimeout,
+)
 from .._lifetime import Closeable
 from ..memory import CachingAllocator, OutOfMemoryError, ShmProvider, ShmSegment
 from ._blocks import SPARE_BYTES, BlockBook, _Held
@@ -90,7 +98,7 @@ class Sender(BlockBook, Closeable):
     _taken: list[int]
     _deadline: float | None
     _encoder: tensors.Encoder
-    _refused: str | None  # why the receiver dropped us (a REFUSE frame)
+    _refused: str | None  # why the connection ended on purpose (a REFUSE frame, a broken peer)
 
     def __init__(self, conn: wire.Connection, *, limit: int = DEFAULT_LIMIT,
                  config: str | None = None, backend: str = "memfd") -> None:
@@ -120,6 +128,8 @@ class Sender(BlockBook, Closeable):
             if now - self._last_drain >= _DRAIN_EVERY:
                 self._last_drain = now
                 self._drain()
+                if self._peer_dead:
+                    self._check_usable()
             elif self._local_done:
                 self._drain_local()
             taken = self._taken = []
@@ -432,10 +442,21 @@ class Sender(BlockBook, Closeable):
                     f.close()
                 kind = header.get(KIND)
                 if kind == RELEASE:
-                    self._return_leases(header.get(LEASES, ()))
+                    ids = header.get(LEASES)
+                    if type(ids) is not list:
+                        raise ProtocolError(f"a release frame's leases are a "
+                                            f"{type(ids).__name__}, not a list")
+                    self._return_leases(ids)
                 elif kind == REFUSE:
-                    self._refused = str(header.get(WHY))
+                    self._refused = _REFUSED + str(header.get(WHY))
         except PeerDied:
+            self._on_peer_death()
+        except (ProtocolError, PeerRefused, TypeError) as exc:
+            # The receiver broke the protocol: nothing it says can be trusted any more, so the
+            # connection ends here, once, and every later call says why.
+            self._refused = (f"the receiver broke the protocol, so this sender closed the "
+                             f"connection: {exc}")
+            self._conn.close()
             self._on_peer_death()
 
     def _take_refusal(self) -> None:
@@ -446,13 +467,12 @@ class Sender(BlockBook, Closeable):
                 for f in fds:
                     f.close()
                 if header.get(KIND) == REFUSE:
-                    self._refused = str(header.get(WHY))
+                    self._refused = _REFUSED + str(header.get(WHY))
         except (ShmshareError, ValueError):
             pass  # end of stream, or a frame we cannot read: there is no reason to give
 
     def _refusal(self) -> ProtocolError:
-        return ProtocolError(f"the receiver refused a batch from this sender and dropped the "
-                             f"connection: {self._refused}")
+        return ProtocolError(self._refused)
 
     def _drain_local(self) -> None:
         q = self._local_done
@@ -464,7 +484,7 @@ class Sender(BlockBook, Closeable):
     def _return_leases(self, ids: Any) -> None:
         leases = self._leases
         for lease in ids:
-            held = leases.pop(lease, None)
+            held = leases.pop(lease, None)  # an unhashable id is a TypeError: _drain's to handle
             if held is not None:  # unknown ids (a confused peer) change nothing
                 held.leases -= 1
                 if not held.leases and not held.local:
@@ -535,7 +555,7 @@ class Sender(BlockBook, Closeable):
         self._lock = threading.RLock()
         self._reap_lock = threading.Lock()  # _reap_closed only
         self._reap = False  # closed and released: dying local views free at once
-        self._refused = None  # why the receiver dropped us (a REFUSE frame)
+        self._refused = None  # why the connection ended on purpose
         self._owner = os.getpid()
         self._handed = False  # a child may use it too (forked or spawned): see close()
         self._ref = weakref.ref(self)
@@ -678,3 +698,4 @@ def _encode_dtype(dt: np.dtype) -> bytes:
 
 _dtype_bytes: dict[np.dtype, bytes] = {}
 _NO_FDS: list[int] = []
+_REFUSED = "the receiver refused a batch from this sender and dropped the connection: "

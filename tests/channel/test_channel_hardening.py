@@ -495,3 +495,59 @@ def test_a_parent_that_forked_its_sender_away_says_no_goodbye():
             os.kill(p.pid, signal.SIGKILL)
             p.join(5)
     rx.close()
+
+
+@pytest.mark.parametrize("frame", [{"k": "r", "l": 5}, {"k": "r", "l": [[1]]}, b"\xc1", b""],
+                         ids=["leases-not-a-list", "unhashable-lease", "garbage", "empty"])
+def test_a_receiver_that_breaks_the_protocol_ends_the_connection_once(frame):
+    # Found by review: a hostile receiver's malformed release made the next send() raise a
+    # bare TypeError (or a ProtocolError about a frame it never asked for), and carried on.
+    a, b = wire.pipe()
+    tx = shmshare.Sender(a)
+    tx.send(np.arange(4.0))
+    b.recv(timeout=5)
+    if isinstance(frame, dict):
+        b.send(frame)
+    else:
+        b._sock.send(frame)
+    for _ in range(3):
+        with pytest.raises(ProtocolError, match="receiver broke the protocol"):
+            tx.poll_releases()
+            tx.send(np.arange(4.0), timeout=1)
+    tx.close()
+    b.close()
+
+
+@pytest.mark.parametrize("make", ["channel", "listen"])
+def test_making_ends_under_a_full_fd_table_is_fd_limit_error_and_leaves_nothing(make, tmp_path):
+    # Found by review: the receiver's wake pipe raised a bare OSError, and channel() left the
+    # sender it had made unclosed.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    seen = set()
+    for free in range(6):
+        filler: list[int] = []
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
+            try:
+                while True:
+                    filler.append(os.dup(0))
+            except OSError:
+                pass
+            for _ in range(free):
+                os.close(filler.pop())
+            try:
+                ends = shmshare.channel() if make == "channel" else (
+                    shmshare.listen(tmp_path / "d" / "sock"),)
+            except FdLimitError as exc:
+                seen.add("FdLimitError")
+                assert "RLIMIT_NOFILE" in str(exc)
+            else:
+                seen.add("ok")
+                for end in ends:
+                    end.close()
+        finally:
+            for fd in filler:
+                os.close(fd)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert not os.path.exists(tmp_path / "d"), free
+    assert seen == {"FdLimitError", "ok"}
