@@ -242,20 +242,32 @@ def decode(data: bytes, view: Callable[[int, int, int, Layout], Any]) -> Any:
     ``view(segment, block, offset, layout)`` gives each array (see
     :func:`parse_desc`). Raises ValueError for bytes that are not such a batch.
     """
+    marks = [0]  # tuple markers unpacked and not yet consumed by a list: 0 at the end
+
     def hook(code: int, payload: bytes) -> Any:
         if code == EXT_ARRAY:
             return view(*parse_desc(payload))
         if code == EXT_TUPLE and not payload:
+            marks[0] += 1
             return _TUPLE_MARK
         if code == EXT_SCALAR:
             return _scalar(payload)
         raise ValueError(f"unknown ext code {code} (or a malformed one) in a batch")
 
+    def tuples(items: list[Any]) -> Any:
+        if items and items[0] is _TUPLE_MARK:
+            marks[0] -= 1
+            return tuple(items[1:])
+        return items
+
     try:
-        return msgpack.unpackb(data, ext_hook=hook, list_hook=_tuples, raw=False,
-                               strict_map_key=False)
+        got = msgpack.unpackb(data, ext_hook=hook, list_hook=tuples, raw=False,
+                              strict_map_key=False)
     except (msgpack.UnpackException, ValueError, TypeError) as exc:  # msgpack's, or the hook's
         raise ValueError(f"malformed batch: {type(exc).__name__}: {exc}") from exc
+    if marks[0]:
+        raise ValueError("malformed batch: a tuple marker out of place (Note [Tuples])")
+    return got
 
 
 def _ext(code: int, data: bytes) -> msgpack.ExtType:
@@ -286,10 +298,6 @@ _BASE_VALUE: tuple[_BaseValue, ...] = (
     (dict, lambda d: dict(dict.items(d))), (list, list.copy), (str, str.__str__),
     (int, int.__index__),
     (float, float.__float__), (bytes, bytes.__bytes__))
-
-
-def _tuples(items: list[Any]) -> Any:
-    return tuple(items[1:]) if items and items[0] is _TUPLE_MARK else items
 
 
 def _scalar(payload: bytes) -> Any:

@@ -43,6 +43,7 @@ import errno
 import os
 import select
 import socket
+import stat
 import tempfile
 import threading
 import time
@@ -548,8 +549,11 @@ class Listener(Closeable):
         except OSError as exc:
             self._sock.close()
             self._remove_dirs()
-            hint = " (a socket file is there: another listener, or a stale one to remove)" \
-                if exc.errno == errno.EADDRINUSE else ""
+            hint = ""
+            if exc.errno == errno.EADDRINUSE:
+                hint = (" (a socket file is there: another listener, or a stale one to remove)"
+                        if _is_socket_or_gone(self.path) else
+                        " (something that is not a socket is there: choose another path)")
             raise OSError(exc.errno, f"cannot listen on {self.path!r}: {exc.strerror}{hint}") from exc
 
     def accept(self, timeout: float | None = None) -> Connection:
@@ -679,6 +683,13 @@ def _pack_error(exc: Exception) -> None:
                         "str, bytes, lists and dicts only (nothing is pickled)") from exc
     if isinstance(exc, (OverflowError, ValueError)):
         raise TypeError(f"cannot send this header: {exc}") from exc
+
+
+def _is_socket_or_gone(path: str) -> bool:
+    try:
+        return stat.S_ISSOCK(os.lstat(path).st_mode)
+    except OSError:  # gone meanwhile: say what EADDRINUSE usually means
+        return True
 
 
 def _check_uid(cred: PeerCred, allowed: frozenset[int]) -> None:

@@ -204,3 +204,13 @@ def test_torch_tensors_including_bfloat16():
     assert torch.equal(back, t.t().contiguous())
     with pytest.raises(TypeError, match="on meta cannot go through shared memory"):
         tensors.as_numpy(torch.empty(2, device="meta"))
+
+
+@pytest.mark.parametrize("tree", [msgpack.ExtType(2, b""), {"a": msgpack.ExtType(2, b"")},
+                                  [1, msgpack.ExtType(2, b"")],
+                                  [msgpack.ExtType(2, b""), msgpack.ExtType(2, b"")]],
+                         ids=["alone", "dict-value", "not-first", "twice"])
+def test_a_tuple_marker_out_of_place_is_a_malformed_batch(tree):
+    # Found by review: a lone marker came back to the user as a _TupleMark object.
+    with pytest.raises(ValueError, match="tuple marker out of place"):
+        tensors.decode(msgpack.packb(tree), lambda *a: None)
