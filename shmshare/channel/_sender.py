@@ -188,7 +188,7 @@ class Sender(BlockBook, Closeable):
                 held.local = True
         # positional: keyword parsing costs more than the rest of the call
         lease = _native.Lease(self._alloc, held.block.address, nbytes, False,
-                              _ViewDied(self._local_done, self._ref, held))
+                              _ViewDied(self._local_done, self, held))
         arr = np.ndarray(shp, np_dtype, buffer=lease)  # type: ignore[arg-type]  # numpy types Buffer from 3.12
         if torch_dtype is None:
             return arr
@@ -558,7 +558,6 @@ class Sender(BlockBook, Closeable):
         self._refused = None  # why the connection ended on purpose
         self._owner = os.getpid()
         self._handed = False  # a child may use it too (forked or spawned): see close()
-        self._ref = weakref.ref(self)
         self._provider = ShmProvider(self._limit, self._backend)
         self._provider.listeners.append(self._on_segment_event)
         self._alloc = CachingAllocator(self._provider, self._config)
@@ -613,15 +612,15 @@ class _ViewDied:
 
     __slots__ = ("done", "sender", "held")
 
-    def __init__(self, done: collections.deque[_Held], sender: weakref.ref[Sender],
-                 held: _Held) -> None:
+    def __init__(self, done: collections.deque[_Held], sender: Sender, held: _Held) -> None:
+        # A strong reference changes no lifetime: the array's Lease owns the allocator, whose
+        # provider's listener is this sender's bound method.
         self.done, self.sender, self.held = done, sender, held
 
     def __call__(self) -> None:
         self.done.append(self.held)
-        sender = self.sender()
-        if sender is not None and sender._reap:
-            sender._reap_closed()  # closed: nobody else will take it in
+        if self.sender._reap:
+            self.sender._reap_closed()  # closed: nobody else will take it in
 
 
 _live: weakref.WeakSet[Sender] = weakref.WeakSet()
