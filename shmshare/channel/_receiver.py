@@ -1,29 +1,14 @@
 """The receiving end of a channel: segments mapped once, arrays as leases, releases in batches.
 
-Note [Releases]
-    Each received array holds a ``_native.Lease`` whose callback runs when
-    the array's last view dies -- at any bytecode of any thread (the garbage
-    collector). The callback only appends ``(peer, lease)`` to a deque and,
-    if the flusher is not armed, arms it with one byte on a wake-up pipe; it
-    takes no lock. Releases go back in one frame per sender, from two places:
-    ``recv`` sends them when enough have gathered (_BATCH of them, or
-    _BATCH_BYTES of pool memory) or the last batch is older
-    than ``_MAX_AGE``; the flusher thread, once armed, wakes every
-    ``_MAX_AGE`` and sends what ``recv`` left (a consumer that stopped
-    calling ``recv``), and disarms when the queue is empty. So a sender
-    blocked on a full pool never waits on releases that sit here for more
-    than about ``_MAX_AGE``, and a busy consumer pays one small frame per
-    batch, not per array, with the flusher waking at most 1/_MAX_AGE times
-    a second.
+The books of each sender (its segments and what they cost) are in ``_books.py``,
+the releases' way back (Note [Releases]) in ``_releases.py``, and what a
+receiver checks of what it is sent in ``_trust.py``.
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
-import errno
 import os
-import resource
 import selectors
 import threading
 import time
@@ -46,121 +31,19 @@ from .._errors import (
 )
 from .._lifetime import Closeable
 from ..segment import Flags, Segment
+from ._books import GROW_MAPS, Caps, Peer, RxSegment
 from ._protocol import BATCH, BYE, DROP, GROW, KIND, LEASES, NEW, REFUSE, RELEASE, RELEASE_CHUNK, TREE, WHY
-from ._trust import check_fd, default_max_peer_bytes, default_max_peer_segments
+from ._releases import MAX_AGE, Release, WakePipe, flusher_main
+from ._trust import check_fd, check_fd_room, default_max_peer_bytes, default_max_peer_segments, fds_or_limit, locally
 
 __all__ = ["Receiver"]
 
-_MAX_AGE = 0.002  # s a release may wait before it is sent
 _CLOSE_CHECK = wire._CLOSE_CHECK  # s: a wait looks this often whether close() was called
 _BATCH = 64  # releases that make recv() send at once, ...
 _BATCH_BYTES = 1 << 20  # ... or bytes released: a sender's pool should not grow by a batch of them
-_pid = os.getpid()  # releases are sent only by the process that received the arrays
 _ACCEPT_BACKOFF = (0.05, 1.0)  # s: accepting pauses this long (doubling) after EMFILE
 _WHY_MAX = 2000  # characters of a refusal told to the sender
-_STUCK_MAX_AGE = 0.1  # s: the flusher's longest pause while a sender's socket stays full
-_GROW_MAPS = 2  # mappings one announced range may cost (it splits the reservation around it)
-_TOTAL_PEERS_SHARE = 4  # all senders together may hold this many times one sender's caps
 _MAX_PEERS = 256  # connections a listen() receiver keeps at once, by default
-_FD_MARGIN = 8  # fds kept free beyond one message's worth before accepting another sender
-
-
-class _RxSegment:
-    """A sender's segment as mapped here: its Segment and the root Lease over the whole range."""
-
-    __slots__ = ("seg", "root", "address", "size", "expandable", "mapped", "charge")
-
-    def __init__(self, seg: Segment, charge: _Charge, readonly: bool) -> None:
-        self.seg = seg  # owns the mapping, and an expandable segment's fd (new ranges come from it)
-        # Every array's Lease owns this root, and the root the Segment's own: the mapping
-        # outlives the sender, and the charge is given back when the mapping goes.
-        self.root = _native.Lease(seg.lease, seg.address, seg.size, readonly, charge)
-        self.address = seg.address
-        self.size = seg.size
-        self.expandable = seg.expandable
-        self.mapped: list[tuple[int, int]] = [] if self.expandable else [(0, self.size)]  # merged
-        self.charge = charge
-
-    def with_range(self, start: int, end: int) -> list[tuple[int, int]]:
-        """Return the mapped ranges with [start, end) added, touching ranges merged."""
-        spans = sorted([*self.mapped, (start, end)])
-        merged = [spans[0]]
-        for lo, hi in spans[1:]:
-            if lo <= merged[-1][1]:
-                merged[-1] = (merged[-1][0], max(hi, merged[-1][1]))
-            else:
-                merged.append((lo, hi))
-        return merged
-
-    def covers(self, start: int, end: int) -> bool:
-        """Return whether [start, end) lies in one mapped range (reading elsewhere would fault)."""
-        i = bisect.bisect_right(self.mapped, (start, float("inf"))) - 1
-        return i >= 0 and self.mapped[i][0] <= start and end <= self.mapped[i][1]
-
-
-class _Charge:
-    """What one segment costs its receiver, until its mapping is gone (Note [Caps per peer]).
-
-    Called as the on_release of the segment's root Lease -- at any bytecode
-    of any thread (the garbage collector) -- so it only queues itself; the
-    receiver takes the charge off at its next announcement.
-    """
-
-    __slots__ = ("peer", "nbytes", "nmaps", "done")
-
-    def __init__(self, peer: _Peer, nbytes: int, nmaps: int,
-                 done: collections.deque[_Charge]) -> None:
-        self.peer, self.nbytes, self.nmaps, self.done = peer, nbytes, nmaps, done
-
-    def __call__(self) -> None:
-        self.done.append(self)
-
-
-class _Peer:
-    """One sender, as the receiver knows it."""
-
-    __slots__ = ("conn", "segments", "bye", "reserved", "nmaps", "__weakref__")
-
-    def __init__(self, conn: wire.Connection) -> None:
-        self.conn = conn
-        self.segments: dict[int, _RxSegment] = {}
-        self.bye = False
-        self.reserved = 0  # bytes of address space its segments take here
-        self.nmaps = 0  # mappings its segments take here
-
-    @property
-    def who(self) -> str:
-        """Name the sending process: the pid of its last HELLO, not the socket's creator.
-
-        A ``channel()`` socketpair is created by the receiver's own process, so
-        its SO_PEERCRED pid is ours until the sender introduces itself.
-        """
-        hello = self.conn.peer_hello
-        if hello is not None and isinstance(hello.get("pid"), int):
-            return f"the sender (pid {hello['pid']})"
-        pid = self.conn.peer_cred.pid
-        if pid == os.getpid():
-            return "the sender (which never sent anything)"
-        return f"the sender (pid {pid})"
-
-
-class _Release:
-    """on_release of one received array: queue its lease id (see Note [Releases])."""
-
-    __slots__ = ("rx", "peer", "lease", "pid", "nbytes")
-
-    def __init__(self, rx: Receiver, peer: _Peer, lease: int, nbytes: int) -> None:
-        self.rx, self.peer, self.lease, self.pid, self.nbytes = rx, peer, lease, _pid, nbytes
-
-    def __call__(self) -> None:
-        if self.pid != _pid:
-            return  # an array inherited by a forked child: the lease is its parent's
-        rx = self.rx
-        rx._released.append((self.peer, self.lease))
-        rx._released_bytes += self.nbytes  # a hint for recv() (a race only blurs it)
-        if not rx._armed:
-            rx._armed = True
-            rx._wake.poke()
 
 
 class Receiver(Closeable):
@@ -199,23 +82,19 @@ class Receiver(Closeable):
         self._owner = os.getpid()
         self._writable = writable
         self._trust_unsealed = trust_unsealed
-        self._max_peer_bytes = _positive(max_peer_bytes, "max_peer_bytes") \
-            or default_max_peer_bytes()
-        self._max_peer_segments = _positive(max_peer_segments, "max_peer_segments") \
-            or default_max_peer_segments()
+        self._caps = Caps(_positive(max_peer_bytes, "max_peer_bytes") or default_max_peer_bytes(),
+                          _positive(max_peer_segments, "max_peer_segments")
+                          or default_max_peer_segments())
         self._max_peers = _positive(max_peers, "max_peers") or _MAX_PEERS
-        # Note [Caps per peer]: what all senders together hold here, and charges to take off
-        self._reserved = self._nmaps = 0
-        self._uncharged: collections.deque[_Charge] = collections.deque()
         self._accept_paused_until = 0.0  # Note [A full fd table]
         self._accept_backoff = _ACCEPT_BACKOFF[0]
-        self._peers: list[_Peer] = [_Peer(c) for c in conns]
+        self._peers: list[Peer] = [Peer(c) for c in conns]
         self._sel: selectors.BaseSelector | None = None
-        self._ready: collections.deque[_Peer] = collections.deque()
+        self._ready: collections.deque[Peer] = collections.deque()
         self._closed = False
         self._new_flusher_state()
         if listener is not None:
-            self._sel = _fds_or_limit("epoll_create", selectors.DefaultSelector)
+            self._sel = fds_or_limit("epoll_create", selectors.DefaultSelector)
             self._sel.register(listener, selectors.EVENT_READ, None)
             for p in self._peers:
                 self._sel.register(p.conn, selectors.EVENT_READ, p)
@@ -238,7 +117,7 @@ class Receiver(Closeable):
         deadline = None if timeout is None else time.monotonic() + timeout
         self._check_open()
         if (len(self._released) >= _BATCH or self._released_bytes >= _BATCH_BYTES
-                or time.monotonic() - self._last_flush > _MAX_AGE):
+                or time.monotonic() - self._last_flush > MAX_AGE):
             self._flush()
         while True:
             if self._closed:
@@ -323,18 +202,7 @@ class Receiver(Closeable):
         """
         if self._closed:
             return
-        self._flush()
-        self._closed = True
-        self._wake.poke()  # wake the flusher so that it sees _closed
-        if self._flusher is not None and self._flusher is not threading.current_thread():
-            self._flusher.join(5)
-        self._wake.close()
-        for p in list(self._peers):
-            self._forget(p)
-        if self._sel is not None:
-            self._sel.close()
-        if self._listener is not None:
-            self._listener.close()
+        self._shut(join=True)
 
     def _finalize(self) -> None:
         """Collected unclosed: warn, and release without waiting (no join, no goodbye)."""
@@ -343,12 +211,18 @@ class Receiver(Closeable):
         if self._owner == os.getpid():  # a forked child's copy was never the child's to close
             warnings.warn(f"unclosed {self!r}; call close() or use it as a context manager",
                           ResourceWarning, stacklevel=2)
+        self._shut(join=False)
+
+    def _shut(self, join: bool) -> None:
         self._flush()  # never waits (timeout=0 sends)
         self._closed = True
-        if self._flusher is None:
+        self._wake.poke()  # the flusher sees _closed (and closes the pipe if not joined)
+        flusher = self._flusher
+        if flusher is None:
             self._wake.close()
-        else:
-            self._wake.poke()  # the flusher sees _closed and closes the pipe as it returns
+        elif join and flusher is not threading.current_thread():
+            flusher.join(5)
+            self._wake.close()
         for p in list(self._peers):
             self._forget(p)
         if self._sel is not None:
@@ -366,11 +240,11 @@ class Receiver(Closeable):
             raise TypeError("a listening Receiver cannot be handed to another process; "
                             "listen() there instead")
         return _rebuild, (self._peers[0].conn, self._writable, self._trust_unsealed,
-                          self._max_peer_bytes, self._max_peer_segments)
+                          self._caps.max_peer_bytes, self._caps.max_peer_segments)
 
     # -- internals -----------------------------------------------------------------
 
-    def _next_peer(self, deadline: float | None) -> _Peer:
+    def _next_peer(self, deadline: float | None) -> Peer:
         if self._sel is None:
             if not self._peers:
                 raise PeerDied("the sender is gone and everything it sent was received")
@@ -410,7 +284,7 @@ class Receiver(Closeable):
             self._accept_paused_until = float("inf")
             return
         try:
-            _check_fd_room(self._listener.max_fds)
+            check_fd_room(self._listener.max_fds)
             conn = self._listener.accept(timeout=0)
         except ShmshareTimeout:
             return
@@ -429,7 +303,7 @@ class Receiver(Closeable):
             self._accept_backoff = min(2 * self._accept_backoff, _ACCEPT_BACKOFF[1])
             raise
         self._accept_backoff = _ACCEPT_BACKOFF[0]
-        peer = _Peer(conn)
+        peer = Peer(conn)
         self._peers.append(peer)
         self._sel.register(conn, selectors.EVENT_READ, peer)
 
@@ -439,7 +313,7 @@ class Receiver(Closeable):
             self._accept_paused_until = 0.0
             self._sel.register(self._listener, selectors.EVENT_READ, None)
 
-    def _drop(self, peer: _Peer, exc: Exception) -> Exception:
+    def _drop(self, peer: Peer, exc: Exception) -> Exception:
         """Forget a sender whose batch could not be taken in; return the error to raise.
 
         Once a batch is lost the two ends no longer agree on segments and
@@ -458,7 +332,7 @@ class Receiver(Closeable):
                      "it lent, and arrays already received stay valid")
         return exc
 
-    def _forget(self, peer: _Peer) -> None:
+    def _forget(self, peer: Peer) -> None:
         if peer in self._peers:
             self._peers.remove(peer)
             if self._accept_paused_until == float("inf") and not self._closed:
@@ -475,7 +349,7 @@ class Receiver(Closeable):
             rec.seg.close()  # each mapping goes when its last array does
         peer.segments.clear()
 
-    def _decode(self, peer: _Peer, header: dict[str, Any], fds: list[wire.Fd]) -> Any:
+    def _decode(self, peer: Peer, header: dict[str, Any], fds: list[wire.Fd]) -> Any:
         if fds or NEW in header:
             try:
                 self._map_new(peer, header.get(NEW, ()), fds)
@@ -493,7 +367,7 @@ class Receiver(Closeable):
         return tensors.decode(tree, lambda seg, block, off, lay: self._view(peer, seg, block, off,
                                                                             lay))
 
-    def _grow_and_drop(self, peer: _Peer, header: dict[str, Any]) -> None:
+    def _grow_and_drop(self, peer: Peer, header: dict[str, Any]) -> None:
         for seg_id, offset, nbytes in header.get(GROW, ()):
             rec = self._segment(peer, seg_id)
             if not rec.expandable:
@@ -502,78 +376,46 @@ class Receiver(Closeable):
                     or offset + nbytes > rec.size or (offset | nbytes) % _native.PAGE_SIZE):
                 raise ProtocolError(f"growth [{offset!r}, +{nbytes!r}) of segment {seg_id} is not "
                                     "whole pages inside it")
-            self._charge(peer, 0, _GROW_MAPS)
+            self._caps.charge(peer, 0, GROW_MAPS)
             spans = rec.with_range(offset, offset + nbytes)
             check_fd(rec.seg.fileno(), offset + nbytes, trust_unsealed=self._trust_unsealed,
                      writable=self._writable, backed=sum(hi - lo for lo, hi in spans))
-            _locally(rec.seg.map_range, offset, nbytes)
+            locally(rec.seg.map_range, offset, nbytes)
             rec.mapped = spans
-            self._add(rec.charge, 0, _GROW_MAPS)
+            self._caps.add(rec.charge, 0, GROW_MAPS)
         for seg_id in header.get(DROP, ()):
             gone = peer.segments.pop(seg_id, None)
             if gone is not None:  # its charge goes with its mapping, when its arrays do
                 gone.seg.close()  # its arrays keep the mapping; an expandable one's fd goes now
 
-    def _map_new(self, peer: _Peer, new: Any, fds: list[wire.Fd]) -> None:
+    def _map_new(self, peer: Peer, new: Any, fds: list[wire.Fd]) -> None:
         if len(new) != len(fds):
             raise ProtocolError(f"{len(new)} new segments were announced with {len(fds)} fds")
         for (seg_id, size, expandable), fd in zip(new, fds, strict=True):
             if type(size) is not int or size <= 0 or seg_id in peer.segments:
                 raise ProtocolError(f"a malformed announcement of segment {seg_id!r} "
                                     f"({size!r} bytes)")
-            self._charge(peer, size, 0 if expandable else 1)
+            self._caps.charge(peer, size, 0 if expandable else 1)
             check_fd(fd.fileno(), 0 if expandable else size,
                      trust_unsealed=self._trust_unsealed, writable=self._writable)
             flags = Flags.FROMFD if self._writable else Flags.FROMFD | Flags.READONLY
             # The Fd is taken, never dup'ed: a classic segment's is closed once mapped, an
             # expandable one's is kept by its Segment to map the ranges announced later.
-            seg = _locally(Segment.from_fd, fd, size, flags, reserve=bool(expandable))
-            charge = _Charge(peer, 0, 0, self._uncharged)
-            peer.segments[seg_id] = _RxSegment(seg, charge, not self._writable)
-            self._add(charge, size, 0 if expandable else 1)
+            seg = locally(Segment.from_fd, fd, size, flags, reserve=bool(expandable))
+            charge = self._caps.new_charge(peer)
+            peer.segments[seg_id] = RxSegment(seg, charge, not self._writable)
+            self._caps.add(charge, size, 0 if expandable else 1)
             if not expandable:
                 seg.close()  # no fd to close any more; the Lease keeps the mapping
 
-    def _add(self, charge: _Charge, nbytes: int, nmaps: int) -> None:
-        charge.nbytes += nbytes
-        charge.nmaps += nmaps
-        charge.peer.reserved += nbytes
-        charge.peer.nmaps += nmaps
-        self._reserved += nbytes
-        self._nmaps += nmaps
-
-    def _charge(self, peer: _Peer, nbytes: int, nmaps: int) -> None:
-        """Refuse what would take `peer`, or all senders, past the caps (Note [Caps per peer])."""
-        done = self._uncharged
-        while done:  # mappings gone since: their charges come off first
-            c = done.popleft()
-            self._add(c, -c.nbytes, -c.nmaps)
-        if peer.reserved + nbytes > self._max_peer_bytes:
-            raise ProtocolError(
-                f"{peer.who} announced segments of {peer.reserved + nbytes} bytes in all, past "
-                f"this receiver's max_peer_bytes={self._max_peer_bytes}; raise it (listen(..., "
-                "max_peer_bytes=)) or give the sender a smaller pool (limit=)")
-        if peer.nmaps + nmaps > self._max_peer_segments:
-            raise ProtocolError(
-                f"{peer.who} would need {peer.nmaps + nmaps} mappings here, past this "
-                f"receiver's max_peer_segments={self._max_peer_segments}; raise it, or give the "
-                "sender larger segments")
-        if self._reserved + nbytes > _TOTAL_PEERS_SHARE * self._max_peer_bytes or \
-                self._nmaps + nmaps > _TOTAL_PEERS_SHARE * self._max_peer_segments:
-            raise ProtocolError(
-                f"{peer.who} announced a segment past what all senders together may hold here "
-                f"({self._reserved} bytes of address space and {self._nmaps} mappings held, at "
-                f"most {_TOTAL_PEERS_SHARE}x max_peer_bytes / max_peer_segments); drop received "
-                "arrays sooner, or raise the caps")
-
-    def _segment(self, peer: _Peer, seg_id: int) -> _RxSegment:
+    def _segment(self, peer: Peer, seg_id: int) -> RxSegment:
         try:
             return peer.segments[seg_id]
         except KeyError:
             raise ProtocolError(f"{peer.who} referred to segment {seg_id}, which it never "
                                 "announced or already dropped") from None
 
-    def _view(self, peer: _Peer, seg_id: int, block: int, offset: int,
+    def _view(self, peer: Peer, seg_id: int, block: int, offset: int,
               lay: tensors.Layout) -> Any:
         dt = lay.dtype
         if dt.hasobject:  # bytes in shared memory would be taken for PyObject pointers
@@ -594,7 +436,7 @@ class Receiver(Closeable):
             raise ProtocolError(f"an array of {nbytes} bytes at offset {start} lies outside the "
                                 f"mapped part of segment {seg_id} ({rec.size} bytes)")
         lease = _native.Lease(rec.root, rec.address + start, nbytes, not self._writable,
-                              _Release(self, peer, block, nbytes))  # positional: cheaper to parse
+                              Release(self, peer, block, nbytes))  # positional: cheaper to parse
         if lay.dense:
             arr = np.ndarray(lay.shape, dt, buffer=lease)  # type: ignore[arg-type]  # numpy types Buffer from 3.12
         else:
@@ -608,9 +450,9 @@ class Receiver(Closeable):
     # -- releases ----------------------------------------------------------------
 
     def _new_flusher_state(self) -> None:
-        self._released: collections.deque[tuple[_Peer, int]] = collections.deque()
+        self._released: collections.deque[tuple[Peer, int]] = collections.deque()
         self._released_bytes = 0  # about how many bytes the queued releases give back
-        self._wake = _WakePipe()
+        self._wake = WakePipe()
         self._armed = False  # the flusher is awake and will look at the queue again
         self._last_flush = 0.0
         self._flush_lock = threading.Lock()
@@ -619,7 +461,7 @@ class Receiver(Closeable):
 
     def _ensure_flusher(self) -> None:
         if self._flusher is None:
-            self._flusher = threading.Thread(target=_flusher_main, args=(weakref.ref(self),
+            self._flusher = threading.Thread(target=flusher_main, args=(weakref.ref(self),
                                              self._wake), name="shmshare-releases", daemon=True)
             self._flusher.start()
 
@@ -636,7 +478,7 @@ class Receiver(Closeable):
             self._released_bytes = 0
             if not q:
                 return True
-            by_peer: dict[_Peer, list[int]] = {}
+            by_peer: dict[Peer, list[int]] = {}
             while q:
                 peer, lease = q.popleft()
                 by_peer.setdefault(peer, []).append(lease)
@@ -675,123 +517,6 @@ class Receiver(Closeable):
                 self._sel.register(p.conn, selectors.EVENT_READ, p)
 
 
-class _WakePipe(Closeable):
-    """The flusher's wake-up pipe.
-
-    ``poke`` runs in Lease callbacks, at any bytecode (the garbage collector):
-    it only *tries* the lock, so it can never deadlock with ``close`` on the
-    same thread, and it never writes after ``close`` -- into a fd number that
-    may belong to someone else by then.
-    """
-
-    __slots__ = ("r", "w", "lock")
-
-    def __init__(self) -> None:
-        self.r, self.w = _fds_or_limit("pipe2", os.pipe2, os.O_NONBLOCK | os.O_CLOEXEC)
-        self.lock = threading.Lock()
-
-    def poke(self) -> None:
-        """Write one byte, unless the pipe is closed or being closed."""
-        if self.lock.acquire(blocking=False):
-            try:
-                if self.w >= 0:
-                    os.write(self.w, b"\0")
-            except OSError:  # full: the flusher has bytes to read anyway
-                pass
-            finally:
-                self.lock.release()
-
-    def close(self) -> None:
-        """Close both ends. Idempotent."""
-        with self.lock:
-            r, w, self.r, self.w = self.r, self.w, -1, -1  # forget first: never close twice
-        for fd in (r, w):
-            if fd >= 0:
-                os.close(fd)
-
-
-def _flusher_main(ref: weakref.ref[Receiver], wake: _WakePipe) -> None:
-    import select
-
-    wake_r = wake.r  # the receiver closes the pipe only after this thread has returned
-    poller = select.poll()
-    poller.register(wake_r, select.POLLIN)
-    while True:
-        poller.poll(1000)  # disarmed: sleep until a release arms us (or a second passes)
-        rx = ref()
-        if rx is None or rx._closed:
-            wake.close()  # a finalized receiver leaves its pipe to us; close() joined us first
-            return
-        try:
-            os.read(wake_r, 4096)
-        except BlockingIOError:
-            pass
-        pause = _MAX_AGE
-        while True:  # armed: look every _MAX_AGE until the queue stays empty
-            time.sleep(pause)
-            if rx._closed:
-                wake.close()
-                return
-            if time.monotonic() - rx._last_flush >= _MAX_AGE:
-                # a sender that does not read: look less often (and batch more) until it does
-                pause = _MAX_AGE if rx._flush() else min(2 * pause, _STUCK_MAX_AGE)
-            rx._armed = False  # disarm first, then look: a release racing with us re-arms
-            if rx._released:
-                rx._armed = True
-                continue
-            break
-        del rx
-
-
-def _locally(fn: Any, *args: Any, **kw: Any) -> Any:
-    """Run a mapping call; a failure of ours (not the peer's) is a SegmentError saying so."""
-    try:
-        return fn(*args, **kw)
-    except (ShmshareError, ValueError):
-        raise
-    except OSError as exc:
-        if exc.errno in (errno.EMFILE, errno.ENFILE):
-            raise FdLimitError.exhausted("mapping a sender's segment", exc) from exc
-        hint = {errno.ENOMEM: "out of address space or mappings: RLIMIT_AS (ulimit -v) or "
-                              "vm.max_map_count",
-                errno.EPERM: "mapping was denied here (a seccomp or LSM policy?)",
-                errno.EACCES: "mapping was denied here"}.get(exc.errno or 0, "see errno")
-        raise SegmentError(exc.errno, f"this process could not map a sender's segment "
-                           f"({exc}): a local limit, not the sender's doing: {hint}") from exc
-
-
-def _fds_or_limit(syscall: str, fn: Any, *args: Any) -> Any:
-    """Call `fn`, which makes fds: a full fd table is FdLimitError, not a bare OSError."""
-    try:
-        return fn(*args)
-    except OSError as exc:
-        if exc.errno in (errno.EMFILE, errno.ENFILE):
-            raise FdLimitError.exhausted(syscall, exc) from exc
-        raise
-
-
-def _check_fd_room(max_fds: int) -> None:
-    """Raise FdLimitError unless accepting leaves room for a full message's fds.
-
-    A connected sender's next batch may bring up to `max_fds` fds, which the
-    kernel drops (MSG_CTRUNC, and that sender is lost) when the table is full;
-    a newcomer must not take the last of that room (Note [A full fd table]):
-    one message's worth, or an eighth of a table too small for that.
-    """
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    try:
-        nopen = len(os.listdir("/proc/self/fd"))
-    except OSError as exc:
-        raise FdLimitError.exhausted("accept", exc) from exc
-    need = min(max_fds + _FD_MARGIN, max(2, soft // 8))  # a tiny table still takes senders
-    if soft - nopen < need:
-        raise FdLimitError.exhausted(
-            "accept", errno.EMFILE,
-            f"a new sender is not accepted while fewer than {need} fds are free: the connected "
-            "senders' segments need them",
-            cause=f"accept: only {soft - nopen} fds are free")
-
-
 def _positive(value: int | None, name: str) -> int | None:
     if value is not None and (type(value) is not int or value <= 0):
         raise ValueError(f"{name} must be a positive int or None, got {value!r}")
@@ -814,8 +539,6 @@ _live: weakref.WeakSet[Receiver] = weakref.WeakSet()
 
 
 def _after_fork() -> None:
-    global _pid
-    _pid = os.getpid()
     for rx in list(_live):
         rx._after_fork_in_child()
 

@@ -44,13 +44,19 @@ Note [Caps per peer]
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import resource
 import stat
+from typing import Any
 
-from .._errors import ProtocolError
+from .._errors import FdLimitError, ProtocolError, SegmentError, ShmshareError
 
-__all__ = ["check_fd", "describe_fd", "default_max_peer_bytes", "default_max_peer_segments"]
+__all__ = ["check_fd", "describe_fd", "default_max_peer_bytes", "default_max_peer_segments",
+           "locally", "fds_or_limit", "check_fd_room"]
+
+_FD_MARGIN = 8  # fds kept free beyond one message's worth before accepting another sender
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux 5.1
@@ -149,3 +155,55 @@ def _fs_type(dev: int) -> str:
     except OSError:  # only a message loses its detail
         pass
     return f"the file system of device {want}"
+
+
+# -- our own limits, told apart from the peer's doing ---------------------------
+
+
+def locally(fn: Any, *args: Any, **kw: Any) -> Any:
+    """Run a mapping call; a failure of ours (not the peer's) is a SegmentError saying so."""
+    try:
+        return fn(*args, **kw)
+    except (ShmshareError, ValueError):
+        raise
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise FdLimitError.exhausted("mapping a sender's segment", exc) from exc
+        hint = {errno.ENOMEM: "out of address space or mappings: RLIMIT_AS (ulimit -v) or "
+                              "vm.max_map_count",
+                errno.EPERM: "mapping was denied here (a seccomp or LSM policy?)",
+                errno.EACCES: "mapping was denied here"}.get(exc.errno or 0, "see errno")
+        raise SegmentError(exc.errno, f"this process could not map a sender's segment "
+                           f"({exc}): a local limit, not the sender's doing: {hint}") from exc
+
+
+def fds_or_limit(syscall: str, fn: Any, *args: Any) -> Any:
+    """Call `fn`, which makes fds: a full fd table is FdLimitError, not a bare OSError."""
+    try:
+        return fn(*args)
+    except OSError as exc:
+        if exc.errno in (errno.EMFILE, errno.ENFILE):
+            raise FdLimitError.exhausted(syscall, exc) from exc
+        raise
+
+
+def check_fd_room(max_fds: int) -> None:
+    """Raise FdLimitError unless accepting leaves room for a full message's fds.
+
+    A connected sender's next batch may bring up to `max_fds` fds, which the
+    kernel drops (MSG_CTRUNC, and that sender is lost) when the table is full;
+    a newcomer must not take the last of that room (Note [A full fd table]):
+    one message's worth, or an eighth of a table too small for that.
+    """
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    try:
+        nopen = len(os.listdir("/proc/self/fd"))
+    except OSError as exc:
+        raise FdLimitError.exhausted("accept", exc) from exc
+    need = min(max_fds + _FD_MARGIN, max(2, soft // 8))  # a tiny table still takes senders
+    if soft - nopen < need:
+        raise FdLimitError.exhausted(
+            "accept", errno.EMFILE,
+            f"a new sender is not accepted while fewer than {need} fds are free: the connected "
+            "senders' segments need them",
+            cause=f"accept: only {soft - nopen} fds are free")

@@ -446,10 +446,10 @@ def test_a_dropped_segment_counts_against_the_caps_while_its_arrays_live():
     a.send(_batch_on(104, 4096), fds=[fds[-1]])
     with pytest.raises(ProtocolError, match="max_peer_segments=3"):
         rx.recv(timeout=5)
-    assert len(rx._uncharged) == 0
+    assert len(rx._caps.uncharged) == 0
     del kept
     gc.collect()
-    assert len(rx._uncharged) == 3  # the mappings went with the arrays: their charges come off
+    assert len(rx._caps.uncharged) == 3  # the mappings went with the arrays: their charges come off
     a.close()
     for fd in fds:
         os.close(fd)
