@@ -33,6 +33,9 @@ from numpy.lib import format as npformat
 
 __all__ = [
     "ArrayDesc",
+    "alloc_dtypes",
+    "desc_dtype_bytes",
+    "DTYPE_BYTES",
     "Encoder",
     "encode",
     "pack_desc",
@@ -428,3 +431,45 @@ def as_numpy(t: Any) -> tuple[np.ndarray, str | None]:
 
         as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
         return t.view(as_int).numpy(), name
+
+
+# -- dtypes as a sender needs them (cached: the hot path looks them up per array) --
+
+
+def alloc_dtypes(dtype: Any) -> tuple[np.dtype, Any]:
+    """Return (numpy dtype to allocate, torch dtype or None) for a numpy or torch dtype."""
+    try:
+        return _ALLOC_DTYPES[dtype]
+    except (KeyError, TypeError):  # not seen yet, or unhashable
+        pass
+    if type(dtype).__module__ == "torch":
+        import torch
+
+        probe = torch.empty(0, dtype=dtype)
+        np_dtype, _ = as_numpy(probe)
+        got = (np_dtype.dtype, dtype)
+    else:
+        dt = np.dtype(dtype)
+        check_shareable(dt)
+        got = (dt, None)
+    try:
+        if len(_ALLOC_DTYPES) < 1024:
+            _ALLOC_DTYPES[dtype] = got
+    except TypeError:
+        pass
+    return got
+
+
+_ALLOC_DTYPES: dict[Any, tuple[np.dtype, Any]] = {}
+
+
+def desc_dtype_bytes(dt: np.dtype) -> bytes:
+    """Return `dt` as a descriptor's dtype bytes, refusing object dtypes (cached)."""
+    check_shareable(dt)
+    got = encode_dtype(dt).encode()
+    if len(DTYPE_BYTES) < 1024:
+        DTYPE_BYTES[dt] = got
+    return got
+
+
+DTYPE_BYTES: dict[np.dtype, bytes] = {}

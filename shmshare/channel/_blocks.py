@@ -21,11 +21,14 @@ Note [Spare blocks]
 from __future__ import annotations
 
 import bisect
+import collections
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..memory import CachingAllocator, ShmSegment
+from ._announce import SegmentBook
 
-__all__ = ["BlockBook", "SPARE_BYTES"]
+__all__ = ["BlockBook", "SPARE_BYTES", "SenderStatistics", "ViewDied"]
 
 SPARE_BYTES = 64 << 20  # at most this many bytes of spare blocks (and limit/8), ...
 _SPARES_PER_SIZE = 1024  # ... and at most this many of one size (Note [Spare blocks])
@@ -52,7 +55,7 @@ class BlockBook:
 
     It keeps ``_held`` (block address -> :class:`_Held`) with ``_addrs``
     sorted for :meth:`_find`, and the spares of Note [Spare blocks]. The
-    sender provides ``_malloc``, ``_segment_of``, ``_drain``, ``_alloc``,
+    sender provides ``_malloc``, ``_ann``, ``_drain``, ``_alloc``,
     ``_leases``, ``_peer_dead`` and ``_sent``; everything here runs under its lock.
     """
 
@@ -63,11 +66,11 @@ class BlockBook:
     _peer_dead: bool
     _sent: int  # batches sent so far: the clock of Note [Spare blocks]
     _alloc: CachingAllocator
+    _ann: SegmentBook
 
     if TYPE_CHECKING:  # the sender's, declared here for the type checker only
 
         def _malloc(self, nbytes: int, deadline: float | None) -> Any: ...
-        def _segment_of(self, address: int) -> ShmSegment: ...
         def _drain(self) -> None: ...
 
     def _new_book(self, spare_limit: int) -> None:
@@ -127,7 +130,7 @@ class BlockBook:
 
     def _new_held(self, nbytes: int, deadline: float | None, local: bool) -> _Held:
         block = self._malloc(nbytes, deadline)
-        held = _Held(block, self._segment_of(block.address), local,
+        held = _Held(block, self._ann.segment_of(block.address), local,
                      -(-nbytes // _SPARE_GRAIN) * _SPARE_GRAIN)
         bisect.insort(self._addrs, block.address)
         self._held[block.address] = held
@@ -164,3 +167,34 @@ class BlockBook:
         for blocks in spares.values():
             for held in blocks:
                 self._free_held(held)
+
+
+@dataclass(frozen=True)
+class SenderStatistics:
+    """What a sender holds now (see ``Sender.statistics()``)."""
+
+    messages_sent: int
+    arrays_copied: int  # arrays copied into the pool by send()
+    arrays_in_place: int  # arrays sent straight from the pool (empty()/zeros())
+    leases_out: int  # arrays the receiver still holds
+    bytes_leased: int  # pool bytes those arrays pin
+    segments_announced: int  # segments whose fd crossed the socket
+    reserved_bytes: int  # shared memory the pool holds
+    allocated_bytes: int  # of which in use (spare blocks included)
+    spare_bytes: int  # blocks kept for the next request of their size (_blocks.py)
+
+
+class ViewDied:
+    """on_release of a local array (``empty()``): Note [Callbacks from the garbage collector]."""
+
+    __slots__ = ("done", "sender", "held")
+
+    def __init__(self, done: collections.deque[_Held], sender: Any, held: _Held) -> None:
+        # Strong: a sender lives as long as an array from its empty() does (the array's Lease
+        # owns the allocator; this keeps the sender too, so that a close() can find its books).
+        self.done, self.sender, self.held = done, sender, held
+
+    def __call__(self) -> None:
+        self.done.append(self.held)
+        if self.sender._reap:
+            self.sender._reap_closed()  # closed: nobody else will take it in

@@ -20,7 +20,6 @@ Note [Callbacks from the garbage collector]
 
 from __future__ import annotations
 
-import bisect
 import collections
 import itertools
 import math
@@ -29,7 +28,6 @@ import threading
 import time
 import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,8 +44,9 @@ from .._errors import (
 )
 from .._lifetime import Closeable
 from ..memory import CachingAllocator, OutOfMemoryError, ShmProvider, ShmSegment
-from ._blocks import SPARE_BYTES, BlockBook, _Held
-from ._protocol import BATCH, BYE, DROP, GROW, KIND, LEASES, NEW, REFUSE, RELEASE, TREE, WHY
+from ._announce import SegmentBook
+from ._blocks import SPARE_BYTES, BlockBook, SenderStatistics, ViewDied, _Held
+from ._protocol import BATCH, BYE, KIND, LEASES, REFUSE, RELEASE, TREE, WHY
 
 __all__ = ["Sender", "DEFAULT_LIMIT", "SenderStatistics"]
 
@@ -57,19 +56,6 @@ _POLL_SLICE = 0.05  # s: back-pressure waits in slices, so local views dying els
 # looking on every send would cost a syscall a message for nothing
 _DRAIN_EVERY = 0.0005
 _BYE_WAIT = 30.0  # s close() waits for room for its goodbye behind batches still queued
-@dataclass(frozen=True)
-class SenderStatistics:
-    """What a sender holds now (see ``Sender.statistics()``)."""
-
-    messages_sent: int
-    arrays_copied: int  # arrays copied into the pool by send()
-    arrays_in_place: int  # arrays sent straight from the pool (empty()/zeros())
-    leases_out: int  # arrays the receiver still holds
-    bytes_leased: int  # pool bytes those arrays pin
-    segments_announced: int  # segments whose fd crossed the socket
-    reserved_bytes: int  # shared memory the pool holds
-    allocated_bytes: int  # of which in use (spare blocks included)
-    spare_bytes: int  # blocks kept for the next request of their size (_blocks.py)
 
 
 class Sender(BlockBook, Closeable):
@@ -137,8 +123,9 @@ class Sender(BlockBook, Closeable):
             self._in_send = True
             try:
                 tree = self._encoder.encode(obj)  # calls _place for each array
-                if self._to_announce or self._grow or self._drop:
-                    header, fds = self._header(tree)
+                ann = self._ann
+                if ann.to_announce or ann.grow or ann.drop:
+                    header, fds = ann.header({KIND: BATCH, TREE: tree})
                 else:  # the usual message: nothing to announce
                     header, fds = {KIND: BATCH, TREE: tree}, _NO_FDS
                 self._send_draining(header, fds, deadline)
@@ -155,7 +142,7 @@ class Sender(BlockBook, Closeable):
             finally:
                 self._in_send = False
             if fds or len(header) > 2:
-                self._commit_header(header)
+                self._ann.commit()
             if not self._sent:  # a finalizer says goodbye too (Note [Finalizers and goodbyes])
                 self._conn.set_farewell({KIND: BYE})
             self._sent += 1
@@ -165,7 +152,7 @@ class Sender(BlockBook, Closeable):
 
         `dtype` may be a torch dtype, to get a torch tensor.
         """
-        np_dtype, torch_dtype = _dtypes(dtype)
+        np_dtype, torch_dtype = tensors.alloc_dtypes(dtype)
         if type(shape) is int and shape >= 0:
             shp: tuple[int, ...] = (shape,)
             nbytes = np_dtype.itemsize * shape
@@ -188,7 +175,7 @@ class Sender(BlockBook, Closeable):
                 held.local = True
         # positional: keyword parsing costs more than the rest of the call
         lease = _native.Lease(self._alloc, held.block.address, nbytes, False,
-                              _ViewDied(self._local_done, self, held))
+                              ViewDied(self._local_done, self, held))
         arr = np.ndarray(shp, np_dtype, buffer=lease)  # type: ignore[arg-type]  # numpy types Buffer from 3.12
         if torch_dtype is None:
             return arr
@@ -216,7 +203,7 @@ class Sender(BlockBook, Closeable):
             stats = self._alloc.memory_stats()
             return SenderStatistics(
                 self._sent, self._copied, self._in_place, len(self._leases),
-                sum(h.block.size for h in set(self._leases.values())), self._n_announced,
+                sum(h.block.size for h in set(self._leases.values())), self._ann.count,
                 stats["reserved_bytes.all.current"], stats["allocated_bytes.all.current"],
                 self._spare_bytes)
 
@@ -317,9 +304,9 @@ class Sender(BlockBook, Closeable):
         else:
             arr, name = tensors.as_numpy(obj)
             tdt = name.encode() if name else b""
-        dt = _dtype_bytes.get(arr.dtype)
+        dt = _DTYPE_BYTES.get(arr.dtype)
         if dt is None:
-            dt = _encode_dtype(arr.dtype)
+            dt = tensors.desc_dtype_bytes(arr.dtype)
         ptr, lo, span = _native.extent(arr)
         if span == 0:
             return tensors.pack_desc(0, 0, 0, dt, arr.shape, arr.strides, tdt)
@@ -336,8 +323,9 @@ class Sender(BlockBook, Closeable):
         held.leases += 1
         self._taken.append(lease)
         seg = held.seg
-        if seg.id not in self._announced and seg not in self._to_announce:
-            self._to_announce.append(seg)
+        ann = self._ann
+        if seg.id not in ann.announced and seg not in ann.to_announce:
+            ann.to_announce.append(seg)
         return tensors.pack_desc(seg.id, lease, ptr - seg.address, dt, arr.shape, strides, tdt)
 
     def _copy_in(self, arr: np.ndarray) -> tuple[_Held, tuple[int, ...]]:
@@ -500,54 +488,9 @@ class Sender(BlockBook, Closeable):
         self._peer_dead = True
         self._free_spares()  # nothing more will be sent
         for seg in self._provider.segments.values():
-            if seg.id in self._announced or seg in self._to_announce:
+            if self._ann.knows(seg):
                 seg.keep_pages = True
         self._return_leases(list(self._leases))
-
-    # -- segment announcements ---------------------------------------------------
-
-    def _header(self, tree: bytes) -> tuple[dict[str, Any], list[int]]:
-        header: dict[str, Any] = {KIND: BATCH, TREE: tree}
-        fds = []
-        grow = list(self._grow)
-        if self._to_announce:
-            header[NEW] = [[s.id, s.size, s.expandable] for s in self._to_announce]
-            fds = [s.fd for s in self._to_announce]
-            grow += [[s.id, off, n] for s in self._to_announce if s.expandable
-                     for off, n in sorted(s.mapped.items())]
-        if grow:
-            header[GROW] = grow
-        if self._drop:
-            header[DROP] = list(self._drop)
-        return header, fds
-
-    def _commit_header(self, header: dict[str, Any]) -> None:
-        for s in self._to_announce:
-            self._announced.add(s.id)
-        self._n_announced += len(self._to_announce)
-        self._to_announce.clear()
-        self._grow.clear()
-        self._drop.clear()
-
-    def _on_segment_event(self, kind: str, seg: ShmSegment, offset: int, nbytes: int) -> None:
-        if kind in ("segment_alloc", "segment_reserve"):
-            i = bisect.bisect_left(self._seg_addrs, seg.address)
-            self._seg_addrs.insert(i, seg.address)
-            self._segs.insert(i, seg)
-        elif kind == "segment_map" and seg.id in self._announced:
-            self._grow.append([seg.id, offset, nbytes])
-        elif kind == "segment_free":
-            i = bisect.bisect_left(self._seg_addrs, seg.address)
-            del self._seg_addrs[i], self._segs[i]
-            if seg.id in self._announced:
-                self._announced.discard(seg.id)
-                self._drop.append(seg.id)
-            self._grow[:] = [g for g in self._grow if g[0] != seg.id]
-            if seg in self._to_announce:  # a send that failed wanted it; it is gone now
-                self._to_announce.remove(seg)
-
-    def _segment_of(self, address: int) -> ShmSegment:
-        return self._segs[bisect.bisect_right(self._seg_addrs, address) - 1]
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -559,20 +502,15 @@ class Sender(BlockBook, Closeable):
         self._owner = os.getpid()
         self._handed = False  # a child may use it too (forked or spawned): see close()
         self._provider = ShmProvider(self._limit, self._backend)
-        self._provider.listeners.append(self._on_segment_event)
+        self._ann = SegmentBook()
+        self._provider.listeners.append(self._ann.on_segment_event)
         self._alloc = CachingAllocator(self._provider, self._config)
-        self._seg_addrs: list[int] = []  # sorted start addresses of our segments
-        self._segs: list[ShmSegment] = []  # parallel to _seg_addrs
         self._leases: dict[int, _Held] = {}  # lease id -> held block
         # Unique per process, like segment ids: a forked child sharing this socket must never
         # take a release of its parent's lease 1 for its own lease 1.
         self._lease_ids = itertools.count((os.getpid() << 32) + 1)
         self._local_done: collections.deque[_Held] = collections.deque()
-        self._announced: set[int] = set()
-        self._to_announce: list[ShmSegment] = []
-        self._grow: list[list[int]] = []
-        self._drop: list[int] = []
-        self._sent = self._copied = self._in_place = self._n_announced = 0
+        self._sent = self._copied = self._in_place = 0
         self._last_drain = 0.0
         self._encoder = tensors.Encoder(self._place)
         self._taken = []  # lease ids the send in progress took (under the lock)
@@ -605,22 +543,6 @@ class Sender(BlockBook, Closeable):
                 raise self._refusal()
             raise PeerDied("the receiver is gone; its arrays stay valid, but nothing more can be "
                            "sent on this channel")
-
-
-class _ViewDied:
-    """on_release of a local array (``empty()``): Note [Callbacks from the garbage collector]."""
-
-    __slots__ = ("done", "sender", "held")
-
-    def __init__(self, done: collections.deque[_Held], sender: Sender, held: _Held) -> None:
-        # A strong reference changes no lifetime: the array's Lease owns the allocator, whose
-        # provider's listener is this sender's bound method.
-        self.done, self.sender, self.held = done, sender, held
-
-    def __call__(self) -> None:
-        self.done.append(self.held)
-        if self.sender._reap:
-            self.sender._reap_closed()  # closed: nobody else will take it in
 
 
 _live: weakref.WeakSet[Sender] = weakref.WeakSet()
@@ -659,42 +581,6 @@ def _remaining(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
-def _dtypes(dtype: Any) -> tuple[np.dtype, Any]:
-    """Return (numpy dtype to allocate, torch dtype or None) for a numpy or torch dtype."""
-    try:
-        return _dtype_cache[dtype]
-    except (KeyError, TypeError):  # not seen yet, or unhashable
-        pass
-    if type(dtype).__module__ == "torch":
-        import torch
-
-        probe = torch.empty(0, dtype=dtype)
-        np_dtype, _ = tensors.as_numpy(probe)
-        got = (np_dtype.dtype, dtype)
-    else:
-        dt = np.dtype(dtype)
-        tensors.check_shareable(dt)
-        got = (dt, None)
-    try:
-        if len(_dtype_cache) < 1024:
-            _dtype_cache[dtype] = got
-    except TypeError:
-        pass
-    return got
-
-
-_dtype_cache: dict[Any, tuple[np.dtype, Any]] = {}
-
-
-def _encode_dtype(dt: np.dtype) -> bytes:
-    """Return `dt` as a descriptor's dtype bytes, refusing object dtypes (cached)."""
-    tensors.check_shareable(dt)
-    got = tensors.encode_dtype(dt).encode()
-    if len(_dtype_bytes) < 1024:
-        _dtype_bytes[dt] = got
-    return got
-
-
-_dtype_bytes: dict[np.dtype, bytes] = {}
+_DTYPE_BYTES = tensors.DTYPE_BYTES  # the descriptor bytes of dtypes seen: a dict on the hot path
 _NO_FDS: list[int] = []
 _REFUSED = "the receiver refused a batch from this sender and dropped the connection: "
