@@ -18,8 +18,12 @@ Note [Checking memory before reserving]
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import stat
+from typing import Any
+
+import numpy as np
 
 from . import _cgroup
 from ._errors import FdLimitError, SegmentError
@@ -120,3 +124,16 @@ def check_cgroup(nbytes: int, backend: str) -> None:
         "this process OOM-killed, so it was not tried. Free memory (drop arrays of earlier "
         "batches, empty_cache()), lower the pool's limit, or raise the cgroup's (docker run "
         "--memory, memory.max)"))
+
+
+def memfd_seals(final: bool, growable: bool) -> int:
+    """Return the seals of a new memfd (Note [Seals] in ``segment``): never shrinks."""
+    seal = fcntl.F_SEAL_SHRINK | (0 if growable else fcntl.F_SEAL_GROW)
+    return seal | (fcntl.F_SEAL_SEAL if final else 0)
+
+
+def check_nbytes(nbytes: Any) -> int:
+    """Return `nbytes` as an int, or raise ValueError unless it is a positive integer."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
+        raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
+    return int(nbytes)

@@ -69,18 +69,10 @@ from typing import Any
 import numpy as np
 
 from . import _native
+from . import _segcalls as _sc
 from ._errors import SegmentError
 from ._fd import Fd
 from ._lifetime import Closeable
-from ._segcalls import FD_ERRNOS as _FD_ERRNOS
-from ._segcalls import check_cgroup as _check_cgroup
-from ._segcalls import describe_fd as _describe_fd
-from ._segcalls import fd_error as _fd_error
-from ._segcalls import ftruncate as _ftruncate
-from ._segcalls import memfd_create as _memfd_create
-from ._segcalls import shm_name as _shm_name
-from ._segcalls import shm_open as _shm_open
-from ._segcalls import unlink as _unlink
 from ._shmdir import SHM_DIR as _SHM_DIR
 from ._shmdir import shm_free_bytes, space_hint, sweep
 
@@ -181,7 +173,7 @@ class Segment(Closeable):
         name : str, optional
             posix only: use this name instead of a random one.
         """
-        nbytes = _check_nbytes(nbytes)
+        nbytes = _sc.check_nbytes(nbytes)
         flags = Flags(flags)
         if backend not in _BACKENDS:
             raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
@@ -217,7 +209,7 @@ class Segment(Closeable):
         if flags & Flags.FROMFD:
             raise ValueError("Flags.FROMFD goes with Segment.from_fd(), not open()")
         if nbytes is not None:
-            nbytes = _check_nbytes(nbytes)
+            nbytes = _sc.check_nbytes(nbytes)
         oflag = os.O_RDONLY if flags & Flags.READONLY else os.O_RDWR
         if not flags & Flags.NOCREATE and nbytes is None and flags & Flags.SHAREDMEM:
             raise ValueError("opening shared memory without Flags.NOCREATE may create it: pass "
@@ -225,15 +217,15 @@ class Segment(Closeable):
         if not flags & Flags.NOCREATE:
             oflag |= os.O_CREAT | (os.O_EXCL if flags & Flags.EXCLUSIVE else 0)
         if flags & Flags.SHAREDMEM:
-            shm_name = _shm_name(os.fspath(name))
-            fd = _shm_open(shm_name, oflag)
+            shm_name = _sc.shm_name(os.fspath(name))
+            fd = _sc.shm_open(shm_name, oflag)
             return cls._finish(fd, nbytes, flags, "posix", shm_name, may_resize=True)
         path = os.fspath(name)
         try:
             fd = os.open(path, oflag | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            if exc.errno in _FD_ERRNOS:
-                raise _fd_error(f"open({path!r})", exc) from exc
+            if exc.errno in _sc.FD_ERRNOS:
+                raise _sc.fd_error(f"open({path!r})", exc) from exc
             raise SegmentError(exc.errno, f"open({path!r}) failed: {exc.strerror}") from exc
         return cls._finish(fd, nbytes, flags, "file", path, may_resize=True)
 
@@ -261,7 +253,7 @@ class Segment(Closeable):
         (``KEEPFD`` is implied): later pieces are mapped from it.
         """
         if nbytes is not None:
-            nbytes = _check_nbytes(nbytes)
+            nbytes = _sc.check_nbytes(nbytes)
         if isinstance(fd, Fd):
             own = given = fd.take()  # ValueError if it was taken or closed already
         else:
@@ -271,10 +263,10 @@ class Segment(Closeable):
             try:
                 own = os.dup(given)
             except OSError as exc:
-                raise _fd_error(f"dup({given})", exc) from exc
+                raise _sc.fd_error(f"dup({given})", exc) from exc
         try:
             st = os.fstat(own)
-            backend, name = _describe_fd(own, st, given)
+            backend, name = _sc.describe_fd(own, st, given)
         except BaseException:
             os.close(own)
             raise
@@ -297,7 +289,7 @@ class Segment(Closeable):
         page is reserved until :meth:`map_range`. The fd is kept (it is what
         peers receive); `flags` must include SHAREDMEM and KEEPFD.
         """
-        nbytes = _check_nbytes(nbytes)
+        nbytes = _sc.check_nbytes(nbytes)
         flags = Flags(flags)
         if not flags & Flags.SHAREDMEM or not flags & Flags.KEEPFD:
             raise ValueError("Segment.reserve() needs Flags.SHAREDMEM and Flags.KEEPFD: later "
@@ -306,7 +298,7 @@ class Segment(Closeable):
             raise ValueError("Segment.reserve() makes new, writable memory; receive a peer's "
                              "with Segment.from_fd(fd, nbytes, reserve=True)")
         name = f"shmshare_{os.getpid()}_{secrets.token_hex(4)}"
-        fd = _memfd_create(name)
+        fd = _sc.memfd_create(name)
         try:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK |
                         (fcntl.F_SEAL_SEAL if flags & Flags.SEAL else 0))
@@ -346,7 +338,7 @@ class Segment(Closeable):
             return
         try:
             if os.fstat(fd).st_size < end:
-                _ftruncate(fd, end, self._what())
+                _sc.ftruncate(fd, end, self._what())
             self._reserve_pages(offset, nbytes)
             _native.map_fd(self.address + offset, nbytes, fd, offset)
         except BaseException:
@@ -425,7 +417,7 @@ class Segment(Closeable):
         process; no process can open them by name any more.
         """
         self._owns_name = False
-        _unlink(self.backend, self.name)
+        _sc.unlink(self.backend, self.name)
 
     def close(self) -> None:
         """Close the fd and drop the name now; unmap when the last view dies. Idempotent."""
@@ -435,7 +427,7 @@ class Segment(Closeable):
         try:
             if owns_name and getattr(self, "_pid", None) == os.getpid():
                 # a forked child dropping its copy must not remove its parent's name
-                _unlink(self.backend, self.name)
+                _sc.unlink(self.backend, self.name)
         finally:
             if fd is not None:
                 os.close(fd)
@@ -466,17 +458,17 @@ class Segment(Closeable):
     @classmethod
     def _create_memfd(cls, nbytes: int, flags: Flags, growable: bool) -> Segment:
         memfd_name = f"shmshare_{os.getpid()}_{secrets.token_hex(4)}"
-        fd = _memfd_create(memfd_name)
+        fd = _sc.memfd_create(memfd_name)
         return cls._finish(fd, nbytes, flags, "memfd", memfd_name, may_resize=True,
-                           seal=_memfd_seals(flags, growable), current=0)
+                           seal=_sc.memfd_seals(bool(flags & Flags.SEAL), growable), current=0)
 
     @classmethod
     def _create_posix(cls, nbytes: int, flags: Flags, name: str | None) -> Segment:
         oflag = os.O_RDWR | os.O_CREAT | (os.O_EXCL if flags & Flags.EXCLUSIVE else 0)
         for _ in range(_NAME_ATTEMPTS):
-            shm_name = _shm_name(name) if name else f"/shmshare_{os.getpid()}_{secrets.token_hex(6)}"
+            shm_name = _sc.shm_name(name) if name else f"/shmshare_{os.getpid()}_{secrets.token_hex(6)}"
             try:
-                fd = _shm_open(shm_name, oflag)
+                fd = _sc.shm_open(shm_name, oflag)
             except SegmentError as exc:
                 if exc.errno == errno.EEXIST and name is None:
                     continue  # someone holds this random name: draw another
@@ -506,7 +498,7 @@ class Segment(Closeable):
         try:
             if int(flags) & _UNLINK and backend != "memfd":
                 self._owns_name = False  # Note [Unlink at once]: before the slow steps
-                _unlink(backend, name)
+                _sc.unlink(backend, name)
             self._resize_and_map(nbytes, may_resize, seal, current)
         except BaseException:
             self.close()  # closes the fd, unmaps, unlinks a name we created
@@ -543,7 +535,7 @@ class Segment(Closeable):
             if not (may_resize and writable and not f & _NOCREATE):
                 raise SegmentError(errno.EINVAL, f"{self._what()} is {current} bytes, "
                                    f"{size} were asked: mapping past its end would SIGBUS on touch")
-            _ftruncate(fd, size, self._what())
+            _sc.ftruncate(fd, size, self._what())
             if f & (_SHAREDMEM | _SHARED):
                 self._reserve_pages(0, size)
         if seal:
@@ -571,7 +563,7 @@ class Segment(Closeable):
         """
         assert self.fd is not None
         if self.backend != "file":
-            _check_cgroup(nbytes, self.backend)
+            _sc.check_cgroup(nbytes, self.backend)
         try:
             os.posix_fallocate(self.fd, offset, nbytes)  # EINTR is retried by Python (PEP 475)
         except OSError as exc:
@@ -599,14 +591,3 @@ class Segment(Closeable):
 
     def _what(self) -> str:
         return f"{self.backend} object {self.name!r}"
-
-
-def _memfd_seals(flags: Flags, growable: bool) -> int:
-    seal = fcntl.F_SEAL_SHRINK | (0 if growable else fcntl.F_SEAL_GROW)
-    return seal | (fcntl.F_SEAL_SEAL if flags & Flags.SEAL else 0)
-
-
-def _check_nbytes(nbytes: Any) -> int:
-    if isinstance(nbytes, bool) or not isinstance(nbytes, (int, np.integer)) or nbytes <= 0:
-        raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
-    return int(nbytes)
