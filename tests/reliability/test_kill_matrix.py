@@ -184,7 +184,9 @@ def _create_and_die(ctl, backend: str, step: str) -> None:
     if step == "fallocate":
         os.posix_fallocate = die_after(os.posix_fallocate)
     elif backend == "posix":
-        segment._shm_open = die_after(segment._shm_open)
+        from shmshare import _segcalls
+
+        _segcalls.shm_open = die_after(_segcalls.shm_open)
     else:
         os.memfd_create = die_after(os.memfd_create)
     ctl.send({"ev": "ready"})
