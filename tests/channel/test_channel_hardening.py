@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import gc
 import multiprocessing as mp
@@ -9,6 +10,7 @@ import os
 import resource
 import signal
 import socket
+from collections.abc import Iterator
 
 import msgpack
 import numpy as np
@@ -18,6 +20,27 @@ import shmshare
 from shmshare import FdLimitError, PeerDied, PoolExhausted, ProtocolError, Receiver, wire
 from shmshare._procfs import shm_mappings
 from shmshare.tensors import ArrayDesc
+
+
+@contextlib.contextmanager
+def _full_fd_table(free: int = 0) -> Iterator[None]:
+    """Fill every fd slot (holes below the limit included) but `free`; undo it after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    filler: list[int] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
+        try:
+            while True:
+                filler.append(os.dup(0))
+        except OSError:
+            pass
+        for _ in range(free):
+            os.close(filler.pop())
+        yield
+    finally:
+        for fd in filler:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def _raw_sender(**rx_kw):
@@ -285,19 +308,11 @@ def test_accept_under_a_full_fd_table_serves_connected_senders(tmp_path):
     tx = shmshare.connect(rx.path)
     tx.send(np.ones(2))
     assert rx.recv(timeout=5)[0] == 1
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     idle = [socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) for _ in range(3)]
     for s in idle:
         s.connect(rx.path)
-    filler = []
     raised = delivered = 0
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 4, hard))
-        try:
-            while True:
-                filler.append(os.dup(0))
-        except OSError:
-            pass
+    with _full_fd_table():
         for i in range(20):  # connected senders are served: what they send comes first
             tx.send(np.full(2, float(i)))
             try:
@@ -320,10 +335,6 @@ def test_accept_under_a_full_fd_table_serves_connected_senders(tmp_path):
         except FdLimitError:
             got = rx.recv(timeout=1)
         assert got[0] == 99
-    finally:
-        for fd in filler:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert delivered == 20 and 1 <= raised <= 10, raised
     for s in idle:
         s.close()
@@ -348,22 +359,8 @@ def test_a_receiver_spends_no_fd_of_its_own_on_a_classic_segment():
     tx, rx = shmshare.channel()
     k = 3
     tx.send([np.full(12 << 20, i, dtype=np.uint8) for i in range(k)])  # a segment each
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    filler: list[int] = []
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
-        try:
-            while True:
-                filler.append(os.dup(0))
-        except OSError:
-            pass
-        for _ in range(k):  # room for exactly the k fds the kernel installs, not one more
-            os.close(filler.pop())
+    with _full_fd_table(free=k):  # room for exactly the k fds the kernel installs, not one more
         got = rx.recv(timeout=5)
-    finally:
-        for fd in filler:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert [int(a[0]) for a in got] == list(range(k))
     from shmshare._procfs import fds
 
@@ -522,19 +519,9 @@ def test_a_receiver_that_breaks_the_protocol_ends_the_connection_once(frame):
 def test_making_ends_under_a_full_fd_table_is_fd_limit_error_and_leaves_nothing(make, tmp_path):
     # Found by review: the receiver's wake pipe raised a bare OSError, and channel() left the
     # sender it had made unclosed.
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     seen = set()
     for free in range(6):
-        filler: list[int] = []
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 16, hard))
-            try:
-                while True:
-                    filler.append(os.dup(0))
-            except OSError:
-                pass
-            for _ in range(free):
-                os.close(filler.pop())
+        with _full_fd_table(free):
             try:
                 ends = shmshare.channel() if make == "channel" else (
                     shmshare.listen(tmp_path / "d" / "sock"),)
@@ -545,9 +532,5 @@ def test_making_ends_under_a_full_fd_table_is_fd_limit_error_and_leaves_nothing(
                 seen.add("ok")
                 for end in ends:
                     end.close()
-        finally:
-            for fd in filler:
-                os.close(fd)
-            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         assert not os.path.exists(tmp_path / "d"), free
     assert seen == {"FdLimitError", "ok"}
