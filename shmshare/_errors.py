@@ -11,8 +11,12 @@ from __future__ import annotations
 import errno as _errno
 import os
 import resource
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 __all__ = [
+    "FD_EXHAUSTED",
+    "making_fds",
     "ShmshareError",
     "SegmentError",
     "ProtocolError",
@@ -22,6 +26,9 @@ __all__ = [
     "PoolExhausted",
     "ShmshareTimeout",
 ]
+
+
+_T = TypeVar("_T")
 
 
 class ShmshareError(Exception):
@@ -110,3 +117,16 @@ def _open_fds() -> int | None:
     except OSError:  # EMFILE (no fd to list with), or no /proc: the caller words the unknown
         return None
     return max(0, len(names) - 1)  # the listing's own fd is among the names
+
+
+FD_EXHAUSTED = (_errno.EMFILE, _errno.ENFILE)  # the fd table (ours, or the system's) is full
+
+
+def making_fds(syscall: str, fn: Callable[..., _T], *args: Any) -> _T:
+    """Call `fn`, which makes fds: a full fd table is FdLimitError, never a bare OSError."""
+    try:
+        return fn(*args)
+    except OSError as exc:
+        if exc.errno in FD_EXHAUSTED:
+            raise FdLimitError.exhausted(syscall, exc) from exc
+        raise

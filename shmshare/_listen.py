@@ -17,7 +17,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from ._errors import FdLimitError, ShmshareTimeout
+from ._errors import FD_EXHAUSTED, FdLimitError, ShmshareTimeout, making_fds
 from ._lifetime import Closeable
 from ._sockets import ms as _ms
 from .wire import _CLOSE_CHECK, MAX_FDS, Connection
@@ -50,11 +50,9 @@ class Listener(Closeable):
         self._allow_uids = tuple(allow_uids)
         self._conn_kw = conn_kw
         try:
-            self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        except OSError as exc:
+            self._sock = making_fds("socket", socket.socket, socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        except OSError:
             self._remove_dirs()
-            if exc.errno in (errno.EMFILE, errno.ENFILE):
-                raise FdLimitError.exhausted("socket", exc) from exc
             raise
         try:
             self._sock.bind(self.path)
@@ -90,7 +88,7 @@ class Listener(Closeable):
             except (ConnectionAbortedError, InterruptedError):
                 continue  # that peer gave up before we took it: look for the next
             except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                if exc.errno in FD_EXHAUSTED:
                     raise FdLimitError.exhausted(
                         "accept", exc, "the peer stays queued until a fd is free") from exc
                 raise
@@ -112,7 +110,7 @@ class Listener(Closeable):
         return self._sock.fileno()
 
     def close(self) -> None:
-        """Stop listening and remove the socket file (and the directory made for it)."""
+        """Stop listening and remove the socket file (and every directory made for it)."""
         if self._sock.fileno() < 0:
             return
         self._sock.close()

@@ -26,14 +26,11 @@ from typing import Any
 import numpy as np
 
 from . import _cgroup
-from ._errors import FdLimitError, SegmentError
+from ._errors import FD_EXHAUSTED, FdLimitError, SegmentError
 from ._shmdir import SHM_DIR
 
-__all__ = ["FD_ERRNOS", "check_cgroup", "describe_fd", "fd_error", "ftruncate", "memfd_create",
+__all__ = ["check_cgroup", "describe_fd", "fd_error", "ftruncate", "memfd_create",
            "shm_name", "shm_open", "unlink"]
-
-FD_ERRNOS = (errno.EMFILE, errno.ENFILE)  # the fd table (ours or the system's) is full
-
 
 def shm_name(name: str) -> str:
     """Return `name` as a POSIX shm name (``/x``), or raise ValueError."""
@@ -48,7 +45,7 @@ def shm_open(name: str, oflag: int) -> int:
     try:
         return os.open(SHM_DIR + name, oflag | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     except OSError as exc:
-        if exc.errno in FD_ERRNOS:
+        if exc.errno in FD_EXHAUSTED:
             raise fd_error(f"shm_open({name!r})", exc) from exc
         hint = ""
         if exc.errno == errno.ENOENT:
@@ -89,7 +86,7 @@ def memfd_create(name: str) -> int:
     try:
         return os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as exc:
-        if exc.errno in FD_ERRNOS:
+        if exc.errno in FD_EXHAUSTED:
             raise fd_error("memfd_create", exc) from exc
         raise SegmentError(exc.errno, f"memfd_create failed: {exc.strerror}; "
                            "use backend='posix' on kernels without memfd") from exc
@@ -106,7 +103,7 @@ def ftruncate(fd: int, size: int, what: str) -> None:
 
 def fd_error(syscall: str, exc: OSError) -> OSError:
     """Return FdLimitError for EMFILE/ENFILE (the one wording, in _errors), else a SegmentError."""
-    if exc.errno in FD_ERRNOS:
+    if exc.errno in FD_EXHAUSTED:
         return FdLimitError.exhausted(syscall, exc, "each kept segment holds one fd")
     return SegmentError(exc.errno, f"{syscall} failed: {exc.strerror}")
 

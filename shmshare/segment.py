@@ -70,7 +70,7 @@ import numpy as np
 
 from . import _native
 from . import _segcalls as _sc
-from ._errors import SegmentError
+from ._errors import FD_EXHAUSTED, SegmentError
 from ._fd import Fd
 from ._lifetime import Closeable
 from ._shmdir import SHM_DIR as _SHM_DIR
@@ -224,7 +224,7 @@ class Segment(Closeable):
         try:
             fd = os.open(path, oflag | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            if exc.errno in _sc.FD_ERRNOS:
+            if exc.errno in FD_EXHAUSTED:
                 raise _sc.fd_error(f"open({path!r})", exc) from exc
             raise SegmentError(exc.errno, f"open({path!r}) failed: {exc.strerror}") from exc
         return cls._finish(fd, nbytes, flags, "file", path, may_resize=True)

@@ -53,7 +53,7 @@ from typing import Any
 import msgpack
 
 from . import _fork
-from ._errors import FdLimitError, PeerDied, PeerRefused, ProtocolError, ShmshareTimeout
+from ._errors import FdLimitError, PeerDied, PeerRefused, ProtocolError, ShmshareTimeout, making_fds
 from ._fd import Fd
 from ._lifetime import Closeable
 from ._sockets import close_all as _close_all
@@ -510,23 +510,13 @@ _fork.on_fork_in_child(2, _after_fork_in_child)
 
 def pipe(**conn_kw: Any) -> tuple[Connection, Connection]:
     """Return a connected pair of Connections, for a parent and its child."""
-    try:
-        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    except OSError as exc:
-        if exc.errno in (errno.EMFILE, errno.ENFILE):
-            raise FdLimitError.exhausted("socketpair", exc) from exc
-        raise
+    a, b = making_fds("socketpair", socket.socketpair, socket.AF_UNIX, socket.SOCK_SEQPACKET)
     return Connection(a, **conn_kw), Connection(b, **conn_kw)
 
 
 def connect(path: str | os.PathLike[str], timeout: float | None = None, **conn_kw: Any) -> Connection:
     """Connect to a :class:`Listener` at `path` and return the Connection."""
-    try:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    except OSError as exc:
-        if exc.errno in (errno.EMFILE, errno.ENFILE):
-            raise FdLimitError.exhausted("socket", exc) from exc
-        raise
+    sock = making_fds("socket", socket.socket, socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         sock.settimeout(timeout)
         sock.connect(os.fspath(path))

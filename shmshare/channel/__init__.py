@@ -70,7 +70,6 @@ def channel(*, limit: int = DEFAULT_LIMIT, config: str | None = None, backend: s
         rx = Receiver([b], writable=writable, trust_unsealed=backend == "posix",
                       max_peer_bytes=max_peer_bytes, max_peer_segments=max_peer_segments)
     except BaseException:
-        tx._conn.set_farewell(None)  # never used: no goodbye to say
         tx.close()
         b.close()
         raise

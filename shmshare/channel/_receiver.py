@@ -28,13 +28,14 @@ from .._errors import (
     SegmentError,
     ShmshareError,
     ShmshareTimeout,
+    making_fds,
 )
 from .._lifetime import Closeable
 from ..segment import Flags, Segment
 from ._books import GROW_MAPS, Caps, Peer, RxSegment
 from ._protocol import BATCH, BYE, DROP, GROW, KIND, LEASES, NEW, REFUSE, RELEASE, RELEASE_CHUNK, TREE, WHY
 from ._releases import MAX_AGE, Release, WakePipe, flusher_main
-from ._trust import check_fd, check_fd_room, default_max_peer_bytes, default_max_peer_segments, fds_or_limit, locally
+from ._trust import check_fd, check_fd_room, default_max_peer_bytes, default_max_peer_segments, locally
 
 __all__ = ["Receiver"]
 
@@ -94,7 +95,7 @@ class Receiver(Closeable):
         self._closed = False
         self._new_flusher_state()
         if listener is not None:
-            self._sel = fds_or_limit("epoll_create", selectors.DefaultSelector)
+            self._sel = making_fds("epoll_create", selectors.DefaultSelector)
             self._sel.register(listener, selectors.EVENT_READ, None)
             for p in self._peers:
                 self._sel.register(p.conn, selectors.EVENT_READ, p)

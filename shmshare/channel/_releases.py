@@ -27,8 +27,8 @@ import weakref
 from typing import TYPE_CHECKING
 
 from .. import _fork
+from .._errors import making_fds
 from .._lifetime import Closeable
-from ._trust import fds_or_limit
 
 if TYPE_CHECKING:
     from ._books import Peer
@@ -72,7 +72,7 @@ class WakePipe(Closeable):
     __slots__ = ("r", "w", "lock")
 
     def __init__(self) -> None:
-        self.r, self.w = fds_or_limit("pipe2", os.pipe2, os.O_NONBLOCK | os.O_CLOEXEC)
+        self.r, self.w = making_fds("pipe2", os.pipe2, os.O_NONBLOCK | os.O_CLOEXEC)
         self.lock = threading.Lock()
 
     def poke(self) -> None:

@@ -51,10 +51,10 @@ import resource
 import stat
 from typing import Any
 
-from .._errors import FdLimitError, ProtocolError, SegmentError, ShmshareError
+from .._errors import FD_EXHAUSTED, FdLimitError, ProtocolError, SegmentError, ShmshareError
 
 __all__ = ["check_fd", "describe_fd", "default_max_peer_bytes", "default_max_peer_segments",
-           "locally", "fds_or_limit", "check_fd_room"]
+           "locally", "check_fd_room"]
 
 _FD_MARGIN = 8  # fds kept free beyond one message's worth before accepting another sender
 
@@ -167,7 +167,7 @@ def locally(fn: Any, *args: Any, **kw: Any) -> Any:
     except (ShmshareError, ValueError):
         raise
     except OSError as exc:
-        if exc.errno in (errno.EMFILE, errno.ENFILE):
+        if exc.errno in FD_EXHAUSTED:
             raise FdLimitError.exhausted("mapping a sender's segment", exc) from exc
         hint = {errno.ENOMEM: "out of address space or mappings: RLIMIT_AS (ulimit -v) or "
                               "vm.max_map_count",
@@ -175,16 +175,6 @@ def locally(fn: Any, *args: Any, **kw: Any) -> Any:
                 errno.EACCES: "mapping was denied here"}.get(exc.errno or 0, "see errno")
         raise SegmentError(exc.errno, f"this process could not map a sender's segment "
                            f"({exc}): a local limit, not the sender's doing: {hint}") from exc
-
-
-def fds_or_limit(syscall: str, fn: Any, *args: Any) -> Any:
-    """Call `fn`, which makes fds: a full fd table is FdLimitError, not a bare OSError."""
-    try:
-        return fn(*args)
-    except OSError as exc:
-        if exc.errno in (errno.EMFILE, errno.ENFILE):
-            raise FdLimitError.exhausted(syscall, exc) from exc
-        raise
 
 
 def check_fd_room(max_fds: int) -> None:
