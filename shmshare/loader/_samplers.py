@@ -571,7 +571,7 @@ def _check_multinomial(w: np.ndarray[Any, np.dtype[np.float64]], count: int, rep
                 "aminmax(): cannot compute aminmax over an empty dimension as the operation has no identity.")
         if not (w.max() < math.inf and w.min() >= 0):  # NaN fails both comparisons
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
-        if w.sum() == 0:
+        if not w.any():  # all finite and >= 0 here: a zero sum is all zeros (and summing might overflow)
             raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
         return
     # torch's kernel with replacement: entry by entry, the first bad one decides the message
@@ -581,5 +581,5 @@ def _check_multinomial(w: np.ndarray[Any, np.dtype[np.float64]], count: int, rep
         if not first >= 0:
             raise RuntimeError("invalid multinomial distribution (encountering probability entry < 0)")
         raise RuntimeError("invalid multinomial distribution (encountering probability entry = infinity or NaN)")
-    if not w.sum() > 0:
+    if not w.any():
         raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
