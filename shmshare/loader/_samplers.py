@@ -526,13 +526,10 @@ def _batches(chunks: Iterator[Sequence[int]], size: int, drop_last: bool) -> Ite
             yield carry
             carry = []
         end = start + (n - start) // size * size
-        if isinstance(chunk, list):
-            for i in range(start, end, size):
-                yield chunk[i:i + size]
-        else:
-            for i in range(start, end, size):
-                yield list(chunk[i:i + size])
-        carry = list(chunk[end:])
+        items = chunk if isinstance(chunk, list) else list(chunk)  # a range: made a list at C speed
+        # one list slice per batch, the loop over batches in C (map over slice objects)
+        yield from map(items.__getitem__, map(slice, range(start, end, size), range(start + size, end + size, size)))
+        carry = items[end:]
     if carry and not drop_last:
         yield carry
 
