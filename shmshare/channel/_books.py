@@ -26,7 +26,7 @@ _TOTAL_PEERS_SHARE = 4  # all senders together may hold this many times one send
 class RxSegment:
     """A sender's segment as mapped here: its Segment and the root Lease over the whole range."""
 
-    __slots__ = ("seg", "root", "address", "size", "expandable", "mapped", "charge")
+    __slots__ = ("seg", "root", "address", "size", "expandable", "mapped", "charge", "readonly", "pin")
 
     def __init__(self, seg: Segment, charge: Charge, readonly: bool) -> None:
         self.seg = seg  # owns the mapping, and an expandable segment's fd (new ranges come from it)
@@ -38,6 +38,8 @@ class RxSegment:
         self.expandable = seg.expandable
         self.mapped: list[tuple[int, int]] = [] if self.expandable else [(0, self.size)]  # merged
         self.charge = charge
+        self.readonly = readonly
+        self.pin: object = None  # a pinned receiver's registration (Note [Fenced releases])
 
     def with_range(self, start: int, end: int) -> list[tuple[int, int]]:
         """Return the mapped ranges with [start, end) added, touching ranges merged."""

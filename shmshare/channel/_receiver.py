@@ -32,8 +32,9 @@ from .._errors import (
     making_fds,
 )
 from .._lifetime import Closeable
-from ..segment import Flags, Segment
-from ._books import GROW_MAPS, Caps, Peer, RxSegment
+from ._books import Caps, Peer
+from ._fences import FencedRelease, Fences, Pinning
+from ._mapping import grow_and_drop, map_new, segment_of
 from ._protocol import (
     BATCH,
     BYE,
@@ -51,7 +52,7 @@ from ._protocol import (
     WHY,
 )
 from ._releases import MAX_AGE, Release, WakePipe, flusher_main
-from ._trust import check_fd, check_fd_room, default_max_peer_bytes, default_max_peer_segments, locally
+from ._trust import check_fd_room, default_max_peer_bytes, default_max_peer_segments
 
 __all__ = ["Receiver"]
 
@@ -89,13 +90,18 @@ class Receiver(Closeable):
     max_peers : int, optional
         Senders a ``listen()`` receiver keeps connected at once (256); more
         wait in the listen backlog until one leaves.
+    pin : optional
+        Page-lock each segment once it is mapped, and hold each release
+        until a fence on the current stream says the device is done with it
+        (Note [Fenced releases] in ``_fences.py``; the loader's, with CUDA).
     """
 
     def __init__(self, conns: Any = (), listener: wire.Listener | None = None, *,
                  writable: bool = False, trust_unsealed: bool = False,
                  max_peer_bytes: int | None = None, max_peer_segments: int | None = None,
-                 max_peers: int | None = None) -> None:
+                 max_peers: int | None = None, pin: Pinning | None = None) -> None:
         self._listener = listener
+        self._fences = None if pin is None else Fences(pin)  # Note [Fenced releases]
         self._owner = os.getpid()
         self._writable = writable
         self._trust_unsealed = trust_unsealed
@@ -160,9 +166,20 @@ class Receiver(Closeable):
         exc.sender = sender  # type: ignore[attr-defined]
         raise exc
 
+    def fence_releases(self) -> None:
+        """A pinned receiver: fence the releases since the last call, pass on the completed ones.
+
+        ``recv`` does this too; call it where batches are dropped between
+        receives (Note [Fenced releases]).
+        """
+        if self._fences is not None:
+            self._fences.take(self)
+
     def _recv(self, timeout: float | None) -> tuple[Peer, Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._check_open()
+        if self._fences is not None:
+            self._fences.take(self)
         if (len(self._released) >= _BATCH or self._released_bytes >= _BATCH_BYTES
                 or time.monotonic() - self._last_flush > MAX_AGE):
             self._flush()
@@ -263,6 +280,8 @@ class Receiver(Closeable):
         self._shut(join=False)
 
     def _shut(self, join: bool) -> None:
+        if self._fences is not None and join:
+            self._fences.take(self, wait=True)
         self._flush()  # never waits (timeout=0 sends)
         self._closed = True
         self._wake.poke()  # the flusher sees _closed (and closes the pipe if not joined)
@@ -402,17 +421,19 @@ class Receiver(Closeable):
         peer.conn.close()
         for rec in peer.segments.values():
             rec.seg.close()  # each mapping goes when its last array does
+            if self._fences is not None:
+                self._fences.on_unmap(rec.pin)
         peer.segments.clear()
 
     def _decode(self, peer: Peer, header: dict[str, Any], fds: list[wire.Fd]) -> Any:
         if fds or NEW in header:
             try:
-                self._map_new(peer, header.get(NEW, ()), fds)
+                map_new(self, peer, header.get(NEW, ()), fds)
             finally:
                 for f in fds:
                     f.close()
         if GROW in header or DROP in header:
-            self._grow_and_drop(peer, header)
+            grow_and_drop(self, peer, header)
         if self._flusher is None:
             self._ensure_flusher()
         tree = header.get(TREE)
@@ -421,54 +442,6 @@ class Receiver(Closeable):
                                 f"{type(tree).__name__}")
         return tensors.decode(tree, lambda seg, block, off, lay: self._view(peer, seg, block, off,
                                                                             lay))
-
-    def _grow_and_drop(self, peer: Peer, header: dict[str, Any]) -> None:
-        for seg_id, offset, nbytes in header.get(GROW, ()):
-            rec = self._segment(peer, seg_id)
-            if not rec.expandable:
-                raise ProtocolError(f"growth announced for segment {seg_id}, which is not expandable")
-            if (type(offset) is not int or type(nbytes) is not int or offset < 0 or nbytes <= 0
-                    or offset + nbytes > rec.size or (offset | nbytes) % _native.PAGE_SIZE):
-                raise ProtocolError(f"growth [{offset!r}, +{nbytes!r}) of segment {seg_id} is not "
-                                    "whole pages inside it")
-            self._caps.charge(peer, 0, GROW_MAPS)
-            spans = rec.with_range(offset, offset + nbytes)
-            check_fd(rec.seg.fileno(), offset + nbytes, trust_unsealed=self._trust_unsealed,
-                     writable=self._writable, backed=sum(hi - lo for lo, hi in spans))
-            locally(rec.seg.map_range, offset, nbytes)
-            rec.mapped = spans
-            self._caps.add(rec.charge, 0, GROW_MAPS)
-        for seg_id in header.get(DROP, ()):
-            gone = peer.segments.pop(seg_id, None)
-            if gone is not None:  # its charge goes with its mapping, when its arrays do
-                gone.seg.close()  # its arrays keep the mapping; an expandable one's fd goes now
-
-    def _map_new(self, peer: Peer, new: Any, fds: list[wire.Fd]) -> None:
-        if len(new) != len(fds):
-            raise ProtocolError(f"{len(new)} new segments were announced with {len(fds)} fds")
-        for (seg_id, size, expandable), fd in zip(new, fds, strict=True):
-            if type(size) is not int or size <= 0 or seg_id in peer.segments:
-                raise ProtocolError(f"a malformed announcement of segment {seg_id!r} "
-                                    f"({size!r} bytes)")
-            self._caps.charge(peer, size, 0 if expandable else 1)
-            check_fd(fd.fileno(), 0 if expandable else size,
-                     trust_unsealed=self._trust_unsealed, writable=self._writable)
-            flags = Flags.FROMFD if self._writable else Flags.FROMFD | Flags.READONLY
-            # The Fd is taken, never dup'ed: a classic segment's is closed once mapped, an
-            # expandable one's is kept by its Segment to map the ranges announced later.
-            seg = locally(Segment.from_fd, fd, size, flags, reserve=bool(expandable))
-            charge = self._caps.new_charge(peer)
-            peer.segments[seg_id] = RxSegment(seg, charge, not self._writable)
-            self._caps.add(charge, size, 0 if expandable else 1)
-            if not expandable:
-                seg.close()  # no fd to close any more; the Lease keeps the mapping
-
-    def _segment(self, peer: Peer, seg_id: int) -> RxSegment:
-        try:
-            return peer.segments[seg_id]
-        except KeyError:
-            raise ProtocolError(f"{peer.who} referred to segment {seg_id}, which it never "
-                                "announced or already dropped") from None
 
     def _view(self, peer: Peer, seg_id: int, block: int, offset: int,
               lay: tensors.Layout) -> Any:
@@ -483,7 +456,7 @@ class Receiver(Closeable):
                                     f"{dt.str}, not empty")
             arr = np.empty(lay.shape, dt)  # nothing to share in an empty array
             return tensors.as_torch(arr, lay.torch_dtype) if lay.torch_dtype else arr
-        rec = peer.segments.get(seg_id) or self._segment(peer, seg_id)
+        rec = peer.segments.get(seg_id) or segment_of(peer, seg_id)
         start = offset + lay.lo
         nbytes = lay.nbytes
         if not (start >= 0 and start + nbytes <= rec.size if not rec.expandable
@@ -491,7 +464,7 @@ class Receiver(Closeable):
             raise ProtocolError(f"an array of {nbytes} bytes at offset {start} lies outside the "
                                 f"mapped part of segment {seg_id} ({rec.size} bytes)")
         lease = _native.Lease(rec.root, rec.address + start, nbytes, not self._writable,
-                              Release(self, peer, block, nbytes))  # positional: cheaper to parse
+                              (Release if self._fences is None else FencedRelease)(self, peer, block, nbytes))
         if lay.dense:
             arr = np.ndarray(lay.shape, dt, buffer=lease)  # type: ignore[arg-type]  # numpy types Buffer from 3.12
         else:

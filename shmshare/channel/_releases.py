@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from ._books import Peer
     from ._receiver import Receiver
 
-__all__ = ["MAX_AGE", "Release", "WakePipe", "flusher_main"]
+__all__ = ["MAX_AGE", "Release", "WakePipe", "flusher_main", "current_pid"]
 
 MAX_AGE = 0.002  # s a release may wait before it is sent
 _STUCK_MAX_AGE = 0.1  # s: the flusher's longest pause while a sender's socket stays full
@@ -125,6 +125,11 @@ def flusher_main(ref: weakref.ref[Receiver], wake: WakePipe) -> None:
                 continue
             break
         del rx
+
+
+def current_pid() -> int:
+    """This process's pid, as the releases know it (kept right across forks)."""
+    return _pid
 
 
 def _after_fork() -> None:

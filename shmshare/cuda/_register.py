@@ -59,11 +59,28 @@ class Registration:
 
     def __init__(self, segment: Segment, context: Context) -> None:
         root = segment.lease  # raises ValueError when the segment is closed
+        self._register(root, segment.address, segment.size, bool(segment.flags & Flags.READONLY),
+                       context)
+
+    @classmethod
+    def of_mapping(cls, root: Any, address: int, size: int, readonly: bool,
+                   context: Context) -> Registration:
+        """Page-lock ``[address, address+size)`` of a mapping that `root` (a Lease) keeps.
+
+        For a mapping whose Segment is already closed (a channel receiver's):
+        the registration holds a view of `root`, so the mapping stays until
+        :meth:`unregister`. Not cached: the caller owns it.
+        """
+        self = cls.__new__(cls)
+        self._register(root, address, size, readonly, context)
+        return self
+
+    def _register(self, root: Any, address: int, size: int, readonly: bool, context: Context) -> None:
         self.context = context
-        self.address = segment.address
-        self.size = -(-segment.size // _native.PAGE_SIZE) * _native.PAGE_SIZE
-        self.readonly = bool(segment.flags & Flags.READONLY)
-        self._hold: Any = _native.Lease(root, segment.address, segment.size, readonly=self.readonly)
+        self.address = address
+        self.size = -(-size // _native.PAGE_SIZE) * _native.PAGE_SIZE
+        self.readonly = readonly
+        self._hold: Any = _native.Lease(root, address, size, readonly=readonly)
         context.make_current()
         try:
             call("cuMemHostRegister", self.address, self.size, PORTABLE | (READ_ONLY if self.readonly else 0))

@@ -30,6 +30,7 @@ from .. import wire
 from .._errors import PeerDied, ShmshareTimeout
 from ..channel import Receiver
 from ._batch import unpack
+from ._pin import choose, pin_by_copy
 from ._seeding import draw_base_seed
 from ._worker import WorkerSpec, worker_main
 
@@ -59,7 +60,8 @@ class _BaseIter:
         self._index_sampler = loader._index_sampler
         self._num_workers = loader.num_workers
         self._use_torch = loader._use_torch
-        self._pin_memory = _pin_memory_wanted(loader)
+        self._pin_how, self._pinner = choose(loader, stacklevel=5)
+        self._pin_memory = self._pin_how == "copy"  # pinned by torch's copy
         self._timeout = loader.timeout
         self._collate_fn = loader.collate_fn
         self._sampler_iter = iter(self._index_sampler)
@@ -118,7 +120,7 @@ class SingleProcessIter(_BaseIter):
     def _next_data(self) -> Any:
         index = self._next_index()
         data = self._fetcher.fetch(index)
-        return _pin(data) if self._pin_memory else data
+        return pin_by_copy(data) if self._pin_memory else data
 
 
 class MultiProcessIter(_BaseIter):
@@ -160,7 +162,7 @@ class MultiProcessIter(_BaseIter):
                     a.close()  # the worker has its own copy now
                 _drop_parent_pipe(w)
                 self._workers.append(w)
-            self._rx = Receiver(conns, writable=True)
+            self._rx = Receiver(conns, writable=True, pin=self._pinner)
         except BaseException:
             if self._rx is None:
                 for c in conns:
@@ -239,12 +241,14 @@ class MultiProcessIter(_BaseIter):
                 return self._process(msg, worker)
 
     def _process(self, msg: list[Any], worker: int) -> Any:
+        if self._pinner is not None and self._rx is not None:
+            self._rx.fence_releases()  # batches dropped since: their fences
         self._workers_num_tasks[worker] -= 1
         self._try_put_index()
         if msg[1] == "e":
             pickle.loads(msg[2]).reraise()
         data = unpack(msg[2], msg[3])
-        return _pin(data) if self._pin_memory else data
+        return pin_by_copy(data) if self._pin_memory else data
 
     def _try_put_index(self) -> None:
         max_tasks = self._prefetch_factor * self._num_workers
@@ -369,6 +373,8 @@ class MultiProcessIter(_BaseIter):
                     w.join()
             if rx is not None:
                 rx.close()  # batches still held stay valid: their mappings go with them
+            if self._pinner is not None:
+                self._pinner.close()
             for w in self._workers:
                 w.close()  # its sentinel fds go now, not when the collector gets to it
 
@@ -411,25 +417,3 @@ def _plain(index: Any) -> bool:
     if type(index) is int:
         return lo <= index < hi
     return type(index) is list and all(type(i) is int and lo <= i < hi for i in index)
-
-
-def _pin_memory_wanted(loader: Any) -> bool:
-    available = False
-    torch = sys.modules.get("torch")
-    if torch is not None and loader._use_torch:
-        available = bool(torch.accelerator.is_available())
-    if loader.pin_memory and loader.pin_memory_device:
-        warnings.warn("pin_memory_device is deprecated, the current accelerator will be used as the "
-                      f"device,ignore pin_memory_device='{loader.pin_memory_device}'.", stacklevel=4)
-    if loader.pin_memory and not available:
-        warnings.warn("'pin_memory' argument is set as true but no accelerator is found, then device "
-                      "pinned memory won't be used.", stacklevel=4)
-    return bool(loader.pin_memory and available)
-
-
-def _pin(data: Any) -> Any:
-    from torch.utils.data._utils.pin_memory import pin_memory
-
-    return pin_memory(data)  # type: ignore[no-untyped-call]
-
-
