@@ -235,3 +235,22 @@ class SeedDataset(Dataset):
 def identity_collate(batch):
     """collate_fn that keeps the list of samples as it is."""
     return batch
+
+
+class RankShardedIterable(IterableDataset):
+    """range(n) split over every (rank, worker) pair: shard rank * num_workers + worker id of
+    world_size * num_workers. The rank and world size are read from torch.distributed where the dataset is
+    made (the loader's process), so it pickles to workers of any start method."""
+
+    def __init__(self, n: int) -> None:
+        import torch.distributed as dist
+
+        self.n = n
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+
+    def __iter__(self):
+        info = get_worker_info()
+        wid, nw = (0, 1) if info is None else (info.id, info.num_workers)
+        shard, shards = self.rank * nw + wid, self.world_size * nw
+        return iter((i, self.rank, wid) for i in range(shard, self.n, shards))
