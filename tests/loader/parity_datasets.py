@@ -109,6 +109,23 @@ class BadItemError(Exception):
     """A user exception type (one message argument), raised by ErrorDataset."""
 
 
+class TwoArgError(Exception):
+    """An exception that cannot be made again from its message alone (torch re-raises it as RuntimeError)."""
+
+    def __init__(self, a: object, b: object) -> None:
+        super().__init__(f"{a} and {b}")
+
+
+def raise_two_arg(i: int) -> None:
+    raise TwoArgError("bad index", i)
+
+
+def failing_init(worker_id: int) -> None:
+    """worker_init_fn that fails in worker 0."""
+    if worker_id == 0:
+        raise ValueError(f"init failed in worker {worker_id}")
+
+
 class ErrorDataset(Dataset):
     """Item `bad` raises `exc_type(f"bad index {bad}")`; every other item i is i."""
 
@@ -122,8 +139,40 @@ class ErrorDataset(Dataset):
 
     def __getitem__(self, i: int) -> int:
         if i == self.bad:
+            if self.exc_type is TwoArgError:
+                raise_two_arg(i)
             raise self.exc_type(f"bad index {i}")
         return i
+
+
+class BadSampleDataset(Dataset):
+    """Item `bad` is `sample` (something default_collate cannot batch); every other item i is [i, i]."""
+
+    def __init__(self, n: int, bad: int, sample: object) -> None:
+        self.n = n
+        self.bad = bad
+        self.sample = sample
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> object:
+        return self.sample if i == self.bad else [i, i]
+
+
+class BigDataset(Dataset):
+    """Item i is a float32 tensor of `shape` filled with i, and a numpy array of the same (big enough that a
+    shared-memory loader really puts them in shared memory)."""
+
+    def __init__(self, n: int, shape: tuple[int, ...]) -> None:
+        self.n = n
+        self.shape = shape
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, np.ndarray]:
+        return torch.full(self.shape, float(i)), np.full(self.shape, i, dtype=np.int32)
 
 
 class MixedDataset(Dataset):
@@ -152,6 +201,11 @@ class MixedDataset(Dataset):
             "tuple": (i, torch.tensor(i)),
             "list": [i, i * 2],
             "nested": {"a": {"b": np.array([i], dtype=np.int64)}},
+            "view": torch.arange(6).reshape(2, 3).t() + i,  # not contiguous
+            "scalar_tensor": torch.tensor(i * 1.5),
+            "half": torch.tensor([i], dtype=torch.float16),
+            "bool_tensor": torch.tensor([i % 2 == 1]),
+            "u8_array": np.array([i, 255], dtype=np.uint8),
         }
 
 

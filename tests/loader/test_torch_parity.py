@@ -92,7 +92,7 @@ def run(loader_cls: type, dataset: Any, **kwargs: Any) -> list:
 def describe(obj: Any) -> Any:
     """A comparable picture of a batch: every container's type and every leaf's type, dtype, shape and value."""
     if isinstance(obj, torch.Tensor):
-        return ("Tensor", type(obj).__name__, str(obj.dtype), tuple(obj.shape), obj.tolist())
+        return ("Tensor", type(obj).__name__, str(obj.dtype), tuple(obj.shape), obj.is_contiguous(), obj.tolist())
     if isinstance(obj, np.ndarray):
         return ("ndarray", str(obj.dtype), obj.shape, obj.tolist())
     if isinstance(obj, dict):
@@ -297,6 +297,14 @@ def test_warns_pin_memory_without_accelerator(loader_cls):
            "be used." in [str(w.message) for w in caught]
 
 
+def test_warns_pin_memory_device_deprecated(loader_cls):
+    loader = loader_cls(pd.RangeDataset(2), pin_memory=True, pin_memory_device="cuda")
+    with pytest.warns(UserWarning) as caught:
+        assert [b.tolist() for b in loader] == [[0], [1]]
+    assert "pin_memory_device is deprecated, the current accelerator will be used as the device,ignore " \
+           "pin_memory_device='cuda'." in [str(w.message) for w in caught]
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_warns_iterable_longer_than_len(loader_cls, num_workers):
     loader = loader_cls(pd.SizedIterable(4, 3), batch_size=None, num_workers=num_workers)
@@ -352,6 +360,46 @@ def test_shuffle_follows_global_seed_as_torch(loader_cls):
     ref = [b.tolist() for b in run(TorchDataLoader, ds, batch_size=5, shuffle=True)]
     torch.manual_seed(11)
     assert [b.tolist() for b in run(loader_cls, ds, batch_size=5, shuffle=True)] == ref
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_global_rng_consumed_as_torch(loader_cls, num_workers):
+    """Without a generator the base seed and the shuffle draw from torch's global RNG: same draws, same state."""
+    ds = pd.RangeDataset(10)
+    torch.manual_seed(4)
+    ref = [b.tolist() for b in run(TorchDataLoader, ds, batch_size=5, shuffle=True, num_workers=num_workers)]
+    ref_state = torch.get_rng_state()
+    torch.manual_seed(4)
+    assert [b.tolist() for b in run(loader_cls, ds, batch_size=5, shuffle=True, num_workers=num_workers)] == ref
+    assert torch.equal(torch.get_rng_state(), ref_state)
+
+
+def test_shuffle_epochs_as_torch(loader_cls):
+    """One loader, one generator, three epochs: each epoch reshuffles, in torch's sequence."""
+    def epochs(cls):
+        loader = cls(pd.RangeDataset(12), batch_size=4, shuffle=True, num_workers=2,
+                     generator=torch.Generator().manual_seed(1))
+        return [[b.tolist() for b in loader] for _ in range(3)]
+
+    ours = epochs(loader_cls)
+    assert ours == epochs(TorchDataLoader)
+    assert ours[0] != ours[1] != ours[2]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_worker_seeds_across_epochs_as_torch(loader_cls, persistent):
+    """Non-persistent workers are seeded afresh each epoch (a new base seed drawn); persistent ones once."""
+    def epochs(cls):
+        loader = cls(pd.SeedDataset(4), batch_size=None, num_workers=2, worker_init_fn=pd.record_seeds,
+                     persistent_workers=persistent, generator=torch.Generator().manual_seed(12))
+        out = [sorted((rec["worker_id"], rec["info_seed"]) for _, rec in loader) for _ in range(2)]
+        del loader
+        gc.collect()
+        return out
+
+    ours = epochs(loader_cls)
+    assert ours == epochs(TorchDataLoader)
+    assert (ours[0] == ours[1]) == persistent
 
 
 def _sampler_cases() -> list:
@@ -443,6 +491,11 @@ def test_worker_info_in_workers(loader_cls):
     assert torch.utils.data.get_worker_info() is None  # not in a worker here
 
 
+def test_worker_info_none_without_workers(loader_cls):
+    # default_convert turns a sample's tuple into a list (torch: "backwards compatibility")
+    assert run(loader_cls, pd.PidDataset(2), batch_size=None) == [[0, -1, os.getpid()], [1, -1, os.getpid()]]
+
+
 def test_in_order_false_returns_fast_batches_first(loader_cls):
     ds = pd.SlowFirstDataset(12, delay=0.5)
     out = run(loader_cls, ds, batch_size=None, num_workers=2, in_order=False)
@@ -500,6 +553,51 @@ def test_default_convert_without_batching_as_torch(loader_cls, num_workers):
     ours = run(loader_cls, ds, batch_size=None, num_workers=num_workers)
     ref = run(TorchDataLoader, ds, batch_size=None, num_workers=0)
     assert describe(ours) == describe(ref)
+
+
+def _collate_error_cases() -> list:
+    none_msg = ("default_collate: batch must contain tensors, numpy arrays, numbers, dicts or lists; "
+                "found <class 'NoneType'>")
+    return [
+        pytest.param(None, TypeError, none_msg, id="None"),
+        pytest.param([1, 2, 3], RuntimeError, "each element in list of batch should be of equal size",
+                     id="unequal_lists"),
+    ]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize(("sample", "exc_type", "message"), _collate_error_cases())
+def test_collate_error_as_torch(loader_cls, sample, exc_type, message, num_workers):
+    loader = loader_cls(pd.BadSampleDataset(4, bad=0, sample=sample), batch_size=2, num_workers=num_workers)
+    out = drain(loader, 4)
+    exc, msg = out[0]
+    assert exc is exc_type
+    if num_workers == 0:
+        assert msg == message
+    else:
+        assert msg.startswith(f"Caught {exc_type.__name__} in DataLoader worker process 0.\nOriginal Traceback")
+        assert msg.rstrip().endswith(f"{exc_type.__name__}: {message}"), msg
+    assert [b.tolist() for b in out[1]] == [[2, 3], [2, 3]]
+    del loader
+    gc.collect()
+
+
+def test_big_batches_stay_valid_while_held(loader_cls):
+    """Hold every batch of two epochs past the loader's end: none is overwritten by a later one, and each stays
+    writable on its own."""
+    loader = loader_cls(pd.BigDataset(8, (64, 1024)), batch_size=2, num_workers=2)
+    held = [b for _ in range(2) for b in loader]
+    del loader
+    gc.collect()
+    assert len(held) == 8
+    for n, (t, a) in enumerate(held):
+        first = 2 * (n % 4)
+        assert t.shape == (2, 64, 1024) and t.dtype == torch.float32
+        assert a.shape == (2, 64, 1024) and a.dtype == torch.int32
+        assert t[:, 0, 0].tolist() == [first, first + 1] and bool((t[1] == first + 1).all())
+        assert bool((a[0] == first).all()) and bool((a[1] == first + 1).all())
+        t += 100
+    assert [float(t[0, 0, 0]) for t, _ in held] == [100.0, 102.0, 104.0, 106.0] * 2
 
 
 def test_custom_collate_fn(loader_cls):
@@ -582,6 +680,30 @@ def test_worker_key_error_readable(loader_cls):
     gc.collect()
 
 
+def test_worker_exception_not_constructible_from_message(loader_cls):
+    """torch re-raises an exception type that cannot be made from one message as RuntimeError."""
+    loader = loader_cls(pd.ErrorDataset(4, bad=2, exc_type=pd.TwoArgError), batch_size=None, num_workers=2)
+    out = drain(loader, 6)
+    assert [x if isinstance(x, int) else x[0] for x in out] == [0, 1, RuntimeError, 3]
+    msg = out[2][1]
+    assert msg.startswith("Caught TwoArgError in DataLoader worker process 0.\nOriginal Traceback"), msg
+    assert "TwoArgError: bad index and 2" in msg
+    del loader
+    gc.collect()
+
+
+def test_worker_init_fn_exception(loader_cls):
+    loader = loader_cls(pd.RangeDataset(6), batch_size=None, num_workers=2, worker_init_fn=pd.failing_init)
+    out = drain(loader, 8)
+    exc, msg = out[0]
+    assert exc is ValueError
+    assert msg.startswith("Caught ValueError in DataLoader worker process 0.\nOriginal Traceback"), msg
+    assert "ValueError: init failed in worker 0" in msg
+    assert [x for x in out if isinstance(x, int)] == [1, 3, 5]  # worker 1 serves its share
+    del loader
+    gc.collect()
+
+
 def test_timeout_message(loader_cls):
     loader = loader_cls(pd.SlowFirstDataset(4, delay=1.0), batch_size=None, num_workers=2, timeout=0.5)
     it = iter(loader)
@@ -646,6 +768,50 @@ def test_persistent_workers_same_pids_across_epochs(loader_cls):
     left = wait_gone(pids_per_epoch[0], within=15)
     kill_all(left)
     assert not left, f"persistent workers {left} still running 15 s after the loader was deleted"
+
+
+def test_persistent_workers_break_then_full_epoch(loader_cls):
+    loader = loader_cls(pd.PidDataset(8), batch_size=2, num_workers=2, persistent_workers=True)
+    it = iter(loader)
+    first, pids = next(it), set()
+    pids |= set(first[2].tolist())
+    assert iter(loader) is it  # torch keeps one iterator for persistent workers
+    for _ in range(2):
+        items = []
+        for idx, _, pid in loader:
+            items += idx.tolist()
+            pids |= set(pid.tolist())
+        assert items == list(range(8))
+    assert len(pids) == 2
+    del it, loader
+    gc.collect()
+    left = wait_gone(pids, within=15)
+    kill_all(left)
+    assert not left
+
+
+def test_persistent_workers_iterable_epochs(loader_cls):
+    loader = loader_cls(pd.ShardedIterable(10), batch_size=3, num_workers=2, persistent_workers=True)
+    for _ in range(3):
+        assert sorted(x for b in loader for x in b.tolist()) == list(range(10))
+    del loader
+    gc.collect()
+
+
+def test_two_iterators_of_one_loader(loader_cls):
+    loader = loader_cls(pd.RangeDataset(6), batch_size=None, num_workers=2)
+    a, b = iter(loader), iter(loader)
+    got_a, got_b = [], []
+    for _ in range(6):
+        got_a.append(next(a))
+        got_b.append(next(b))
+    assert got_a == got_b == list(range(6))
+    with pytest.raises(StopIteration):
+        next(a)
+    with pytest.raises(StopIteration):
+        next(b)
+    del a, b, loader
+    gc.collect()
 
 
 def test_non_persistent_workers_new_each_epoch(loader_cls):
