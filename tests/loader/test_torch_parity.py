@@ -536,23 +536,23 @@ def test_iterable_drop_last_per_worker(loader_cls):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_default_collate_types_as_torch(loader_cls, num_workers):
     ds = pd.MixedDataset(5)
-    ours = run(loader_cls, ds, batch_size=2, num_workers=num_workers)
-    ref = run(TorchDataLoader, ds, batch_size=2, num_workers=0)
-    assert describe(ours) == describe(ref)
-    first = ours[0]
-    assert first["int"].dtype == torch.int64
-    assert first["float"].dtype == torch.float64
-    assert first["str"] == ["s0", "s1"]
-    assert isinstance(first["point"], pd.Point)
-    assert isinstance(first["array"], torch.Tensor)
+    batches = run(loader_cls, ds, batch_size=2, num_workers=num_workers)
+    first = batches[0]
+    checks = (first["int"].dtype, first["float"].dtype, first["str"], type(first["point"]), type(first["array"]))
+    ours = describe(batches)
+    del batches, first  # a failing assert then holds no batch (no mapping) past the test
+    ref = describe(run(TorchDataLoader, ds, batch_size=2, num_workers=0))
+    assert ours == ref
+    assert checks == (torch.int64, torch.float64, ["s0", "s1"], pd.Point, torch.Tensor)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_default_convert_without_batching_as_torch(loader_cls, num_workers):
     ds = pd.MixedDataset(3)
-    ours = run(loader_cls, ds, batch_size=None, num_workers=num_workers)
-    ref = run(TorchDataLoader, ds, batch_size=None, num_workers=0)
-    assert describe(ours) == describe(ref)
+    # only the descriptions are kept: a failing assert then holds no batch (no mapping) past the test
+    ours = describe(run(loader_cls, ds, batch_size=None, num_workers=num_workers))
+    ref = describe(run(TorchDataLoader, ds, batch_size=None, num_workers=0))
+    assert ours == ref
 
 
 def _collate_error_cases() -> list:
