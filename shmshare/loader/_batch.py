@@ -12,6 +12,8 @@ Note [Batches as pickles with arrays beside]
     the pickle keeps in-band: arrays of objects, tensors that need autograd
     (``requires_grad``), tensor subclasses, sparse, quantized, or not on the CPU.
 
+    A non-contiguous tensor goes as torch's pickling sends it: its whole
+    storage, with its shape, strides and offset, rebuilt by ``as_strided``.
     Two views of one array that is not in the pool arrive as two copies:
     their aliasing is lost (torch's pickling keeps it, sharing the storage).
     An array or tensor in the pool keeps it: both views lease the same block.
@@ -37,13 +39,20 @@ class _Pickler(pickle.Pickler):
         self.tensor = torch.Tensor if torch is not None else None
         self.strided = torch.strided if torch is not None else None
 
-    def persistent_id(self, obj: Any) -> int | None:
+    def persistent_id(self, obj: Any) -> Any:
         t = type(obj)
         if t is np.ndarray:
             if obj.dtype.hasobject:
                 return None
         elif t is not self.tensor or not _plain_tensor(obj, self.strided):
             return None
+        elif not obj.is_contiguous():
+            # torch shares a view's whole storage and keeps its strides: so do we
+            size = obj.untyped_storage().nbytes()
+            if size % obj.element_size() == 0:
+                base = obj.new_empty(0).set_(obj.untyped_storage(), 0, (size // obj.element_size(),))
+                self.arrays.append(base)
+                return (len(self.arrays) - 1, tuple(obj.shape), obj.stride(), obj.storage_offset())
         self.arrays.append(obj)
         return len(self.arrays) - 1
 
@@ -54,9 +63,16 @@ class _Unpickler(pickle.Unpickler):
         self.arrays = arrays
 
     def persistent_load(self, pid: Any) -> Any:
-        if type(pid) is not int or not 0 <= pid < len(self.arrays):
-            raise pickle.UnpicklingError(f"a batch refers to array {pid!r} of {len(self.arrays)}")
-        return self.arrays[pid]
+        if type(pid) is tuple and len(pid) == 4:  # a strided view of a tensor's whole storage
+            i, shape, stride, offset = pid
+            base = self._array(i)
+            return base.as_strided(shape, stride, offset)  # torch checks it lies in the storage
+        return self._array(pid)
+
+    def _array(self, i: Any) -> Any:
+        if type(i) is not int or not 0 <= i < len(self.arrays):
+            raise pickle.UnpicklingError(f"a batch refers to array {i!r} of {len(self.arrays)}")
+        return self.arrays[i]
 
 
 def _plain_tensor(t: Any, strided: Any) -> bool:

@@ -24,7 +24,7 @@ import sys
 import time
 import warnings
 import weakref
-from typing import Any
+from typing import Any, NoReturn
 
 from .. import wire
 from .._errors import PeerDied, ShmshareTimeout
@@ -277,7 +277,7 @@ class MultiProcessIter(_BaseIter):
         try:
             self._rx.tell(worker, note)
         except PeerDied as exc:
-            self._fail(self._death_of(worker), exc)
+            self._fail(worker, exc)
 
     def _get_data(self) -> tuple[int, list[Any]]:
         """Return (worker, message): the next thing a worker sent; raise as torch does."""
@@ -299,9 +299,8 @@ class MultiProcessIter(_BaseIter):
                 who: int | None = getattr(exc, "sender", None)
                 if who is None:  # the last one left: see which
                     self._check_workers(wait=_EXIT_WAIT)
-                    self._fail(RuntimeError("DataLoader workers exited unexpectedly"), exc)
-                    raise
-                self._fail(self._death_of(who), exc)
+                    self._fail(None, exc)
+                self._fail(who, exc)
 
     def _check_workers(self, wait: float = 0.0) -> None:
         for i, w in enumerate(self._workers):
@@ -309,9 +308,9 @@ class MultiProcessIter(_BaseIter):
                 if wait:
                     w.join(wait)
                 if w.exitcode is not None:
-                    self._fail(self._death_of(i), None)
+                    self._fail(i, None)
 
-    def _death_of(self, worker: int) -> RuntimeError:
+    def _death_of(self, worker: int) -> RuntimeError | None:
         w = self._workers[worker]
         w.join(_EXIT_WAIT)  # its socket ended: its exit code follows
         code = w.exitcode
@@ -329,14 +328,31 @@ class MultiProcessIter(_BaseIter):
             return RuntimeError(f"DataLoader worker (pid {w.pid}) exited unexpectedly with exit code "
                                 f"{code}. Details are lost due to multiprocessing. Rerunning with "
                                 "num_workers=0 may give better error trace.")
-        return RuntimeError(f"DataLoader worker (pid(s) {w.pid}) exited unexpectedly")
+        return None  # exited 0 without being told to: "exited unexpectedly" says it all
 
-    def _fail(self, exc: RuntimeError, cause: BaseException | None) -> Any:
-        """A worker died: stop them all, and raise `exc` now and on every later call."""
-        exc.__cause__ = cause
-        self._failed = exc
+    def _fail(self, worker: int | None, cause: BaseException | None) -> NoReturn:
+        """A worker died: stop them all, and raise now and on every later call.
+
+        As torch's loader does when its SIGCHLD handler fires during a wait: a
+        RuntimeError that the worker "exited unexpectedly", caused by what its
+        exit status says ("... is killed by signal: Killed.", "... exited
+        unexpectedly with exit code 1. ...").
+        """
+        if worker is None:
+            top = RuntimeError("DataLoader workers exited unexpectedly")
+            top.__cause__ = cause
+        else:
+            top = RuntimeError(f"DataLoader worker (pid(s) {self._workers[worker].pid}) exited "
+                               "unexpectedly")
+            why = self._death_of(worker)
+            if why is not None:
+                why.__cause__ = cause
+                top.__cause__ = why
+            else:
+                top.__cause__ = cause
+        self._failed = top
         self._shutdown_workers()
-        raise exc
+        raise top
 
     def _mark_unavailable(self, worker: int) -> None:
         self._workers_status[worker] = False
