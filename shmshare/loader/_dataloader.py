@@ -24,6 +24,7 @@ from typing import Any, Generic, TypeVar
 
 from ..channel import DEFAULT_LIMIT
 from . import _collate, _samplers
+from ._device import parse_device
 from ._iters import MultiProcessIter, SingleProcessIter
 
 __all__ = ["DataLoader"]
@@ -49,6 +50,11 @@ class DataLoader(Generic[T_co]):
         Bytes of shared memory each worker's pool may hold (default 1 GiB).
         A worker waits for the main process to drop batches past it, and
         after a minute raises PoolExhausted in the main process, naming it.
+    device : str or int, optional (keyword)
+        ``"cuda"``, ``"cuda:N"`` or an ordinal: batches arrive in that
+        device's memory (torch tensors, or ``shmshare.cuda.DeviceArray``s in
+        numpy mode), copied on a side stream one batch ahead (``_device.py``).
+        Needs shmshare's CUDA support (cuda-python).
     """
 
     __initialized = False
@@ -61,7 +67,7 @@ class DataLoader(Generic[T_co]):
                  multiprocessing_context: Any = None, generator: Any = None, *,
                  prefetch_factor: int | None = None, persistent_workers: bool = False,
                  pin_memory_device: str = "", in_order: bool = True,
-                 pool_limit: int | None = None) -> None:
+                 pool_limit: int | None = None, device: Any = None) -> None:
         use_torch = sys.modules.get("torch") is not None
         if num_workers < 0:
             raise ValueError("num_workers option should be non-negative; use num_workers=0 to "
@@ -92,6 +98,7 @@ class DataLoader(Generic[T_co]):
         self.multiprocessing_context = multiprocessing_context
         self.in_order = in_order
         self._pool_limit = pool_limit or DEFAULT_LIMIT
+        self._device = parse_device(device)
 
         samplers: Any = _torch_samplers() if use_torch else _samplers
         self._iterable = _samplers.is_iterable_dataset(dataset)

@@ -29,7 +29,8 @@ from typing import Any, NoReturn
 from .. import wire
 from .._errors import PeerDied, ShmshareTimeout
 from ..channel import Receiver
-from ._batch import unpack
+from ._batch import pack, unpack
+from ._device import DeviceCopier
 from ._pin import choose, pin_by_copy
 from ._seeding import draw_base_seed
 from ._worker import WorkerSpec, worker_main
@@ -68,6 +69,9 @@ class _BaseIter:
         self._base_seed = draw_base_seed(loader.generator)
         self._persistent_workers = loader.persistent_workers
         self._num_yielded = 0
+        self._copier = None if loader._device is None else DeviceCopier(loader._device,
+                                                                        self._use_torch)
+        self._staged: tuple[str, Any] | None = None  # device=: the next batch, copy started
 
     def __iter__(self) -> _BaseIter:
         return self
@@ -79,6 +83,7 @@ class _BaseIter:
         raise NotImplementedError("{} cannot be pickled", self.__class__.__name__)
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        self._staged = None  # a batch of the last epoch copied ahead: dropped
         self._sampler_iter = iter(self._index_sampler)
         self._num_yielded = 0
         self._len_called = loader._IterableDataset_len_called
@@ -90,7 +95,7 @@ class _BaseIter:
         raise NotImplementedError
 
     def __next__(self) -> Any:
-        data = self._next_data()
+        data = self._next_data() if self._copier is None else self._next_on_device()
         self._num_yielded += 1
         if self._iterable and self._len_called is not None and self._num_yielded > self._len_called:
             msg = (f"Length of IterableDataset {self._dataset} was reported to be {self._len_called}"
@@ -103,6 +108,30 @@ class _BaseIter:
                         "for examples.")
             warnings.warn(msg, stacklevel=2)
         return data
+
+
+    def _next_on_device(self) -> Any:
+        """device=: return the batch whose copy started last time, and start the next one's."""
+        staged, self._staged = self._staged or self._stage(), None
+        kind, value = staged
+        if kind == "end":
+            raise StopIteration
+        if kind == "error":
+            raise value
+        self._staged = self._stage()  # one batch ahead: its copy overlaps the program's work
+        return value
+
+    def _stage(self) -> tuple[str, Any]:
+        try:
+            return "batch", self._next_data()
+        except StopIteration:
+            return "end", None
+        except Exception as exc:  # noqa: BLE001 - raised in its turn, after the batch before it
+            return "error", exc
+
+    def _on_device(self, payload: bytes, arrays: list[Any]) -> Any:
+        assert self._copier is not None
+        return unpack(payload, self._copier.copy(arrays))
 
 
 class SingleProcessIter(_BaseIter):
@@ -120,7 +149,14 @@ class SingleProcessIter(_BaseIter):
     def _next_data(self) -> Any:
         index = self._next_index()
         data = self._fetcher.fetch(index)
+        if self._copier is not None:
+            return self._on_device(*pack(data))
         return pin_by_copy(data) if self._pin_memory else data
+
+    def __del__(self) -> None:
+        copier = getattr(self, "_copier", None)
+        if copier is not None:
+            copier.close()
 
 
 class MultiProcessIter(_BaseIter):
@@ -247,6 +283,8 @@ class MultiProcessIter(_BaseIter):
         self._try_put_index()
         if msg[1] == "e":
             pickle.loads(msg[2]).reraise()
+        if self._copier is not None:
+            return self._on_device(msg[2], msg[3])
         data = unpack(msg[2], msg[3])
         return pin_by_copy(data) if self._pin_memory else data
 
@@ -387,6 +425,8 @@ class MultiProcessIter(_BaseIter):
                 if w.is_alive():
                     w.kill()
                     w.join()
+            if self._copier is not None:
+                self._copier.close()  # its copies are done before the blocks go back
             if rx is not None:
                 rx.close()  # batches still held stay valid: their mappings go with them
             if self._pinner is not None:

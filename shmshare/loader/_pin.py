@@ -57,6 +57,8 @@ def choose(loader: Any, stacklevel: int) -> tuple[str, Pinner | None]:
         warnings.warn("pin_memory_device is deprecated, the current accelerator will be used as the "
                       f"device,ignore pin_memory_device='{loader.pin_memory_device}'.",
                       stacklevel=stacklevel)
+    if loader._device is not None and loader.num_workers > 0 and _cuda_usable():
+        return "register", Pinner(loader._device, lambda: 0)  # copies from the pool's own pages
     if not loader.pin_memory:
         return "none", None
     torch = sys.modules.get("torch") if loader._use_torch else None

@@ -89,3 +89,67 @@ def test_without_cuda_pin_memory_warns_as_torch_does() -> None:
         pytest.skip("CUDA is present here")
     with pytest.warns(UserWarning, match="no accelerator is found"):
         assert len(list(_loader())) == 16
+
+
+# --- device= -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_device_batches_hold_the_samples_and_their_host_blocks_go_after_the_copy(
+        driver_model: DriverModel, workers: int) -> None:
+    from shmshare import cuda
+
+    dl = L.DataLoader(Arrays(20, (8,)), batch_size=4, num_workers=workers, device="cuda:0",
+                      collate_fn=L.numpy_collate)
+    it = iter(dl)
+    got = []
+    for b in it:
+        x = b["x"]
+        assert isinstance(x, cuda.DeviceArray) and x.shape == (4, 8) and x.dtype == np.float32
+        host = np.frombuffer(driver_model.read(x.address, x.nbytes), np.float32).reshape(4, 8)
+        assert (host == host[:, :1]).all()
+        got += host[:, 0].astype(int).tolist()
+        assert x.__cuda_array_interface__["stream"] is not None  # consumers wait for the side stream
+        del b, x
+    assert got == list(range(20))
+    del it
+    gc.collect()
+    assert driver_model.live()["registered"] == 0
+
+
+def test_device_copies_run_one_batch_ahead(driver_model: DriverModel) -> None:
+    dl = L.DataLoader(Arrays(40, (8,)), batch_size=4, num_workers=1, device=0,
+                      collate_fn=L.numpy_collate, persistent_workers=True)
+    it = iter(dl)
+    first = next(it)
+    copies = [c for c, _ in driver_model.calls if c == "cuMemcpyHtoDAsync"]
+    assert len(copies) == 2 * 3  # batches 0 and 1 (x, y and pid each): the next one is on its way
+    assert it._staged is not None and it._staged[0] == "batch"
+    del first
+    dl.close()
+    gc.collect()
+
+
+def test_device_host_batches_are_held_until_their_copy_completes(driver_model: DriverModel) -> None:
+    dl = L.DataLoader(Arrays(40, (8,)), batch_size=4, num_workers=1, device=0,
+                      collate_fn=L.numpy_collate, persistent_workers=True)
+    it = iter(dl)
+    first = next(it)
+    side = int(it._copier.stream)
+    driver_model.hold(side)  # the side stream is busy: copies enqueued from now on do not finish
+    second = next(it)  # stages the third batch behind the held work
+    pending = it._copier.inflight
+    assert pending and not pending[-1][0].query()
+    host = pending[-1][1]
+    assert all(isinstance(a, np.ndarray) for a in host)  # its host arrays, kept from the worker
+    driver_model.finish(side)
+    third = next(it)
+    assert all(e.query() for e, _ in list(it._copier.inflight)[:-1])
+    del first, second, third, host, pending
+    dl.close()
+    gc.collect()
+
+
+def test_device_needs_a_cuda_device_name() -> None:
+    with pytest.raises(ValueError, match="device must be 'cuda', 'cuda:N' or a device ordinal"):
+        L.DataLoader(Arrays(4), device="cpu")
