@@ -1,0 +1,498 @@
+#!/usr/bin/env python3
+"""Benchmark shmshare.DataLoader side by side with torch.utils.data.DataLoader, in one process tree.
+
+Both loaders get the same dataset object and the same arguments: batch_size
+32, and with workers ``persistent_workers=True, prefetch_factor=2``. The
+consumer (this process) reads one element per batch
+(``batch[0][0, 0, 0, 0].item()``), so the rate measures the loader, not a model.
+Datasets (map-style, sample i -> (image, label i)):
+
+- ``float32`` / ``uint8``: a (3, 224, 224) image copied out of a few
+  preallocated ones -- nearly free to make, so the cost is the transport
+  (collate, shared memory, fd hand-offs).
+- ``cpu``: a (3, 224, 224) uint8 image that costs about 1 ms of CPU per
+  sample -- a JPEG decode with Pillow when it is installed, topped up with a
+  numpy workload to about 1 ms; the numpy workload alone otherwise -- to show
+  scaling with workers.
+
+Each row builds a loader, runs epoch 1 (time to its first batch includes
+starting the workers; the rest is the warm-up), then ``--runs`` measured
+epochs of ``--batches`` batches (time to the first batch of each, then the
+rate over the rest; medians printed). A sampling thread records the peak fd
+count of this process and of the whole tree (psutil, /proc/<pid>/fd) and the
+peak of ``Shmem`` in /proc/meminfo above its value before the row (the host's
+figure: other work on the machine shows up in it). Loaders are shut down, and
+their workers waited for, between rows. Without torch, shmshare's rows run
+alone with ``collate_fn=shmshare.loader.numpy_collate``; without
+``shmshare.DataLoader`` (not built yet), torch's rows run alone.
+
+Targets of the issue are printed with PASS/MISS, informational only (times
+are never asserted). Usage, from a checkout (the package need not be installed):
+``.venv/bin/python scripts/bench_loader.py [--quick] [--workers 0,1,2] [--dtypes float32,uint8,cpu] [--json FILE]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import io
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+from _bench import table  # scripts/_bench.py: run from scripts/ or by path
+
+# This checkout's shmshare, installed or not (an installed or editable copy elsewhere would shadow it).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import shmshare
+from shmshare._procfs import meminfo_kb
+
+MiB = 1 << 20
+BATCH = 32
+PREFETCH = 2
+SHAPE = (3, 224, 224)
+WAIT = 120  # s: the loaders' timeout for one batch, so that a hung worker ends the row, not the run
+SAMPLE_S = 0.01  # the sampling thread's period
+FD_CONST = 8  # target: at most 2 fds per worker plus this many in the main process
+CPU_MS = 1.0  # the cpu dataset's aim per sample
+LOADERS = ("torch", "shmshare")
+
+
+# -- datasets (module level: picklable for spawn/forkserver contexts) ---------------------
+
+
+class Images:
+    """Map-style dataset: sample i is a copy of one of a few preallocated images, and the label i."""
+
+    def __init__(self, length: int, dtype: str, distinct: int = 8) -> None:
+        rng = np.random.default_rng(0)
+        self.length = length
+        self.src = rng.integers(0, 256, (distinct, *SHAPE), dtype=np.uint8).astype(dtype)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        return self.src[i % len(self.src)].copy(), i
+
+
+class Decoded:
+    """Map-style dataset whose samples cost about ``CPU_MS`` of CPU each: decode (Pillow) and/or numpy work."""
+
+    def __init__(self, length: int, reps: int, jpeg: bytes | None) -> None:
+        self.length = length
+        self.reps = reps  # rounds of the numpy workload per sample
+        self.jpeg = jpeg  # a 224x224 RGB JPEG to decode per sample, when Pillow is installed
+        self.src = np.random.default_rng(1).integers(0, 256, SHAPE, dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        if self.jpeg is not None:
+            from PIL import Image
+
+            img = np.ascontiguousarray(np.asarray(Image.open(io.BytesIO(self.jpeg)).convert("RGB")).transpose(2, 0, 1))
+        else:
+            img = self.src
+        x = img.astype(np.float32)
+        for _ in range(self.reps):  # a stand-in for decode/augment: elementwise passes over the image
+            x = np.sqrt(x * x + 1.0)
+        return np.clip(x, 0, 255).astype(np.uint8), i
+
+
+def make_jpeg() -> bytes | None:
+    """Return a 224x224 JPEG of a smooth, noisy picture, or None without Pillow."""
+    try:
+        from PIL import Image
+    except ImportError:
+        return None
+    yy, xx = np.mgrid[0:224, 0:224]
+    noise = np.random.default_rng(2).integers(0, 40, (224, 224, 3))
+    rgb = np.stack([xx, yy, (xx + yy) // 2], axis=-1) + noise
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8), "RGB").save(buf, "JPEG", quality=90)
+    return buf.getvalue()
+
+
+def calibrate(jpeg: bytes | None) -> tuple[int, float]:
+    """Return (numpy rounds, measured ms per sample) so that one cpu sample costs about CPU_MS."""
+
+    def cost(reps: int) -> float:
+        ds = Decoded(1, reps, jpeg)
+        ds[0]
+        times = []
+        for _ in range(30):
+            t0 = time.perf_counter()
+            ds[0]
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times) * 1e3
+
+    base, one = cost(0), cost(1)
+    reps = max(0, round((CPU_MS - base) / max(one - base, 1e-3)))
+    return reps, cost(reps)
+
+
+# -- sampling fds and shared memory -------------------------------------------------------
+
+
+class Peaks(threading.Thread):
+    """Samples, until stopped, the fd counts of this process and its descendants and /proc/meminfo Shmem."""
+
+    def __init__(self) -> None:
+        super().__init__(name="bench-peaks", daemon=True)
+        self.me = psutil.Process()
+        self.shm_base_kb = meminfo_kb("Shmem")
+        self.fds_base = self.me.num_fds()
+        self.fds_main = self.fds_tree = self.shm_kb = 0  # peaks: fds, and Shmem kB above the base
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        kids: list[psutil.Process] = []
+        rescan = 0.0
+        while not self._stop_event.is_set():
+            now = time.monotonic()
+            if now >= rescan:  # listing the tree reads all of /proc: not at every sample
+                kids, rescan = self.me.children(recursive=True), now + 0.1
+            self.sample(kids)
+            self._stop_event.wait(SAMPLE_S)
+
+    def sample(self, kids: list[psutil.Process]) -> None:
+        main = self.me.num_fds()
+        tree = main
+        for k in kids:
+            with contextlib.suppress(psutil.Error):  # gone, or a zombie between its exit and its join
+                tree += k.num_fds()
+        self.fds_main = max(self.fds_main, main)
+        self.fds_tree = max(self.fds_tree, tree)
+        self.shm_kb = max(self.shm_kb, meminfo_kb("Shmem") - self.shm_base_kb)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        self.join(5)
+
+
+# -- one row -------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """What one (loader, dataset, workers) measurement found; times in seconds, memory in MiB."""
+
+    loader: str
+    dataset: str
+    workers: int
+    batch_mib: float  # one batch's images and labels
+    rate: float = 0.0  # batches/s, median of the measured epochs
+    first1: float = 0.0  # time to the first batch of epoch 1 (loader built, workers started)
+    first2: float = 0.0  # time to the first batch of a later epoch (median)
+    fds_base: int = 0  # this process's fds before the loader was built
+    fds_main: int = 0  # peak fds of this process above fds_base
+    fds_tree: int = 0  # peak fds of this process and all its descendants, above fds_base
+    shm_mib: float = 0.0  # peak Shmem above its value before the row
+    shm_left_mib: float = 0.0  # Shmem above that value once the loader was closed
+    stragglers: int = 0  # processes the row started that were still alive after close
+    rates: list[float] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def mib_s(self) -> float:
+        return self.rate * self.batch_mib
+
+
+def touch(batch: Any) -> float:
+    """Read one element of the batch's images: all a consumer does here."""
+    return float(batch[0][0, 0, 0, 0].item())
+
+
+def make_loader(kind: str, dataset: Any, workers: int, numpy_collate: bool) -> Iterable[Any]:
+    """Build `kind`'s DataLoader over `dataset` with the arguments every row uses."""
+    kw: dict[str, Any] = {"batch_size": BATCH, "num_workers": workers}
+    if workers:
+        kw.update(persistent_workers=True, prefetch_factor=PREFETCH, timeout=WAIT)
+    if kind == "torch":
+        from torch.utils.data import DataLoader
+
+        return DataLoader(dataset, **kw)  # type: ignore[no-any-return]
+    if numpy_collate:
+        kw["collate_fn"] = shmshare.loader.numpy_collate
+    return shmshare.DataLoader(dataset, **kw)  # type: ignore[attr-defined, no-any-return]
+
+
+def close_loader(loader: Any) -> None:
+    """Shut the loader's workers down: its close() if it has one, torch's iterator shutdown otherwise."""
+    closer = getattr(loader, "close", None)
+    if callable(closer):
+        closer()
+    shutdown = getattr(getattr(loader, "_iterator", None), "_shutdown_workers", None)
+    if callable(shutdown):  # torch: persistent workers live in the loader's cached iterator
+        shutdown()
+
+
+def run_row(kind: str, name: str, dataset: Any, workers: int, runs: int, numpy_collate: bool) -> Row:
+    """Measure one loader over `dataset`: epoch 1, then `runs` epochs; close it and wait for its workers."""
+    sample, _ = dataset[0]
+    row = Row(kind, name, workers, (sample.nbytes + 8) * BATCH / MiB)
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    gc.collect()
+    peaks = Peaks()
+    row.fds_base = peaks.fds_base
+    peaks.start()
+    loader: Any = None
+    try:
+        t0 = time.perf_counter()
+        loader = make_loader(kind, dataset, workers, numpy_collate)
+        it = iter(loader)
+        touch(next(it))
+        row.first1 = time.perf_counter() - t0
+        for batch in it:
+            touch(batch)
+        firsts = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            it = iter(loader)
+            touch(next(it))
+            t1 = time.perf_counter()
+            n = 0
+            for batch in it:
+                touch(batch)
+                n += 1
+            row.rates.append(n / (time.perf_counter() - t1))
+            firsts.append(t1 - t0)
+        row.rate, row.first2 = statistics.median(row.rates), statistics.median(firsts)
+        del it, batch
+    except Exception as e:  # noqa: BLE001 -- a failing loader is a row of the report, not the end of the run
+        row.error = f"{type(e).__name__}: {e}"[:200]
+    finally:
+        if loader is not None:
+            with contextlib.suppress(Exception):  # reported through the stragglers count below
+                close_loader(loader)
+        del loader
+        gc.collect()
+        row.stragglers = wait_children(me, before)
+        peaks.stop()
+    row.fds_main = peaks.fds_main - peaks.fds_base
+    row.fds_tree = peaks.fds_tree - peaks.fds_base
+    row.shm_mib = peaks.shm_kb / 1024
+    row.shm_left_mib = (meminfo_kb("Shmem") - peaks.shm_base_kb) / 1024
+    return row
+
+
+def wait_children(me: psutil.Process, before: set[int], limit: float = 10.0) -> int:
+    """Wait up to `limit` s for the processes started since `before` to end; return how many remain."""
+    deadline = time.monotonic() + limit
+    while True:
+        left = []
+        for p in me.children(recursive=True):
+            if p.pid in before:
+                continue
+            with contextlib.suppress(psutil.Error):
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(p)
+        if not left or time.monotonic() > deadline:
+            return len(left)
+        time.sleep(0.02)
+
+
+# -- the report ----------------------------------------------------------------------------
+
+
+def fmt_ms(s: float) -> str:
+    return f"{s * 1e3:,.0f}" if s >= 0.01 else f"{s * 1e3:.1f}"
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if a > 0 and b > 0 else "-"
+
+
+def print_rows(rows: list[Row]) -> None:
+    head = ["loader", "dataset", "workers", "batches/s", "MiB/s", "1st ep1 ms", "1st ep2 ms",
+            "fds main", "fds tree", "shm peak MiB", "shm left MiB"]
+    out = []
+    for r in rows:
+        if r.error:
+            out.append([r.loader, r.dataset, str(r.workers), "error", r.error[:60], *[""] * 6])
+            continue
+        out.append([r.loader, r.dataset, str(r.workers), f"{r.rate:,.1f}", f"{r.mib_s:,.0f}",
+                    fmt_ms(r.first1), fmt_ms(r.first2), f"+{r.fds_main}", f"+{r.fds_tree}",
+                    f"{r.shm_mib:,.1f}", f"{r.shm_left_mib:,.1f}"
+                    + (f" ({r.stragglers} alive)" if r.stragglers else "")])
+    table(head, out)
+
+
+def pairs(rows: list[Row]) -> list[tuple[Row, Row]]:
+    """Return (torch, shmshare) rows of the same dataset and worker count, both without errors."""
+    by = {(r.loader, r.dataset, r.workers): r for r in rows if not r.error}
+    return [(t, by[("shmshare", d, w)]) for (k, d, w), t in by.items() if k == "torch" and ("shmshare", d, w) in by]
+
+
+def print_ratios(rows: list[Row]) -> None:
+    out = [[s.dataset, str(s.workers), ratio(s.rate, t.rate), ratio(s.first1, t.first1), ratio(s.first2, t.first2),
+            f"{s.fds_main:+d} / {t.fds_main:+d}", f"{s.shm_mib:,.0f} / {t.shm_mib:,.0f}"]
+           for t, s in pairs(rows)]
+    if not out:
+        return
+    print("\nshmshare / torch, per row (rate: higher is better; times: lower is better)")
+    table(["dataset", "workers", "batches/s", "1st ep1", "1st ep2", "fds main (s / t)", "shm MiB (s / t)"], out)
+    by = {(r.loader, r.dataset, r.workers): r for r in rows if not r.error}
+    cross = [[d, ratio(s.rate, t.rate), ratio(s.rate, by[("torch", d, 2)].rate) if ("torch", d, 2) in by else "-"]
+             for (k, d, w), s in by.items() if k == "shmshare" and w == 2 and ("torch", d, 0) in by
+             for t in [by[("torch", d, 0)]]]
+    if cross:
+        print("\nshmshare with 2 workers against torch")
+        table(["dataset", "vs torch 0 workers", "vs torch 2 workers"], cross)
+
+
+def targets(rows: list[Row]) -> list[dict[str, Any]]:
+    """Check the issue's targets on the shmshare rows; return one record per check."""
+    by = {(r.loader, r.dataset, r.workers): r for r in rows if not r.error}
+    found: list[dict[str, Any]] = []
+
+    def check(what: str, value: float, limit: float, ok: bool, unit: str) -> None:
+        found.append({"target": what, "value": round(value, 3), "limit": round(limit, 3), "unit": unit, "pass": ok})
+
+    for (kind, d, w), s in by.items():
+        if kind != "shmshare":
+            continue
+        if w == 2 and d != "cpu":
+            if ("torch", d, 2) in by:
+                x = s.rate / by[("torch", d, 2)].rate
+                check(f"{d}, 2 workers: rate >= 3x torch 2 workers", x, 3.0, x >= 3.0, "x")
+            if ("torch", d, 0) in by:
+                x = s.rate / by[("torch", d, 0)].rate
+                check(f"{d}, 2 workers: rate >= torch 0 workers", x, 1.0, x >= 1.0, "x")
+        fd_limit = 2 * w + FD_CONST
+        check(f"{d}, {w} workers: main fds <= 2/worker + {FD_CONST}", s.fds_main, fd_limit, s.fds_main <= fd_limit,
+              "fds")
+        if w:
+            shm_limit = (PREFETCH * w + 2) * s.batch_mib
+            check(f"{d}, {w} workers: shm in flight <= {PREFETCH}x{w}+2 batches", s.shm_mib, shm_limit,
+                  s.shm_mib <= shm_limit, "MiB")
+    return found
+
+
+def print_targets(found: list[dict[str, Any]]) -> None:
+    if not found:
+        print("\ntargets: no shmshare rows to check")
+        return
+    print("\ntargets of the issue (informational; shmshare rows)")
+    table(["target", "measured", "limit", ""],
+          [[f["target"], f"{f['value']:,.2f} {f['unit']}", f"{f['limit']:,.2f}", "PASS" if f["pass"] else "MISS"]
+           for f in found])
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every (dataset, workers, loader) row, print the tables; return 0."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="a few seconds in all (smoke tests)")
+    ap.add_argument("--batches", type=int, default=None, help="batches per measured epoch (default 100, quick 8)")
+    ap.add_argument("--cpu-batches", type=int, default=None, help="batches per epoch of the cpu dataset "
+                    "(default 30, quick 4)")
+    ap.add_argument("--runs", type=int, default=None, help="measured epochs per row, after epoch 1 (default 2)")
+    ap.add_argument("--dtypes", default="float32,uint8,cpu", help="datasets: float32, uint8, cpu")
+    ap.add_argument("--workers", default="0,1,2", help="worker counts, e.g. 0,1,2")
+    ap.add_argument("--loaders", default=",".join(LOADERS), help="torch, shmshare")
+    ap.add_argument("--json", metavar="FILE", help="also write the rows and targets as JSON ('-': stdout, "
+                    "tables to stderr)")
+    args = ap.parse_args(argv)
+    batches = args.batches or (8 if args.quick else 100)
+    cpu_batches = args.cpu_batches or (4 if args.quick else 30)
+    runs = args.runs or (1 if args.quick else 2)
+    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    workers = [int(w) for w in args.workers.split(",")]
+    bad = set(dtypes) - {"float32", "uint8", "cpu"}
+    if bad:
+        ap.error(f"unknown dataset(s): {', '.join(sorted(bad))}")
+    with contextlib.redirect_stdout(sys.stderr) if args.json == "-" else contextlib.nullcontext():
+        report = bench(args, batches, cpu_batches, runs, dtypes, workers)
+    if args.json:
+        text = json.dumps(report, indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+    return 0
+
+
+def bench(args: argparse.Namespace, batches: int, cpu_batches: int, runs: int, dtypes: list[str],
+          workers: list[int]) -> dict[str, Any]:
+    started = time.perf_counter()
+    have_torch = _have("torch")
+    loaders = [k for k in args.loaders.split(",") if k in LOADERS]
+    notes = []
+    if not have_torch and "torch" in loaders:
+        loaders.remove("torch")
+        notes.append("torch is not installed: shmshare's rows only, with numpy_collate")
+    if not hasattr(shmshare, "DataLoader") and "shmshare" in loaders:
+        loaders.remove("shmshare")
+        notes.append("shmshare.DataLoader does not exist in this checkout yet: torch's rows only")
+    print(f"bench_loader: Linux {platform.release()}, Python {platform.python_version()}, numpy {np.__version__}"
+          f"{', torch ' + _version('torch') if have_torch else ''}, {os.cpu_count()} CPUs; batch {BATCH}, "
+          f"prefetch {PREFETCH}, persistent workers; {batches} batches per epoch ({cpu_batches} for cpu), "
+          f"{runs} measured epoch(s) after epoch 1{', --quick' if args.quick else ''}")
+    for n in notes:
+        print(n)
+    meta: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(), "batch_size": BATCH,
+                            "prefetch_factor": PREFETCH, "batches": batches, "cpu_batches": cpu_batches,
+                            "runs": runs, "loaders": loaders}
+    jpeg, reps = None, 0
+    if "cpu" in dtypes:
+        jpeg = make_jpeg()
+        reps, ms = calibrate(jpeg)
+        how = "Pillow JPEG decode 224x224" + (f" + {reps} numpy rounds" if reps else "") if jpeg else \
+            f"numpy stand-in, {reps} rounds (Pillow is not installed)"
+        print(f"cpu dataset: {ms:.2f} ms per sample in this process ({how})")
+        meta.update(cpu_ms=ms, cpu_reps=reps, cpu_pillow=jpeg is not None)
+    print()
+    rows: list[Row] = []
+    for d in dtypes:
+        n = (cpu_batches if d == "cpu" else batches) * BATCH
+        dataset = Decoded(n, reps, jpeg) if d == "cpu" else Images(n, d)
+        for w in workers:
+            for kind in loaders:
+                rows.append(run_row(kind, d, dataset, w, runs, numpy_collate=not have_torch))
+                r = rows[-1]
+                print(f"  {kind:>8} {d:>7} {w} workers: " +
+                      (r.error if r.error else f"{r.rate:,.1f} batches/s, first batch {fmt_ms(r.first1)} ms"),
+                      flush=True)
+    print("\nper row: batches/s and MiB/s over the measured epochs (median); time to the first batch of epoch 1"
+          "\n(includes starting workers) and of a later epoch; peak fds above this process's count before the row"
+          "\n(main, and the whole tree); peak Shmem above its value before the row, and what was left after close")
+    print_rows(rows)
+    print_ratios(rows)
+    found = targets(rows)
+    print_targets(found)
+    print(f"\n(whole run: {time.perf_counter() - started:.1f} s)")
+    return {"meta": meta, "rows": [asdict(r) | {"mib_s": r.mib_s} for r in rows], "targets": found}
+
+
+def _have(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
+def _version(module: str) -> str:
+    return str(getattr(sys.modules[module], "__version__", "?"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
