@@ -18,7 +18,8 @@ Datasets (map-style, sample i -> (image, label i)):
 Each row builds a loader, runs epoch 1 (time to its first batch includes
 starting the workers; the rest is the warm-up), then ``--runs`` measured
 epochs of ``--batches`` batches (time to the first batch of each, then the
-rate over the rest; medians printed). A sampling thread records the peak fd
+rate over the rest: the best epoch's rate and the median first batch are
+printed, with the CPU time the whole tree spent per batch). A sampling process records the peak fd
 count of this process and of the whole tree (psutil, /proc/<pid>/fd) and the
 peak of ``Shmem`` in /proc/meminfo above its value before the row (the host's
 figure: other work on the machine shows up in it). Loaders are shut down, and
@@ -38,14 +39,15 @@ import contextlib
 import gc
 import io
 import json
+import multiprocessing as mp
 import os
 import platform
 import statistics
 import sys
-import threading
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +98,7 @@ class Decoded:
         self.reps = reps  # rounds of the numpy workload per sample
         self.jpeg = jpeg  # a 224x224 RGB JPEG to decode per sample, when Pillow is installed
         self.src = np.random.default_rng(1).integers(0, 256, SHAPE, dtype=np.uint8)
+        self._x: np.ndarray | None = None
 
     def __len__(self) -> int:
         return self.length
@@ -104,13 +107,18 @@ class Decoded:
         if self.jpeg is not None:
             from PIL import Image
 
-            img = np.ascontiguousarray(np.asarray(Image.open(io.BytesIO(self.jpeg)).convert("RGB")).transpose(2, 0, 1))
+            img = np.asarray(Image.open(io.BytesIO(self.jpeg)).convert("RGB")).transpose(2, 0, 1)
         else:
             img = self.src
-        x = img.astype(np.float32)
-        for _ in range(self.reps):  # a stand-in for decode/augment: elementwise passes over the image
-            x = np.sqrt(x * x + 1.0)
-        return np.clip(x, 0, 255).astype(np.uint8), i
+        if self._x is None:  # a scratch image per process (each worker's copy of the dataset gets its own)
+            self._x = np.empty(SHAPE, np.float32)
+        x = self._x
+        np.copyto(x, img)
+        for _ in range(self.reps):  # a stand-in for decode/augment: elementwise passes, in place (no page faults)
+            np.multiply(x, x, out=x)
+            np.add(x, 1.0, out=x)
+            np.sqrt(x, out=x)
+        return x.astype(np.uint8), i
 
 
 def make_jpeg() -> bytes | None:
@@ -140,48 +148,78 @@ def calibrate(jpeg: bytes | None) -> tuple[int, float]:
             times.append(time.perf_counter() - t0)
         return statistics.median(times) * 1e3
 
-    base, one = cost(0), cost(1)
-    reps = max(0, round((CPU_MS - base) / max(one - base, 1e-3)))
+    base, per_rep = cost(0), (cost(8) - cost(0)) / 8
+    reps = max(0, round((CPU_MS - base) / max(per_rep, 1e-3)))
     return reps, cost(reps)
 
 
 # -- sampling fds and shared memory -------------------------------------------------------
 
+# Note [Sampling from a process]
+#     The sampler is a forked process, not a thread of this one: a thread takes
+#     the GIL from the loader under test, and with 0 workers (the whole loader
+#     in this process) on a busy 2-CPU machine that slowed the row by 2-4x (a
+#     thread that holds the GIL and is then descheduled stalls the consumer for
+#     a time slice). The sampler reads /proc only, so it costs no GIL here.
 
-class Peaks(threading.Thread):
-    """Samples, until stopped, the fd counts of this process and its descendants and /proc/meminfo Shmem."""
+
+class Sampler:
+    """A forked process that samples this process's fd count, its descendants' and /proc/meminfo Shmem."""
 
     def __init__(self) -> None:
-        super().__init__(name="bench-peaks", daemon=True)
-        self.me = psutil.Process()
-        self.shm_base_kb = meminfo_kb("Shmem")
-        self.fds_base = self.me.num_fds()
-        self.fds_main = self.fds_tree = self.shm_kb = 0  # peaks: fds, and Shmem kB above the base
-        self._stop_event = threading.Event()
+        ctx = mp.get_context("fork")
+        self._conn, theirs = ctx.Pipe()
+        self._proc = ctx.Process(target=_sample_loop, args=(theirs, os.getpid()), daemon=True, name="bench-sampler")
+        self._proc.start()
+        theirs.close()
+        self.pid = self._proc.pid
 
-    def run(self) -> None:
+    def start(self) -> tuple[int, int]:
+        """Take the bases and start sampling; return (Shmem kB, fds of this process) before the row."""
+        self._conn.send("start")
+        base: tuple[int, int] = self._conn.recv()
+        return base
+
+    def stop(self) -> tuple[int, int, int]:
+        """Stop sampling; return the peaks (fds of this process, fds of the tree, Shmem kB above the base)."""
+        self._conn.send("stop")
+        peaks: tuple[int, int, int] = self._conn.recv()
+        return peaks
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.send("quit")
+        self._proc.join(5)
+        if self._proc.exitcode is None:
+            self._proc.kill()  # by its pid: only what this script started
+            self._proc.join(5)
+        self._conn.close()
+
+
+def _sample_loop(conn: Connection, pid: int) -> None:
+    """The sampler's body: between "start" and "stop", sample every SAMPLE_S; "quit" ends it."""
+    main, me = psutil.Process(pid), os.getpid()
+    while conn.recv() == "start":
+        shm_base, fds_base = meminfo_kb("Shmem"), main.num_fds()
+        conn.send((shm_base, fds_base))
+        fds_main = fds_tree = shm_kb = 0
         kids: list[psutil.Process] = []
         rescan = 0.0
-        while not self._stop_event.is_set():
+        while True:
             now = time.monotonic()
             if now >= rescan:  # listing the tree reads all of /proc: not at every sample
-                kids, rescan = self.me.children(recursive=True), now + 0.1
-            self.sample(kids)
-            self._stop_event.wait(SAMPLE_S)
-
-    def sample(self, kids: list[psutil.Process]) -> None:
-        main = self.me.num_fds()
-        tree = main
-        for k in kids:
-            with contextlib.suppress(psutil.Error):  # gone, or a zombie between its exit and its join
-                tree += k.num_fds()
-        self.fds_main = max(self.fds_main, main)
-        self.fds_tree = max(self.fds_tree, tree)
-        self.shm_kb = max(self.shm_kb, meminfo_kb("Shmem") - self.shm_base_kb)
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join(5)
+                kids, rescan = [k for k in main.children(recursive=True) if k.pid != me], now + 0.1
+            n = main.num_fds()
+            tree = n
+            for k in kids:
+                with contextlib.suppress(psutil.Error):  # gone, or a zombie between its exit and its join
+                    tree += k.num_fds()
+            fds_main, fds_tree = max(fds_main, n), max(fds_tree, tree)
+            shm_kb = max(shm_kb, meminfo_kb("Shmem") - shm_base)
+            if conn.poll(SAMPLE_S):
+                break
+        conn.recv()  # "stop"
+        conn.send((fds_main, fds_tree, shm_kb))
 
 
 # -- one row -------------------------------------------------------------------------------
@@ -195,7 +233,8 @@ class Row:
     dataset: str
     workers: int
     batch_mib: float  # one batch's images and labels
-    rate: float = 0.0  # batches/s, median of the measured epochs
+    rate: float = 0.0  # batches/s, the best of the measured epochs (the least disturbed by other work)
+    cpu_ms: float = 0.0  # CPU time of the whole tree (this process and the workers) per measured batch
     first1: float = 0.0  # time to the first batch of epoch 1 (loader built, workers started)
     first2: float = 0.0  # time to the first batch of a later epoch (median)
     fds_base: int = 0  # this process's fds before the loader was built
@@ -241,16 +280,15 @@ def close_loader(loader: Any) -> None:
         shutdown()
 
 
-def run_row(kind: str, name: str, dataset: Any, workers: int, runs: int, numpy_collate: bool) -> Row:
+def run_row(sampler: Sampler, kind: str, name: str, dataset: Any, workers: int, runs: int,
+            numpy_collate: bool) -> Row:
     """Measure one loader over `dataset`: epoch 1, then `runs` epochs; close it and wait for its workers."""
     sample, _ = dataset[0]
     row = Row(kind, name, workers, (sample.nbytes + 8) * BATCH / MiB)
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     gc.collect()
-    peaks = Peaks()
-    row.fds_base = peaks.fds_base
-    peaks.start()
+    shm_base, row.fds_base = sampler.start()
     loader: Any = None
     try:
         t0 = time.perf_counter()
@@ -261,6 +299,7 @@ def run_row(kind: str, name: str, dataset: Any, workers: int, runs: int, numpy_c
         for batch in it:
             touch(batch)
         firsts = []
+        cpu0, n_all = tree_cpu(me, sampler.pid), 0
         for _ in range(runs):
             t0 = time.perf_counter()
             it = iter(loader)
@@ -272,7 +311,9 @@ def run_row(kind: str, name: str, dataset: Any, workers: int, runs: int, numpy_c
                 n += 1
             row.rates.append(n / (time.perf_counter() - t1))
             firsts.append(t1 - t0)
-        row.rate, row.first2 = statistics.median(row.rates), statistics.median(firsts)
+            n_all += n + 1
+        row.cpu_ms = (tree_cpu(me, sampler.pid) - cpu0) / n_all * 1e3
+        row.rate, row.first2 = max(row.rates), statistics.median(firsts)
         del it, batch
     except Exception as e:  # noqa: BLE001 -- a failing loader is a row of the report, not the end of the run
         row.error = f"{type(e).__name__}: {e}"[:200]
@@ -283,12 +324,23 @@ def run_row(kind: str, name: str, dataset: Any, workers: int, runs: int, numpy_c
         del loader
         gc.collect()
         row.stragglers = wait_children(me, before)
-        peaks.stop()
-    row.fds_main = peaks.fds_main - peaks.fds_base
-    row.fds_tree = peaks.fds_tree - peaks.fds_base
-    row.shm_mib = peaks.shm_kb / 1024
-    row.shm_left_mib = (meminfo_kb("Shmem") - peaks.shm_base_kb) / 1024
+        fds_main, fds_tree, shm_kb = sampler.stop()
+    row.fds_main, row.fds_tree = fds_main - row.fds_base, fds_tree - row.fds_base
+    row.shm_mib = shm_kb / 1024
+    row.shm_left_mib = (meminfo_kb("Shmem") - shm_base) / 1024
     return row
+
+
+def tree_cpu(me: psutil.Process, skip: int) -> float:
+    """Return the CPU seconds (user + system) of this process and its descendants but `skip`, so far."""
+    t = me.cpu_times()
+    total = t.user + t.system
+    for k in me.children(recursive=True):
+        if k.pid != skip:
+            with contextlib.suppress(psutil.Error):
+                c = k.cpu_times()
+                total += c.user + c.system
+    return total
 
 
 def wait_children(me: psutil.Process, before: set[int], limit: float = 10.0) -> int:
@@ -319,14 +371,14 @@ def ratio(a: float, b: float) -> str:
 
 
 def print_rows(rows: list[Row]) -> None:
-    head = ["loader", "dataset", "workers", "batches/s", "MiB/s", "1st ep1 ms", "1st ep2 ms",
+    head = ["loader", "dataset", "workers", "batches/s", "MiB/s", "CPU ms/batch", "1st ep1 ms", "1st ep2 ms",
             "fds main", "fds tree", "shm peak MiB", "shm left MiB"]
     out = []
     for r in rows:
         if r.error:
-            out.append([r.loader, r.dataset, str(r.workers), "error", r.error[:60], *[""] * 6])
+            out.append([r.loader, r.dataset, str(r.workers), "error", r.error[:60], *[""] * 7])
             continue
-        out.append([r.loader, r.dataset, str(r.workers), f"{r.rate:,.1f}", f"{r.mib_s:,.0f}",
+        out.append([r.loader, r.dataset, str(r.workers), f"{r.rate:,.1f}", f"{r.mib_s:,.0f}", f"{r.cpu_ms:.1f}",
                     fmt_ms(r.first1), fmt_ms(r.first2), f"+{r.fds_main}", f"+{r.fds_tree}",
                     f"{r.shm_mib:,.1f}", f"{r.shm_left_mib:,.1f}"
                     + (f" ({r.stragglers} alive)" if r.stragglers else "")])
@@ -340,13 +392,15 @@ def pairs(rows: list[Row]) -> list[tuple[Row, Row]]:
 
 
 def print_ratios(rows: list[Row]) -> None:
-    out = [[s.dataset, str(s.workers), ratio(s.rate, t.rate), ratio(s.first1, t.first1), ratio(s.first2, t.first2),
+    out = [[s.dataset, str(s.workers), ratio(s.rate, t.rate), ratio(s.cpu_ms, t.cpu_ms), ratio(s.first1, t.first1),
+            ratio(s.first2, t.first2),
             f"{s.fds_main:+d} / {t.fds_main:+d}", f"{s.shm_mib:,.0f} / {t.shm_mib:,.0f}"]
            for t, s in pairs(rows)]
     if not out:
         return
-    print("\nshmshare / torch, per row (rate: higher is better; times: lower is better)")
-    table(["dataset", "workers", "batches/s", "1st ep1", "1st ep2", "fds main (s / t)", "shm MiB (s / t)"], out)
+    print("\nshmshare / torch, per row (rate: higher is better; CPU and times: lower is better)")
+    table(["dataset", "workers", "batches/s", "CPU/batch", "1st ep1", "1st ep2", "fds main (s / t)",
+           "shm MiB (s / t)"], out)
     by = {(r.loader, r.dataset, r.workers): r for r in rows if not r.error}
     cross = [[d, ratio(s.rate, t.rate), ratio(s.rate, by[("torch", d, 2)].rate) if ("torch", d, 2) in by else "-"]
              for (k, d, w), s in by.items() if k == "shmshare" and w == 2 and ("torch", d, 0) in by
@@ -401,19 +455,21 @@ def main(argv: list[str] | None = None) -> int:
     """Run every (dataset, workers, loader) row, print the tables; return 0."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few seconds in all (smoke tests)")
-    ap.add_argument("--batches", type=int, default=None, help="batches per measured epoch (default 100, quick 8)")
+    ap.add_argument("--batches", type=int, default=None, help="batches per measured epoch (default 80, quick 8)")
     ap.add_argument("--cpu-batches", type=int, default=None, help="batches per epoch of the cpu dataset "
-                    "(default 30, quick 4)")
-    ap.add_argument("--runs", type=int, default=None, help="measured epochs per row, after epoch 1 (default 2)")
+                    "(default 24, quick 4)")
+    ap.add_argument("--runs", type=int, default=None, help="measured epochs per row, after epoch 1 (default 3)")
     ap.add_argument("--dtypes", default="float32,uint8,cpu", help="datasets: float32, uint8, cpu")
     ap.add_argument("--workers", default="0,1,2", help="worker counts, e.g. 0,1,2")
     ap.add_argument("--loaders", default=",".join(LOADERS), help="torch, shmshare")
+    ap.add_argument("--torch-threads", type=int, default=1, help="torch.set_num_threads() in this process "
+                    "(default 1; 0: torch's own default) -- see Note [One torch thread]")
     ap.add_argument("--json", metavar="FILE", help="also write the rows and targets as JSON ('-': stdout, "
                     "tables to stderr)")
     args = ap.parse_args(argv)
-    batches = args.batches or (8 if args.quick else 100)
-    cpu_batches = args.cpu_batches or (4 if args.quick else 30)
-    runs = args.runs or (1 if args.quick else 2)
+    batches = args.batches or (8 if args.quick else 80)
+    cpu_batches = args.cpu_batches or (4 if args.quick else 24)
+    runs = args.runs or (1 if args.quick else 3)
     dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     workers = [int(w) for w in args.workers.split(",")]
     bad = set(dtypes) - {"float32", "uint8", "cpu"}
@@ -434,6 +490,7 @@ def bench(args: argparse.Namespace, batches: int, cpu_batches: int, runs: int, d
           workers: list[int]) -> dict[str, Any]:
     started = time.perf_counter()
     have_torch = _have("torch")
+    threads = set_torch_threads(args.torch_threads) if have_torch else 0
     loaders = [k for k in args.loaders.split(",") if k in LOADERS]
     notes = []
     if not have_torch and "torch" in loaders:
@@ -442,13 +499,16 @@ def bench(args: argparse.Namespace, batches: int, cpu_batches: int, runs: int, d
     if not hasattr(shmshare, "DataLoader") and "shmshare" in loaders:
         loaders.remove("shmshare")
         notes.append("shmshare.DataLoader does not exist in this checkout yet: torch's rows only")
+    torch_note = f", torch {_version('torch')} ({threads} thread(s) here)" if have_torch else ""
     print(f"bench_loader: Linux {platform.release()}, Python {platform.python_version()}, numpy {np.__version__}"
-          f"{', torch ' + _version('torch') if have_torch else ''}, {os.cpu_count()} CPUs; batch {BATCH}, "
+          f"{torch_note}, {os.cpu_count()} CPUs; batch {BATCH}, "
           f"prefetch {PREFETCH}, persistent workers; {batches} batches per epoch ({cpu_batches} for cpu), "
           f"{runs} measured epoch(s) after epoch 1{', --quick' if args.quick else ''}")
     for n in notes:
         print(n)
-    meta: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(), "batch_size": BATCH,
+    print(f"load average before: {_load()} (other work on the machine shows in every figure)")
+    meta: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(), "torch_threads": threads,
+                            "batch_size": BATCH,
                             "prefetch_factor": PREFETCH, "batches": batches, "cpu_batches": cpu_batches,
                             "runs": runs, "loaders": loaders}
     jpeg, reps = None, 0
@@ -461,25 +521,68 @@ def bench(args: argparse.Namespace, batches: int, cpu_batches: int, runs: int, d
         meta.update(cpu_ms=ms, cpu_reps=reps, cpu_pillow=jpeg is not None)
     print()
     rows: list[Row] = []
-    for d in dtypes:
-        n = (cpu_batches if d == "cpu" else batches) * BATCH
-        dataset = Decoded(n, reps, jpeg) if d == "cpu" else Images(n, d)
-        for w in workers:
-            for kind in loaders:
-                rows.append(run_row(kind, d, dataset, w, runs, numpy_collate=not have_torch))
-                r = rows[-1]
-                print(f"  {kind:>8} {d:>7} {w} workers: " +
-                      (r.error if r.error else f"{r.rate:,.1f} batches/s, first batch {fmt_ms(r.first1)} ms"),
-                      flush=True)
-    print("\nper row: batches/s and MiB/s over the measured epochs (median); time to the first batch of epoch 1"
-          "\n(includes starting workers) and of a later epoch; peak fds above this process's count before the row"
-          "\n(main, and the whole tree); peak Shmem above its value before the row, and what was left after close")
+    sampler = Sampler()
+    try:
+        rows = run_all(sampler, loaders, dtypes, workers, batches, cpu_batches, runs, reps, jpeg, have_torch)
+    finally:
+        sampler.close()
+    print(f"load average after: {_load()}")
+    print("\nper row: batches/s and MiB/s (best measured epoch); CPU time of the whole tree per batch (all measured"
+          "\nepochs: steadier than rates when other work shares the CPUs); time to the first batch of epoch 1"
+          "\n(includes starting workers) and of a later epoch (median); peak fds above this process's count before"
+          "\nthe row (main, and the whole tree); peak Shmem above its value before the row, and what was left"
+          " after close")
     print_rows(rows)
     print_ratios(rows)
     found = targets(rows)
     print_targets(found)
     print(f"\n(whole run: {time.perf_counter() - started:.1f} s)")
     return {"meta": meta, "rows": [asdict(r) | {"mib_s": r.mib_s} for r in rows], "targets": found}
+
+
+def run_all(sampler: Sampler, loaders: list[str], dtypes: list[str], workers: list[int], batches: int,
+            cpu_batches: int, runs: int, reps: int, jpeg: bytes | None, have_torch: bool) -> list[Row]:
+    """Run the rows one after the other (torch then shmshare for each dataset and worker count)."""
+    for kind in loaders:  # one-time costs (lazy imports, first kernels) must not land on the first row
+        for d in dtypes:
+            ds = Decoded(2 * BATCH, reps, jpeg) if d == "cpu" else Images(2 * BATCH, d)
+            for batch in make_loader(kind, ds, 0, numpy_collate=not have_torch):
+                touch(batch)
+    rows: list[Row] = []
+    for d in dtypes:
+        n = (cpu_batches if d == "cpu" else batches) * BATCH
+        dataset = Decoded(n, reps, jpeg) if d == "cpu" else Images(n, d)
+        for w in workers:
+            for kind in loaders:
+                r = run_row(sampler, kind, d, dataset, w, runs, numpy_collate=not have_torch)
+                rows.append(r)
+                print(f"  {kind:>8} {d:>7} {w} workers: " +
+                      (r.error if r.error else f"{r.rate:,.1f} batches/s, first batch {fmt_ms(r.first1)} ms"),
+                      flush=True)
+    return rows
+
+
+# Note [One torch thread]
+#     With 0 workers the whole loader runs in this process, and torch's
+#     default_collate stacks with torch's intra-op pool (2 threads here). On
+#     this 2-CPU machine, with other work on it, that pool's waiting threads
+#     turned a 1.3 ms uint8 batch (715 batches/s) into 30-60 ms of CPU and
+#     16-24 batches/s, from one epoch to the next. Workers already run with one thread (torch's
+#     _worker_loop sets it), so this process gets one too by default: the
+#     0-worker anchor is then the steady figure, not the collapse.
+
+
+def set_torch_threads(n: int) -> int:
+    """Set torch's intra-op threads in this process (0: leave torch's default); return the count in use."""
+    import torch
+
+    if n > 0:
+        torch.set_num_threads(n)
+    return int(torch.get_num_threads())
+
+
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def _have(module: str) -> bool:
