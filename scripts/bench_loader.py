@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import io
 import json
 import multiprocessing as mp
@@ -266,8 +267,21 @@ def make_loader(kind: str, dataset: Any, workers: int, numpy_collate: bool) -> I
 
         return DataLoader(dataset, **kw)  # type: ignore[no-any-return]
     if numpy_collate:
-        kw["collate_fn"] = shmshare.loader.numpy_collate
-    return shmshare.DataLoader(dataset, **kw)  # type: ignore[attr-defined, no-any-return]
+        kw["collate_fn"] = importlib.import_module("shmshare.loader").numpy_collate
+    cls = shmshare_loader()
+    assert cls is not None, "bench() leaves shmshare's rows out when there is no DataLoader"
+    return cls(dataset, **kw)  # type: ignore[no-any-return]
+
+
+def shmshare_loader() -> Any:
+    """Return shmshare's DataLoader class, or None where this checkout has none yet."""
+    cls = getattr(shmshare, "DataLoader", None)
+    if cls is None:
+        try:
+            cls = importlib.import_module("shmshare.loader").DataLoader
+        except (ImportError, AttributeError):
+            return None
+    return cls
 
 
 def close_loader(loader: Any) -> None:
@@ -443,8 +457,8 @@ def print_targets(found: list[dict[str, Any]]) -> None:
         print("\ntargets: no shmshare rows to check")
         return
     print("\ntargets of the issue (informational; shmshare rows)")
-    table(["target", "measured", "limit", ""],
-          [[f["target"], f"{f['value']:,.2f} {f['unit']}", f"{f['limit']:,.2f}", "PASS" if f["pass"] else "MISS"]
+    table(["target", "measured", "limit", "result"],
+          [[f["target"], _num(f["value"], f["unit"]), _num(f["limit"], f["unit"]), "PASS" if f["pass"] else "MISS"]
            for f in found])
 
 
@@ -496,7 +510,7 @@ def bench(args: argparse.Namespace, batches: int, cpu_batches: int, runs: int, d
     if not have_torch and "torch" in loaders:
         loaders.remove("torch")
         notes.append("torch is not installed: shmshare's rows only, with numpy_collate")
-    if not hasattr(shmshare, "DataLoader") and "shmshare" in loaders:
+    if shmshare_loader() is None and "shmshare" in loaders:
         loaders.remove("shmshare")
         notes.append("shmshare.DataLoader does not exist in this checkout yet: torch's rows only")
     torch_note = f", torch {_version('torch')} ({threads} thread(s) here)" if have_torch else ""
@@ -579,6 +593,10 @@ def set_torch_threads(n: int) -> int:
     if n > 0:
         torch.set_num_threads(n)
     return int(torch.get_num_threads())
+
+
+def _num(x: float, unit: str) -> str:
+    return f"{x:,.0f} {unit}" if unit == "fds" else f"{x:,.2f}{unit}" if unit == "x" else f"{x:,.1f} {unit}"
 
 
 def _load() -> str:
