@@ -1,32 +1,25 @@
 #!/usr/bin/env python3
 """Benchmark shmshare.DataLoader side by side with torch.utils.data.DataLoader, in one process tree.
 
-Both loaders get the same dataset object and the same arguments: batch_size
-32, and with workers ``persistent_workers=True, prefetch_factor=2``. The
-consumer (this process) reads one element per batch
-(``batch[0][0, 0, 0, 0].item()``), so the rate measures the loader, not a model.
-Datasets (map-style, sample i -> (image, label i)):
-
-- ``float32`` / ``uint8``: a (3, 224, 224) image copied out of a few
-  preallocated ones -- nearly free to make, so the cost is the transport
-  (collate, shared memory, fd hand-offs).
-- ``cpu``: a (3, 224, 224) uint8 image that costs about 1 ms of CPU per
-  sample -- a JPEG decode with Pillow when it is installed, topped up with a
-  numpy workload to about 1 ms; the numpy workload alone otherwise -- to show
-  scaling with workers.
+Both loaders get the same dataset object and the same arguments: batch_size 32,
+and with workers ``persistent_workers=True, prefetch_factor=2``. The consumer
+reads one element per batch (``batch[0][0, 0, 0, 0].item()``), so the rate
+measures the loader. Map-style datasets, sample i -> (a (3, 224, 224) image, i):
+``float32`` / ``uint8`` copy the image out of a few preallocated ones (the cost
+is the transport); ``cpu`` (uint8) costs about 1 ms of CPU per sample (a JPEG
+decode with Pillow when installed, topped up, or a numpy stand-in) to show
+scaling with workers.
 
 Each row builds a loader and runs epoch 1 (time to its first batch includes
-starting the workers; the rest is warm-up), then ``--runs`` epochs of
-``--batches`` batches: the best epoch's rate, the median time to a later
-epoch's first batch, and the CPU time of the whole tree per batch. A forked
-sampler records peak fds of this process and of the tree (/proc/<pid>/fd) and
-peak ``Shmem`` (/proc/meminfo, the host's figure) above the row's start.
+starting the workers; the rest is warm-up), then ``--runs`` epochs: the best
+epoch's rate, the median time to a later epoch's first batch, the tree's CPU
+time per batch. A forked sampler records peak fds of this process and of the
+tree and peak shared memory (the tree's own objects, and the host's Shmem).
 Loaders are closed and their workers waited for between rows. Without torch,
 shmshare's rows run alone, with ``collate_fn=shmshare.loader.numpy_collate``.
-
-Targets of the issue are printed with PASS/MISS, informational only (times
-are never asserted). Usage, from a checkout (the package need not be installed):
-``.venv/bin/python scripts/bench_loader.py [--quick] [--workers 0,1,2] [--dtypes float32,uint8,cpu] [--json FILE]``.
+The issue's targets get PASS/MISS, informational only (times are never
+asserted). From a checkout, installed or not: ``.venv/bin/python
+scripts/bench_loader.py [--quick] [--workers 0,1,2] [--dtypes float32,uint8,cpu] [--json FILE]``.
 """
 
 from __future__ import annotations
@@ -126,8 +119,7 @@ def make_jpeg() -> bytes | None:
     except ImportError:
         return None
     yy, xx = np.mgrid[0:224, 0:224]
-    noise = np.random.default_rng(2).integers(0, 40, (224, 224, 3))
-    rgb = np.stack([xx, yy, (xx + yy) // 2], axis=-1) + noise
+    rgb = np.stack([xx, yy, (xx + yy) // 2], axis=-1) + np.random.default_rng(2).integers(0, 40, (224, 224, 3))
     buf = io.BytesIO()
     Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8), "RGB").save(buf, "JPEG", quality=90)
     return buf.getvalue()
@@ -139,16 +131,17 @@ def calibrate(jpeg: bytes | None) -> tuple[int, float]:
     def cost(reps: int) -> float:
         ds = Decoded(1, reps, jpeg)
         ds[0]
-        times = []
-        for _ in range(30):
-            t0 = time.perf_counter()
-            ds[0]
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3
+        return statistics.median(_timed(ds.__getitem__, 0) for _ in range(30)) * 1e3
 
     base, per_rep = cost(0), (cost(8) - cost(0)) / 8
     reps = max(0, round((CPU_MS - base) / max(per_rep, 1e-3)))
     return reps, cost(reps)
+
+
+def _timed(fn: Any, *args: Any) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
 
 
 # -- sampling fds and shared memory -------------------------------------------------------
@@ -172,17 +165,11 @@ class Sampler:
         theirs.close()
         self.pid = self._proc.pid
 
-    def start(self) -> tuple[int, int]:
-        """Take the bases and start sampling; return (Shmem kB, fds of this process) before the row."""
-        self._conn.send("start")
-        base: tuple[int, int] = self._conn.recv()
-        return base
-
-    def stop(self) -> tuple[int, int, int]:
-        """Stop sampling; return the peaks (fds of this process, fds of the tree, Shmem kB above the base)."""
-        self._conn.send("stop")
-        peaks: tuple[int, int, int] = self._conn.recv()
-        return peaks
+    def ask(self, what: str) -> Any:
+        """"start": take the bases (Shmem kB, fds of this process), returned, and sample; "stop": return the
+        peaks (fds_main, fds_tree, shm_kb: Shmem above the base, tree_bytes)."""
+        self._conn.send(what)
+        return self._conn.recv()
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -198,26 +185,49 @@ def _sample_loop(conn: Connection, pid: int) -> None:
     """The sampler's body: between "start" and "stop", sample every SAMPLE_S; "quit" ends it."""
     main, me = psutil.Process(pid), os.getpid()
     while conn.recv() == "start":
-        shm_base, fds_base = meminfo_kb("Shmem"), main.num_fds()
-        conn.send((shm_base, fds_base))
-        fds_main = fds_tree = shm_kb = 0
-        kids: list[psutil.Process] = []
-        rescan = 0.0
+        shm_base = meminfo_kb("Shmem")
+        conn.send((shm_base, len(os.listdir(f"/proc/{pid}/fd"))))
+        peaks = dict.fromkeys(("fds_main", "fds_tree", "shm_kb", "tree_bytes"), 0)
+        kids: list[int] = []
+        rescan, scanned_at = 0.0, -1
         while True:
-            now = time.monotonic()
-            if now >= rescan:  # listing the tree reads all of /proc: not at every sample
-                kids, rescan = [k for k in main.children(recursive=True) if k.pid != me], now + 0.1
-            n = main.num_fds()
-            tree = n
-            for k in kids:
-                with contextlib.suppress(psutil.Error):  # gone, or a zombie between its exit and its join
-                    tree += k.num_fds()
-            fds_main, fds_tree = max(fds_main, n), max(fds_tree, tree)
-            shm_kb = max(shm_kb, meminfo_kb("Shmem") - shm_base)
+            now, n = time.monotonic(), len(os.listdir(f"/proc/{pid}/fd"))
+            # Listing the tree reads all of /proc: only when this process's fd count moved (a new worker's
+            # pipes) or every 0.1 s, not at every sample.
+            if now >= rescan or n != scanned_at:
+                kids = [k.pid for k in main.children(recursive=True) if k.pid != me]
+                rescan, scanned_at = now + 0.1, n
+            fds, objects = _fds_and_shm([pid, *kids])
+            sample = {"fds_main": fds[0], "fds_tree": sum(fds), "shm_kb": meminfo_kb("Shmem") - shm_base,
+                      "tree_bytes": sum(objects.values())}
+            peaks = {k: max(v, sample[k]) for k, v in peaks.items()}
             if conn.poll(SAMPLE_S):
                 break
         conn.recv()  # "stop"
-        conn.send((fds_main, fds_tree, shm_kb))
+        conn.send(peaks)
+
+
+def _fds_and_shm(pids: list[int]) -> tuple[list[int], dict[tuple[int, int], int]]:
+    """Return each process's fd count, and the bytes allocated to each shm object (dev, inode) they hold fds of.
+
+    The tree's own figure beside the host's Shmem, which other work on the machine moves too: a memfd or
+    /dev/shm object counts once however many fds of the tree refer to it (st_blocks: pages really
+    allocated). An object that is only mapped, its fds all closed, is not seen.
+    """
+    counts, objects = [], {}
+    for p in pids:
+        d = f"/proc/{p}/fd"
+        try:
+            names = os.listdir(d)
+        except OSError:  # gone between the scan and now
+            names = []
+        counts.append(len(names))
+        for n in names:
+            with contextlib.suppress(OSError):  # closed while we looked
+                if os.readlink(f"{d}/{n}").startswith(("/memfd:", "/dev/shm/")):
+                    st = os.stat(f"{d}/{n}")
+                    objects[(st.st_dev, st.st_ino)] = st.st_blocks * 512
+    return counts, objects
 
 
 # -- one row -------------------------------------------------------------------------------
@@ -238,7 +248,8 @@ class Row:
     fds_base: int = 0  # this process's fds before the loader was built
     fds_main: int = 0  # peak fds of this process above fds_base
     fds_tree: int = 0  # peak fds of this process and all its descendants, above fds_base
-    shm_mib: float = 0.0  # peak Shmem above its value before the row
+    shm_mib: float = 0.0  # peak Shmem above its value before the row (host-wide)
+    tree_mib: float = 0.0  # peak of the shm objects the tree holds fds of (see _fds_and_shm)
     shm_left_mib: float = 0.0  # Shmem above that value once the loader was closed
     stragglers: int = 0  # processes the row started that were still alive after close
     rates: list[float] = field(default_factory=list)
@@ -265,20 +276,15 @@ def make_loader(kind: str, dataset: Any, workers: int, numpy_collate: bool) -> I
         return DataLoader(dataset, **kw)  # type: ignore[no-any-return]
     if numpy_collate:
         kw["collate_fn"] = importlib.import_module("shmshare.loader").numpy_collate
-    cls = shmshare_loader()
-    assert cls is not None, "bench() leaves shmshare's rows out when there is no DataLoader"
-    return cls(dataset, **kw)  # type: ignore[no-any-return]
+    return shmshare_loader()(dataset, **kw)  # type: ignore[no-any-return]
 
 
 def shmshare_loader() -> Any:
     """Return shmshare's DataLoader class, or None where this checkout has none yet."""
-    cls = getattr(shmshare, "DataLoader", None)
-    if cls is None:
-        try:
-            cls = importlib.import_module("shmshare.loader").DataLoader
-        except (ImportError, AttributeError):
-            return None
-    return cls
+    try:
+        return getattr(shmshare, "DataLoader", None) or importlib.import_module("shmshare.loader").DataLoader
+    except (ImportError, AttributeError):
+        return None
 
 
 def close_loader(loader: Any) -> None:
@@ -299,33 +305,20 @@ def run_row(sampler: Sampler, kind: str, name: str, dataset: Any, workers: int, 
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     gc.collect()
-    shm_base, row.fds_base = sampler.start()
+    shm_base, row.fds_base = sampler.ask("start")
     loader: Any = None
     try:
         t0 = time.perf_counter()
         loader = make_loader(kind, dataset, workers, numpy_collate)
-        it = iter(loader)
-        touch(next(it))
-        row.first1 = time.perf_counter() - t0
-        for batch in it:
-            touch(batch)
-        firsts = []
-        cpu0, n_all = tree_cpu(me, sampler.pid), 0
+        built = time.perf_counter() - t0
+        row.first1 = built + epoch(loader)[0]  # the rest of epoch 1 is the warm-up
+        cpu0, firsts = tree_cpu(me, sampler.pid), []
         for _ in range(runs):
-            t0 = time.perf_counter()
-            it = iter(loader)
-            touch(next(it))
-            t1 = time.perf_counter()
-            n = 0
-            for batch in it:
-                touch(batch)
-                n += 1
-            row.rates.append(n / (time.perf_counter() - t1))
-            firsts.append(t1 - t0)
-            n_all += n + 1
-        row.cpu_ms = (tree_cpu(me, sampler.pid) - cpu0) / n_all * 1e3
+            first, rest, n = epoch(loader)
+            row.rates.append(n / rest)
+            firsts.append(first)
+        row.cpu_ms = (tree_cpu(me, sampler.pid) - cpu0) / (runs * len(loader)) * 1e3
         row.rate, row.first2 = max(row.rates), statistics.median(firsts)
-        del it, batch
     except Exception as e:  # noqa: BLE001 -- a failing loader is a row of the report, not the end of the run
         row.error = f"{type(e).__name__}: {e}"[:200]
     finally:
@@ -335,11 +328,24 @@ def run_row(sampler: Sampler, kind: str, name: str, dataset: Any, workers: int, 
         del loader
         gc.collect()
         row.stragglers = wait_children(me, before)
-        fds_main, fds_tree, shm_kb = sampler.stop()
-    row.fds_main, row.fds_tree = fds_main - row.fds_base, fds_tree - row.fds_base
-    row.shm_mib = shm_kb / 1024
+        peaks = sampler.ask("stop")
+    row.fds_main, row.fds_tree = peaks["fds_main"] - row.fds_base, peaks["fds_tree"] - row.fds_base
+    row.shm_mib, row.tree_mib = peaks["shm_kb"] / 1024, peaks["tree_bytes"] / MiB
     row.shm_left_mib = (meminfo_kb("Shmem") - shm_base) / 1024
     return row
+
+
+def epoch(loader: Iterable[Any]) -> tuple[float, float, int]:
+    """Run one epoch; return (seconds to its first batch, seconds for the rest, batches after the first)."""
+    t0 = time.perf_counter()
+    it = iter(loader)
+    touch(next(it))
+    t1 = time.perf_counter()
+    n = 0
+    for batch in it:
+        touch(batch)
+        n += 1
+    return t1 - t0, time.perf_counter() - t1, n
 
 
 def tree_cpu(me: psutil.Process, skip: int) -> float:
@@ -383,15 +389,15 @@ def ratio(a: float, b: float) -> str:
 
 def print_rows(rows: list[Row]) -> None:
     head = ["loader", "dataset", "workers", "batches/s", "MiB/s", "CPU ms/batch", "1st ep1 ms", "1st ep2 ms",
-            "fds main", "fds tree", "shm peak MiB", "shm left MiB"]
+            "fds main", "fds tree", "shm tree MiB", "Shmem peak", "Shmem left"]
     out = []
     for r in rows:
         if r.error:
-            out.append([r.loader, r.dataset, str(r.workers), "error", r.error[:60], *[""] * 7])
+            out.append([r.loader, r.dataset, str(r.workers), "error", r.error[:60], *[""] * 8])
             continue
         out.append([r.loader, r.dataset, str(r.workers), f"{r.rate:,.1f}", f"{r.mib_s:,.0f}", f"{r.cpu_ms:.1f}",
                     fmt_ms(r.first1), fmt_ms(r.first2), f"+{r.fds_main}", f"+{r.fds_tree}",
-                    f"{r.shm_mib:,.1f}", f"{r.shm_left_mib:,.1f}"
+                    f"{r.tree_mib:,.1f}", f"{r.shm_mib:,.1f}", f"{r.shm_left_mib:,.1f}"
                     + (f" ({r.stragglers} alive)" if r.stragglers else "")])
     table(head, out)
 
@@ -404,13 +410,13 @@ def index(rows: list[Row]) -> dict[tuple[str, str, int], Row]:
 def print_ratios(rows: list[Row]) -> None:
     by = index(rows)
     out = [[d, str(w), ratio(s.rate, t.rate), ratio(s.cpu_ms, t.cpu_ms), ratio(s.first1, t.first1),
-            ratio(s.first2, t.first2), f"{s.fds_main:+d} / {t.fds_main:+d}", f"{s.shm_mib:,.0f} / {t.shm_mib:,.0f}",
+            ratio(s.first2, t.first2), f"{s.fds_main:+d} / {t.fds_main:+d}", f"{s.tree_mib:,.0f} / {t.tree_mib:,.0f}",
             ratio(s.rate, by[("torch", d, 0)].rate) if w == 2 and ("torch", d, 0) in by else ""]
            for (k, d, w), s in by.items() if k == "shmshare" and ("torch", d, w) in by for t in [by[("torch", d, w)]]]
     if out:
         print("\nshmshare / torch, per row (rate: higher is better; CPU and times: lower is better)")
         table(["dataset", "workers", "batches/s", "CPU/batch", "1st ep1", "1st ep2", "fds main (s / t)",
-               "shm MiB (s / t)", "2 workers vs torch 0"], out)
+               "shm tree MiB (s / t)", "2 workers vs torch 0"], out)
 
 
 def targets(rows: list[Row]) -> list[dict[str, Any]]:
@@ -431,7 +437,7 @@ def targets(rows: list[Row]) -> list[dict[str, Any]]:
                       times, "x", at_least=True)
         check(f"{d}, {w} workers: main fds <= 2/worker + {FD_CONST}", s.fds_main, 2 * w + FD_CONST, "fds")
         if w:
-            check(f"{d}, {w} workers: shm in flight <= {PREFETCH}x{w}+2 batches", s.shm_mib,
+            check(f"{d}, {w} workers: shm in flight <= {PREFETCH}x{w}+2 batches", s.tree_mib,
                   (PREFETCH * w + 2) * s.batch_mib, "MiB")
     return found
 
@@ -465,16 +471,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="FILE", help="also write the rows and targets as JSON ('-': stdout, "
                     "tables to stderr)")
     args = ap.parse_args(argv)
-    batches = args.batches or (8 if args.quick else 80)
-    cpu_batches = args.cpu_batches or (4 if args.quick else 24)
-    runs = args.runs or (1 if args.quick else 3)
-    dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    workers = [int(w) for w in args.workers.split(",")]
-    bad = set(dtypes) - {"float32", "uint8", "cpu"}
-    if bad:
-        ap.error(f"unknown dataset(s): {', '.join(sorted(bad))}")
+    args.batches = args.batches or (8 if args.quick else 80)
+    args.cpu_batches = args.cpu_batches or (4 if args.quick else 24)
+    args.runs = args.runs or (1 if args.quick else 3)
+    args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    args.workers = [int(w) for w in args.workers.split(",")]
+    if set(args.dtypes) - {"float32", "uint8", "cpu"}:
+        ap.error(f"unknown dataset(s) in {args.dtypes}: float32, uint8 and cpu exist")
     with contextlib.redirect_stdout(sys.stderr) if args.json == "-" else contextlib.nullcontext():
-        report = bench(args, batches, cpu_batches, runs, dtypes, workers)
+        report = bench(args)
     if args.json:
         text = json.dumps(report, indent=1)
         if args.json == "-":
@@ -484,27 +489,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def bench(args: argparse.Namespace, batches: int, cpu_batches: int, runs: int, dtypes: list[str],
-          workers: list[int]) -> dict[str, Any]:
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every row (timed as main() set `args` up), print the tables; return the report for --json."""
+    batches, cpu_batches, runs, dtypes = args.batches, args.cpu_batches, args.runs, args.dtypes
     started = time.perf_counter()
     torch_version = _torch_version()
     have_torch = torch_version is not None
     threads = set_torch_threads(args.torch_threads) if have_torch else 0
-    loaders = [k for k in args.loaders.split(",") if k in LOADERS]
-    notes = []
-    if not have_torch and "torch" in loaders:
-        loaders.remove("torch")
-        notes.append("torch is not installed: shmshare's rows only, with numpy_collate")
-    if shmshare_loader() is None and "shmshare" in loaders:
-        loaders.remove("shmshare")
-        notes.append("shmshare.DataLoader does not exist in this checkout yet: torch's rows only")
+    missing = {"torch": not have_torch, "shmshare": shmshare_loader() is None}
+    loaders = [k for k in args.loaders.split(",") if k in LOADERS and not missing[k]]
     torch_note = f", torch {torch_version} ({threads} thread(s) here)" if have_torch else ""
     print(f"bench_loader: Linux {platform.release()}, Python {platform.python_version()}, numpy {np.__version__}"
           f"{torch_note}, {os.cpu_count()} CPUs; batch {BATCH}, prefetch {PREFETCH}, persistent workers; "
           f"{batches} batches per epoch ({cpu_batches} for cpu), "
           f"{runs} measured epoch(s) after epoch 1{', --quick' if args.quick else ''}")
-    for n in notes:
-        print(n)
+    for k in (k for k, gone in missing.items() if gone):
+        print(f"{k}'s rows are left out: " + ("torch is not installed (shmshare's use numpy_collate)" if k == "torch"
+                                              else "this checkout has no shmshare.DataLoader yet"))
     print(f"load average before: {_load()} (other work on the machine shows in every figure)")
     meta: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(), "torch_threads": threads,
                             "batch_size": BATCH, "prefetch_factor": PREFETCH, "batches": batches,
@@ -520,15 +521,15 @@ def bench(args: argparse.Namespace, batches: int, cpu_batches: int, runs: int, d
     print()
     sampler = Sampler()
     try:
-        rows = run_all(sampler, loaders, dtypes, workers, batches, cpu_batches, runs, reps, jpeg, have_torch)
+        rows = run_all(sampler, loaders, args, reps, jpeg, have_torch)
     finally:
         sampler.close()
     print(f"load average after: {_load()}")
     print("\nper row: batches/s and MiB/s (best measured epoch); CPU time of the whole tree per batch (all measured"
           "\nepochs: steadier than rates when other work shares the CPUs); time to the first batch of epoch 1"
           "\n(includes starting workers) and of a later epoch (median); peak fds above this process's count before"
-          "\nthe row (main, and the whole tree); peak Shmem above its value before the row, and what was left"
-          " after close")
+          "\nthe row (main, and the whole tree); peak shared memory of the objects the tree holds fds of (the"
+          "\ntargets use it); the host's Shmem (MiB) above its value before the row, its peak and after close")
     print_rows(rows)
     print_ratios(rows)
     found = targets(rows)
@@ -537,21 +538,21 @@ def bench(args: argparse.Namespace, batches: int, cpu_batches: int, runs: int, d
     return {"meta": meta, "rows": [asdict(r) | {"mib_s": r.mib_s} for r in rows], "targets": found}
 
 
-def run_all(sampler: Sampler, loaders: list[str], dtypes: list[str], workers: list[int], batches: int,
-            cpu_batches: int, runs: int, reps: int, jpeg: bytes | None, have_torch: bool) -> list[Row]:
+def run_all(sampler: Sampler, loaders: list[str], args: argparse.Namespace, reps: int, jpeg: bytes | None,
+            have_torch: bool) -> list[Row]:
     """Run the rows one after the other (torch then shmshare for each dataset and worker count)."""
     for kind in loaders:  # one-time costs (lazy imports, first kernels) must not land on the first row
-        for d in dtypes:
+        for d in args.dtypes:
             ds = Decoded(2 * BATCH, reps, jpeg) if d == "cpu" else Images(2 * BATCH, d)
             for batch in make_loader(kind, ds, 0, numpy_collate=not have_torch):
                 touch(batch)
     rows: list[Row] = []
-    for d in dtypes:
-        n = (cpu_batches if d == "cpu" else batches) * BATCH
+    for d in args.dtypes:
+        n = (args.cpu_batches if d == "cpu" else args.batches) * BATCH
         dataset = Decoded(n, reps, jpeg) if d == "cpu" else Images(n, d)
-        for w in workers:
+        for w in args.workers:
             for kind in loaders:
-                r = run_row(sampler, kind, d, dataset, w, runs, numpy_collate=not have_torch)
+                r = run_row(sampler, kind, d, dataset, w, args.runs, numpy_collate=not have_torch)
                 rows.append(r)
                 print(f"  {kind:>8} {d:>7} {w} workers: " +
                       (r.error if r.error else f"{r.rate:,.1f} batches/s, first batch {fmt_ms(r.first1)} ms"),
