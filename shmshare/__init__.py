@@ -21,6 +21,7 @@ from ._errors import (
     ShmshareTimeout,
 )
 from .channel import Receiver, Sender, channel, connect, listen
+from .loader import DataLoader
 from .segment import Flags, Segment
 
 __version__ = "0.1.0"
@@ -31,6 +32,7 @@ __all__ = [
     "connect",
     "Sender",
     "Receiver",
+    "DataLoader",
     "Flags",
     "Segment",
     "ShmshareError",

@@ -47,6 +47,7 @@ __all__ = [
     "check_shareable",
     "is_torch_tensor",
     "as_numpy",
+    "as_torch",
 ]
 
 EXT_ARRAY, EXT_TUPLE, EXT_SCALAR = 1, 2, 3
@@ -431,6 +432,15 @@ def as_numpy(t: Any) -> tuple[np.ndarray, str | None]:
 
         as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
         return t.view(as_int).numpy(), name
+
+
+def as_torch(arr: np.ndarray, torch_dtype: str) -> Any:
+    """Return a torch tensor sharing `arr`'s memory, of torch dtype `torch_dtype` (a name)."""
+    import torch
+
+    t = torch.from_numpy(arr)
+    want = getattr(torch, torch_dtype)
+    return t if t.dtype == want else t.view(want)
 
 
 # -- dtypes as a sender needs them (cached: the hot path looks them up per array) --

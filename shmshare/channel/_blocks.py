@@ -25,10 +25,11 @@ import collections
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from .._errors import PoolExhausted, SegmentError
 from ..memory import CachingAllocator, ShmSegment
 from ._announce import SegmentBook
 
-__all__ = ["BlockBook", "SPARE_BYTES", "SenderStatistics", "ViewDied"]
+__all__ = ["BlockBook", "SPARE_BYTES", "SenderStatistics", "ViewDied", "exhausted", "host_cause"]
 
 SPARE_BYTES = 64 << 20  # at most this many bytes of spare blocks (and limit/8), ...
 _SPARES_PER_SIZE = 1024  # ... and at most this many of one size (Note [Spare blocks])
@@ -198,3 +199,30 @@ class ViewDied:
         self.done.append(self.held)
         if self.sender._reap:
             self.sender._reap_closed()  # closed: nobody else will take it in
+
+
+def exhausted(nbytes: int, limit: int, leases: dict[int, _Held], held: dict[int, _Held],
+              host: Exception | None) -> PoolExhausted:
+    """The error of a pool that stayed full past a wait: what holds it, and what to do."""
+    pinned = sum(h.block.size for h in set(leases.values()))
+    local = sum(h.block.size for h in held.values() if h.local)
+    if host is not None:
+        return PoolExhausted(
+            f"no shared memory for {nbytes} bytes within the timeout: {host}. Meanwhile the "
+            f"receiver holds {pinned} bytes of this pool in {len(leases)} arrays, and "
+            f"{local} bytes are in local arrays from empty()")
+    return PoolExhausted(
+        f"no room for {nbytes} bytes in the sender's pool (limit {limit} bytes) within "
+        f"the timeout: the receiver still holds {pinned} bytes in {len(leases)} arrays, "
+        f"and {local} bytes are in local arrays from empty(). Drop received arrays sooner, "
+        "raise limit=, or send with a longer timeout")
+
+
+def host_cause(exc: BaseException) -> SegmentError | None:
+    """Return the host's error (a full /dev/shm, a cgroup limit) behind a pool OOM, if any."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, SegmentError):
+            return seen
+        seen = seen.__cause__
+    return None

@@ -77,10 +77,11 @@ class Charge:
 class Peer:
     """One sender, as the receiver knows it."""
 
-    __slots__ = ("conn", "segments", "bye", "reserved", "nmaps", "__weakref__")
+    __slots__ = ("conn", "number", "segments", "bye", "reserved", "nmaps", "__weakref__")
 
-    def __init__(self, conn: wire.Connection) -> None:
+    def __init__(self, conn: wire.Connection, number: int) -> None:
         self.conn = conn
+        self.number = number  # Receiver.recv_from and tell name senders by it
         self.segments: dict[int, RxSegment] = {}
         self.bye = False
         self.reserved = 0  # bytes of address space its segments take here

@@ -15,6 +15,8 @@ Receiver -> sender::
 
     {"k": "r", "l": [lease, ...]}   # these arrays' last views died
     {"k": "e", "w": "why"}          # the receiver refused a batch and drops the connection
+    {"k": "n", "v": value}          # a note (Receiver.tell): plain msgpack data for the sender's
+                                    # program, queued until it asks (Sender.recv_note)
 
 Segment ids are unique on the host (pid << 32 | counter); lease ids are
 unique per sender. An ArrayDesc with segment 0 is an empty array with no
@@ -23,9 +25,10 @@ memory behind it.
 
 from __future__ import annotations
 
-__all__ = ["KIND", "BATCH", "BYE", "RELEASE", "REFUSE", "NEW", "GROW", "DROP", "TREE", "LEASES",
-           "WHY", "RELEASE_CHUNK"]
+__all__ = ["KIND", "BATCH", "BYE", "RELEASE", "REFUSE", "NOTE", "NEW", "GROW", "DROP", "TREE", "LEASES",
+           "WHY", "VALUE", "RELEASE_CHUNK", "MAX_NOTES"]
 
-KIND, BATCH, BYE, RELEASE, REFUSE = "k", "m", "x", "r", "e"
-NEW, GROW, DROP, TREE, LEASES, WHY = "s", "g", "d", "b", "l", "w"
+KIND, BATCH, BYE, RELEASE, REFUSE, NOTE = "k", "m", "x", "r", "e", "n"
+NEW, GROW, DROP, TREE, LEASES, WHY, VALUE = "s", "g", "d", "b", "l", "w", "v"
+MAX_NOTES = 65536  # notes a sender keeps unread: a receiver telling more breaks the protocol
 RELEASE_CHUNK = 4096  # lease ids in one release frame: well under wire.MAX_FRAME

@@ -8,6 +8,7 @@ receiver checks of what it is sent in ``_trust.py``.
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import selectors
 import threading
@@ -33,7 +34,22 @@ from .._errors import (
 from .._lifetime import Closeable
 from ..segment import Flags, Segment
 from ._books import GROW_MAPS, Caps, Peer, RxSegment
-from ._protocol import BATCH, BYE, DROP, GROW, KIND, LEASES, NEW, REFUSE, RELEASE, RELEASE_CHUNK, TREE, WHY
+from ._protocol import (
+    BATCH,
+    BYE,
+    DROP,
+    GROW,
+    KIND,
+    LEASES,
+    NEW,
+    NOTE,
+    REFUSE,
+    RELEASE,
+    RELEASE_CHUNK,
+    TREE,
+    VALUE,
+    WHY,
+)
 from ._releases import MAX_AGE, Release, WakePipe, flusher_main
 from ._trust import check_fd, check_fd_room, default_max_peer_bytes, default_max_peer_segments, locally
 
@@ -89,14 +105,16 @@ class Receiver(Closeable):
         self._max_peers = _positive(max_peers, "max_peers") or _MAX_PEERS
         self._accept_paused_until = 0.0  # Note [A full fd table]
         self._accept_backoff = _ACCEPT_BACKOFF[0]
-        self._peers: list[Peer] = [Peer(c) for c in conns]
-        self._sel: selectors.BaseSelector | None = None
+        self._numbers = itertools.count()
+        self._peers: list[Peer] = [Peer(c, next(self._numbers)) for c in conns]
+        self._sel: selectors.BaseSelector | None = None  # many senders: ready ones are selected
         self._ready: collections.deque[Peer] = collections.deque()
         self._closed = False
         self._new_flusher_state()
-        if listener is not None:
+        if listener is not None or len(self._peers) > 1:
             self._sel = making_fds("epoll_create", selectors.DefaultSelector)
-            self._sel.register(listener, selectors.EVENT_READ, None)
+            if listener is not None:
+                self._sel.register(listener, selectors.EVENT_READ, None)
             for p in self._peers:
                 self._sel.register(p.conn, selectors.EVENT_READ, p)
         _live.add(self)
@@ -112,9 +130,37 @@ class Receiver(Closeable):
         """Return the next batch; raise PeerDied when the (or a) sender is gone.
 
         Everything a sender sent before it went is delivered first. With
-        ``listen()``, a sender that closed on purpose just leaves; one that
-        died raises PeerDied once, and the receiver goes on with the others.
+        many senders (``listen()``, or several `conns`), a sender that closed
+        on purpose just leaves; one that died raises PeerDied once, and the
+        receiver goes on with the others.
         """
+        return self._recv(timeout)[1]
+
+    def recv_from(self, timeout: float | None = None) -> tuple[int, Any]:
+        """Return ``(sender, batch)``: the next batch and the number of the sender that sent it.
+
+        Senders are numbered from 0 in the order of `conns`, then in the order
+        ``listen()`` accepts them. A PeerDied raised here names the sender in
+        its ``sender`` attribute.
+        """
+        peer, batch = self._recv(timeout)
+        return peer.number, batch
+
+    def tell(self, sender: int, value: Any, timeout: float | None = None) -> None:
+        """Send `value`, plain msgpack data (no arrays), to `sender`'s ``Sender.recv_note``.
+
+        PeerDied: that sender is gone; ShmshareTimeout: its socket stayed full.
+        """
+        self._check_open()
+        for peer in self._peers:
+            if peer.number == sender:
+                peer.conn.send({KIND: NOTE, VALUE: value}, timeout=timeout)
+                return
+        exc = PeerDied(f"sender {sender!r} is gone (or never was)")
+        exc.sender = sender  # type: ignore[attr-defined]
+        raise exc
+
+    def _recv(self, timeout: float | None) -> tuple[Peer, Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._check_open()
         if (len(self._released) >= _BATCH or self._released_bytes >= _BATCH_BYTES
@@ -140,7 +186,9 @@ class Receiver(Closeable):
                 if self._sel is not None and peer.bye:
                     continue
                 how = "closed the channel" if peer.bye else "died"
-                raise PeerDied(f"{peer.who} {how}") from exc
+                died = PeerDied(f"{peer.who} {how}")
+                died.sender = peer.number  # type: ignore[attr-defined]
+                raise died from exc
             except (ProtocolError, FdLimitError, PeerRefused) as exc:  # PeerRefused: a HELLO of another version
                 raise self._drop(peer, exc) from None
             if got is None:
@@ -150,7 +198,7 @@ class Receiver(Closeable):
             if kind == BATCH:
                 peer.bye = False  # someone still sends (a goodbye from a parent that forked does not count)
                 try:
-                    return self._decode(peer, header, fds)
+                    return peer, self._decode(peer, header, fds)
                 except Exception as exc:  # noqa: BLE001 - any failure of a hostile batch drops its sender
                     raise self._drop(peer, exc) from None
             for f in fds:
@@ -166,7 +214,7 @@ class Receiver(Closeable):
             try:
                 yield self.recv()
             except PeerDied:
-                if self._sel is None and self._bye_seen:
+                if self._listener is None and self._bye_seen and not self._peers:
                     return
                 raise
 
@@ -240,15 +288,20 @@ class Receiver(Closeable):
         if self._listener is not None:
             raise TypeError("a listening Receiver cannot be handed to another process; "
                             "listen() there instead")
+        if len(self._peers) != 1:
+            raise TypeError(f"a Receiver of {len(self._peers)} senders cannot be handed to another "
+                            "process; hand over the connections and make one there")
         return _rebuild, (self._peers[0].conn, self._writable, self._trust_unsealed,
                           self._caps.max_peer_bytes, self._caps.max_peer_segments)
 
     # -- internals -----------------------------------------------------------------
 
     def _next_peer(self, deadline: float | None) -> Peer:
+        if self._listener is None and not self._peers:
+            raise PeerDied("the sender is gone and everything it sent was received"
+                           if self._sel is None else "every sender is gone and everything they sent "
+                           "was received")
         if self._sel is None:
-            if not self._peers:
-                raise PeerDied("the sender is gone and everything it sent was received")
             return self._peers[0]
         while not self._ready:
             if self._closed:
@@ -271,7 +324,8 @@ class Receiver(Closeable):
             if fd_error is not None and not self._ready:
                 raise fd_error  # once: accepting is paused now (Note [A full fd table])
             if not events and deadline is not None and time.monotonic() >= deadline:
-                raise ShmshareTimeout(f"no batch arrived on {self.path!r} before the timeout")
+                raise ShmshareTimeout(f"no batch arrived {f'on {self.path!r} ' if self.path else ''}"
+                                      "before the timeout")
         try:
             return self._ready.popleft()
         except IndexError:  # close() from another thread emptied it meanwhile
@@ -304,7 +358,7 @@ class Receiver(Closeable):
             self._accept_backoff = min(2 * self._accept_backoff, _ACCEPT_BACKOFF[1])
             raise
         self._accept_backoff = _ACCEPT_BACKOFF[0]
-        peer = Peer(conn)
+        peer = Peer(conn, next(self._numbers))
         self._peers.append(peer)
         self._sel.register(conn, selectors.EVENT_READ, peer)
 
@@ -428,7 +482,7 @@ class Receiver(Closeable):
                 raise ProtocolError(f"a descriptor without memory has shape {lay.shape} and dtype "
                                     f"{dt.str}, not empty")
             arr = np.empty(lay.shape, dt)  # nothing to share in an empty array
-            return _as_torch(arr, lay.torch_dtype) if lay.torch_dtype else arr
+            return tensors.as_torch(arr, lay.torch_dtype) if lay.torch_dtype else arr
         rec = peer.segments.get(seg_id) or self._segment(peer, seg_id)
         start = offset + lay.lo
         nbytes = lay.nbytes
@@ -446,7 +500,7 @@ class Receiver(Closeable):
         if lay.torch_dtype is None:
             return arr
         # torch has no read-only tensors: from a read-only mapping, a private copy
-        return _as_torch(arr if self._writable else arr.copy(), lay.torch_dtype)
+        return tensors.as_torch(arr if self._writable else arr.copy(), lay.torch_dtype)
 
     # -- releases ----------------------------------------------------------------
 
@@ -522,14 +576,6 @@ def _positive(value: int | None, name: str) -> int | None:
     if value is not None and (type(value) is not int or value <= 0):
         raise ValueError(f"{name} must be a positive int or None, got {value!r}")
     return value
-
-
-def _as_torch(arr: np.ndarray, torch_dtype: str) -> Any:
-    import torch
-
-    t = torch.from_numpy(arr)
-    want = getattr(torch, torch_dtype)
-    return t if t.dtype == want else t.view(want)
 
 
 def _left(deadline: float | None) -> float | None:

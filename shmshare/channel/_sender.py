@@ -38,15 +38,14 @@ from .._errors import (
     PeerRefused,
     PoolExhausted,
     ProtocolError,
-    SegmentError,
     ShmshareError,
     ShmshareTimeout,
 )
 from .._lifetime import Closeable
 from ..memory import CachingAllocator, OutOfMemoryError, ShmProvider, ShmSegment
 from ._announce import SegmentBook
-from ._blocks import SPARE_BYTES, BlockBook, SenderStatistics, ViewDied, _Held
-from ._protocol import BATCH, BYE, KIND, LEASES, REFUSE, RELEASE, TREE, WHY
+from ._blocks import SPARE_BYTES, BlockBook, SenderStatistics, ViewDied, _Held, exhausted, host_cause
+from ._protocol import BATCH, BYE, KIND, LEASES, MAX_NOTES, NOTE, REFUSE, RELEASE, TREE, VALUE, WHY
 
 __all__ = ["Sender", "DEFAULT_LIMIT", "SenderStatistics"]
 
@@ -189,6 +188,32 @@ class Sender(BlockBook, Closeable):
         out = self.empty(shape, dtype, timeout)
         out.fill(0) if isinstance(out, np.ndarray) else out.zero_()
         return out
+
+    def recv_note(self, timeout: float | None = None) -> Any:
+        """Return the next note the receiver sent with ``Receiver.tell``, waiting up to `timeout` s.
+
+        Releases that arrive meanwhile are taken in. Raises ShmshareTimeout
+        when none came in time, PeerDied once the receiver is gone and every
+        note it sent was read.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if self._closed:
+                    self._check_usable()
+                if not self._notes:
+                    self._drain()
+                if self._notes:
+                    return self._notes.popleft()
+                if self._peer_dead:
+                    self._check_usable()
+            left = _remaining(deadline)
+            if left is not None and left <= 0:
+                raise ShmshareTimeout("no note from the receiver before the timeout")
+            try:
+                self._conn.poll(_POLL_SLICE if left is None else min(left, _POLL_SLICE))
+            except ValueError:  # closed meanwhile, by another thread
+                self._check_usable()
 
     def poll_releases(self) -> int:
         """Take in the receiver's releases now; return the leases still out."""
@@ -378,7 +403,7 @@ class Sender(BlockBook, Closeable):
                 if self._spare_bytes:
                     self._free_spares()  # blocks kept for other sizes: give them back first
                     continue
-                host = _host_cause(exc)
+                host = host_cause(exc)
                 if not self._held and not self._local_done:
                     if host is not None:
                         raise PoolExhausted(f"no shared memory for an array of {nbytes} bytes "
@@ -402,19 +427,7 @@ class Sender(BlockBook, Closeable):
                 self._drain()
 
     def _exhausted(self, nbytes: int, host: Exception | None) -> PoolExhausted:
-        held = set(self._leases.values())
-        pinned = sum(h.block.size for h in held)
-        local = sum(h.block.size for h in self._held.values() if h.local)
-        if host is not None:
-            return PoolExhausted(
-                f"no shared memory for {nbytes} bytes within the timeout: {host}. Meanwhile the "
-                f"receiver holds {pinned} bytes of this pool in {len(self._leases)} arrays, and "
-                f"{local} bytes are in local arrays from empty()")
-        return PoolExhausted(
-            f"no room for {nbytes} bytes in the sender's pool (limit {self._limit} bytes) within "
-            f"the timeout: the receiver still holds {pinned} bytes in {len(self._leases)} arrays, "
-            f"and {local} bytes are in local arrays from empty(). Drop received arrays sooner, "
-            "raise limit=, or send with a longer timeout")
+        return exhausted(nbytes, self._limit, self._leases, self._held, host)
 
     # -- leases and releases ----------------------------------------------------
 
@@ -435,6 +448,11 @@ class Sender(BlockBook, Closeable):
                         raise ProtocolError(f"a release frame's leases are a "
                                             f"{type(ids).__name__}, not a list")
                     self._return_leases(ids)
+                elif kind == NOTE:
+                    if len(self._notes) >= MAX_NOTES:
+                        raise ProtocolError(f"the receiver sent more than {MAX_NOTES} notes that "
+                                            "were never read")
+                    self._notes.append(header.get(VALUE))
                 elif kind == REFUSE:
                     self._refused = _REFUSED + str(header.get(WHY))
         except PeerDied:
@@ -510,6 +528,7 @@ class Sender(BlockBook, Closeable):
         # take a release of its parent's lease 1 for its own lease 1.
         self._lease_ids = itertools.count((os.getpid() << 32) + 1)
         self._local_done: collections.deque[_Held] = collections.deque()
+        self._notes: collections.deque[Any] = collections.deque()  # Receiver.tell's, unread
         self._sent = self._copied = self._in_place = 0
         self._last_drain = 0.0
         self._encoder = tensors.Encoder(self._place)
@@ -565,16 +584,6 @@ _fork.on_fork_in_parent(_after_fork_in_parent)
 
 def _rebuild(conn: wire.Connection, limit: int, config: str | None, backend: str) -> Sender:
     return Sender(conn, limit=limit, config=config, backend=backend)
-
-
-def _host_cause(exc: BaseException) -> SegmentError | None:
-    """Return the host's error (a full /dev/shm, a cgroup limit) behind a pool OOM, if any."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, SegmentError):
-            return seen
-        seen = seen.__cause__
-    return None
 
 
 def _remaining(deadline: float | None) -> float | None:

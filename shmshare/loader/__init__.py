@@ -1,6 +1,50 @@
 """A worker-pool DataLoader, a drop-in for ``torch.utils.data.DataLoader``.
 
-(Being built for issue 10; see docs/loader.md once it lands.)
+``shmshare.DataLoader`` takes torch's arguments and behaves as torch's
+loader (docs/loader.md says where it differs); its workers collate each
+batch straight into a shared-memory pool of their own, so a batch reaches
+the main process with no copy and no new segment, and its pages are
+recycled once the main process drops it. Without torch it loads numpy
+datasets into numpy batches, with the samplers below.
+
+Modules: ``_dataloader`` (the class), ``_iters`` (the main process's side),
+``_worker`` (a worker), ``_collate`` and ``_pool`` (batches made in the
+pool), ``_batch`` (a batch on the wire), ``_fetch``, ``_wrap`` (worker
+exceptions), ``_samplers`` and ``_seeding`` (torch's, without torch).
 """
 
 from __future__ import annotations
+
+from ._collate import default_collate, default_convert, numpy_collate, numpy_convert
+from ._dataloader import DataLoader
+from ._samplers import (
+    BatchSampler,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+    SequentialSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
+from ._worker import WorkerInfo, get_worker_info
+
+__all__ = [
+    "DataLoader",
+    "get_worker_info",
+    "WorkerInfo",
+    "default_collate",
+    "default_convert",
+    "numpy_collate",
+    "numpy_convert",
+    "Dataset",
+    "IterableDataset",
+    "Sampler",
+    "SequentialSampler",
+    "RandomSampler",
+    "SubsetRandomSampler",
+    "WeightedRandomSampler",
+    "BatchSampler",
+    "DistributedSampler",
+]

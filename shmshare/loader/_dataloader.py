@@ -1,0 +1,277 @@
+"""``shmshare.DataLoader``: torch's DataLoader, constructor and behaviour, over shmshare workers.
+
+Note [Two modes: torch's and numpy's]
+    The loader behaves as torch's (torch's samplers, ``default_collate``,
+    torch tensors out, torch's seeding and ``get_worker_info``) when torch is
+    imported -- ``"torch" in sys.modules`` when the loader is made -- and as
+    the same loader for numpy when it is not: shmshare's own samplers, a
+    numpy ``default`` collate, numpy arrays out, and torch never imported. A
+    program written for torch's loader imports torch anyway (its datasets
+    make tensors); a JAX or numpy program is not made to pay for importing
+    torch because it happens to be installed. ``collate_fn=numpy_collate``
+    gives numpy batches in either mode.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+from ..channel import DEFAULT_LIMIT
+from . import _collate, _samplers
+from ._iters import MultiProcessIter, SingleProcessIter
+
+__all__ = ["DataLoader"]
+
+T_co = TypeVar("T_co", covariant=True)
+
+_FROZEN = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
+
+
+class DataLoader(Generic[T_co]):
+    """Combine a dataset and a sampler; iterate over batches, loaded by worker processes.
+
+    The constructor, its checks, its warnings and the iteration are those of
+    ``torch.utils.data.DataLoader`` (torch 2.x; see its documentation). What
+    differs is how a batch gets to the main process: each worker collates
+    into a shared-memory pool of its own and the batch arrives as views of
+    the pool's pages, which go back to the worker once every view is
+    dropped. docs/loader.md lists where the behaviour differs from torch's.
+
+    Beyond torch's arguments
+    ------------------------
+    pool_limit : int, optional (keyword)
+        Bytes of shared memory each worker's pool may hold (default 1 GiB).
+        A worker waits for the main process to drop batches past it, and
+        after a minute raises PoolExhausted in the main process, naming it.
+    """
+
+    __initialized = False
+
+    def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool | None = None,
+                 sampler: Any = None, batch_sampler: Any = None, num_workers: int = 0,
+                 collate_fn: Callable[[Any], Any] | None = None, pin_memory: bool = False,
+                 drop_last: bool = False, timeout: float = 0,
+                 worker_init_fn: Callable[[int], None] | None = None,
+                 multiprocessing_context: Any = None, generator: Any = None, *,
+                 prefetch_factor: int | None = None, persistent_workers: bool = False,
+                 pin_memory_device: str = "", in_order: bool = True,
+                 pool_limit: int | None = None) -> None:
+        use_torch = sys.modules.get("torch") is not None
+        if num_workers < 0:
+            raise ValueError("num_workers option should be non-negative; use num_workers=0 to "
+                             "disable multiprocessing.")
+        if timeout < 0:
+            raise ValueError("timeout option should be non-negative")
+        if num_workers == 0 and prefetch_factor is not None:
+            raise ValueError("prefetch_factor option could only be specified in multiprocessing."
+                             "let num_workers > 0 to enable multiprocessing, otherwise set "
+                             "prefetch_factor to None.")
+        if num_workers > 0 and prefetch_factor is None:
+            prefetch_factor = 2
+        elif prefetch_factor is not None and prefetch_factor < 0:
+            raise ValueError("prefetch_factor option should be non-negative")
+        if persistent_workers and num_workers == 0:
+            raise ValueError("persistent_workers option needs num_workers > 0")
+        if pool_limit is not None and (type(pool_limit) is not int or pool_limit <= 0):
+            raise ValueError(f"pool_limit must be a positive number of bytes, got {pool_limit!r}")
+
+        self._use_torch = use_torch
+        self.dataset = dataset
+        self.num_workers = num_workers
+        self.prefetch_factor = prefetch_factor
+        self.pin_memory = pin_memory
+        self.pin_memory_device = pin_memory_device
+        self.timeout = timeout
+        self.worker_init_fn = worker_init_fn
+        self.multiprocessing_context = multiprocessing_context
+        self.in_order = in_order
+        self._pool_limit = pool_limit or DEFAULT_LIMIT
+
+        samplers: Any = _torch_samplers() if use_torch else _samplers
+        self._iterable = _samplers.is_iterable_dataset(dataset)
+        if self._iterable:
+            if shuffle not in {False, None}:
+                raise ValueError("DataLoader with IterableDataset: expected unspecified shuffle "
+                                 f"option, but got shuffle={shuffle}")
+            if sampler is not None:
+                raise ValueError("DataLoader with IterableDataset: expected unspecified sampler "
+                                 f"option, but got sampler={sampler}")
+            if batch_sampler is not None:
+                raise ValueError("DataLoader with IterableDataset: expected unspecified "
+                                 f"batch_sampler option, but got batch_sampler={batch_sampler}")
+        else:
+            shuffle = bool(shuffle)
+        if sampler is not None and shuffle:
+            raise ValueError("sampler option is mutually exclusive with shuffle")
+        if batch_sampler is not None:
+            if batch_size != 1 or shuffle or sampler is not None or drop_last:
+                raise ValueError("batch_sampler option is mutually exclusive with batch_size, "
+                                 "shuffle, sampler, and drop_last")
+            batch_size = None
+            drop_last = False
+        elif batch_size is None and drop_last:
+            raise ValueError("batch_size=None option disables auto-batching and is mutually "
+                             "exclusive with drop_last")
+        if sampler is None:
+            if self._iterable:
+                sampler = samplers._InfiniteConstantSampler()
+            elif shuffle:
+                sampler = samplers.RandomSampler(dataset, generator=generator)
+            else:
+                sampler = samplers.SequentialSampler(dataset)
+        if batch_size is not None and batch_sampler is None:
+            batch_sampler = samplers.BatchSampler(sampler, batch_size, drop_last)
+
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.sampler = sampler
+        self.batch_sampler = batch_sampler
+        self.generator = generator
+        if collate_fn is None:
+            collate_fn = _default_collate(use_torch) if self._auto_collation else (
+                _default_convert(use_torch))
+        self.collate_fn = collate_fn
+        self.persistent_workers = persistent_workers
+        self.__initialized = True
+        self._IterableDataset_len_called: int | None = None
+        self._iterator: Any = None
+        self.check_worker_number_rationality()
+
+    # -- torch's attributes ----------------------------------------------------------
+
+    @property
+    def multiprocessing_context(self) -> Any:
+        return self.__multiprocessing_context
+
+    @multiprocessing_context.setter
+    def multiprocessing_context(self, context: Any) -> None:
+        if context is not None:
+            if self.num_workers <= 0:
+                raise ValueError("multiprocessing_context can only be used with multi-process "
+                                 f"loading (num_workers > 0), but got num_workers={self.num_workers}")
+            if isinstance(context, str):
+                valid = multiprocessing.get_all_start_methods()
+                if context not in valid:
+                    raise ValueError("multiprocessing_context option should specify a valid start "
+                                     f"method in {valid!r}, but got multiprocessing_context="
+                                     f"{context!r}")
+                context = multiprocessing.get_context(context)
+            if not isinstance(context, multiprocessing.context.BaseContext):
+                raise TypeError("multiprocessing_context option should be a valid context object "
+                                "or a string specifying the start method, but got "
+                                f"multiprocessing_context={context}")
+        self.__multiprocessing_context = context
+
+    def __setattr__(self, attr: str, val: Any) -> None:
+        if self.__initialized and attr in _FROZEN:
+            raise ValueError(f"{attr} attribute should not be set after {self.__class__.__name__} "
+                             "is initialized")
+        super().__setattr__(attr, val)
+
+    @property
+    def _auto_collation(self) -> bool:
+        return self.batch_sampler is not None
+
+    @property
+    def _index_sampler(self) -> Any:
+        return self.batch_sampler if self._auto_collation else self.sampler
+
+    # -- iterating ---------------------------------------------------------------------
+
+    def _get_iterator(self) -> Any:
+        if self.num_workers == 0:
+            return SingleProcessIter(self)
+        self.check_worker_number_rationality()
+        return MultiProcessIter(self)
+
+    def __iter__(self) -> Iterator[T_co]:
+        if self.persistent_workers and self.num_workers > 0:
+            if self._iterator is None:
+                self._iterator = self._get_iterator()
+            else:
+                self._iterator._reset(self)
+            return self._iterator  # type: ignore[no-any-return]
+        return self._get_iterator()  # type: ignore[no-any-return]
+
+    def __len__(self) -> int:
+        if self._iterable:
+            length = self._IterableDataset_len_called = len(self.dataset)
+            if self.batch_size is not None:
+                length = length // self.batch_size if self.drop_last else math.ceil(
+                    length / self.batch_size)
+            return length
+        return len(self._index_sampler)
+
+    def check_worker_number_rationality(self) -> None:
+        """Warn, as torch's loader does, when there are more workers than usable CPUs."""
+        if not self.num_workers:
+            return
+        suggest = _cpu_count(self._use_torch)
+        checked = hasattr(os, "sched_getaffinity")
+        if suggest is None or self.num_workers > suggest:
+            if suggest is not None:
+                hint = (f"Our suggested max number of worker in current system is {suggest}"
+                        f"{'' if checked else ' (`cpuset` is not taken into account)'}, which is "
+                        "smaller than what this DataLoader is going to create.")
+            else:
+                hint = ("DataLoader is not able to compute a suggested max number of worker in "
+                        "current system.")
+            warnings.warn(f"This DataLoader will create {self.num_workers} worker processes in "
+                          f"total. {hint} Please be aware that excessive worker creation might get "
+                          "DataLoader running slow or even freeze, lower the worker number to avoid "
+                          "potential slowness/freeze if necessary.", stacklevel=2)
+
+    def close(self) -> None:
+        """Stop persistent workers now (they stop by themselves when the loader is collected)."""
+        it, self._iterator = self._iterator, None
+        if it is not None and hasattr(it, "_shutdown_workers"):
+            it._shutdown_workers()
+
+    def __repr__(self) -> str:
+        return (f"<shmshare DataLoader num_workers={self.num_workers} batch_size={self.batch_size} "
+                f"{'torch' if self._use_torch else 'numpy'}>")
+
+
+def _torch_samplers() -> Any:
+    import torch.utils.data as tud
+    from torch.utils.data import dataloader
+
+    class _Samplers:
+        RandomSampler = tud.RandomSampler
+        SequentialSampler = tud.SequentialSampler
+        BatchSampler = tud.BatchSampler
+        _InfiniteConstantSampler = dataloader._InfiniteConstantSampler
+
+    return _Samplers
+
+
+def _default_collate(use_torch: bool) -> Callable[[Any], Any]:
+    if use_torch:
+        from torch.utils.data._utils.collate import default_collate
+
+        return default_collate  # torch's own object; a worker swaps in the pooled one
+    return _collate.numpy_collate
+
+
+def _default_convert(use_torch: bool) -> Callable[[Any], Any]:
+    if use_torch:
+        from torch.utils.data._utils.collate import default_convert
+
+        return default_convert
+    return _collate.numpy_convert
+
+
+def _cpu_count(use_torch: bool) -> int | None:
+    if use_torch:
+        import torch
+
+        return torch._utils.cpu_count()  # tests patch it
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+

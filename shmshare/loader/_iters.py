@@ -1,0 +1,435 @@
+"""The loader's iterators: in the main process (no workers), and over a pool of workers.
+
+The multi-process iterator follows torch's ``_MultiProcessingDataLoaderIter``
+(``torch/utils/data/dataloader.py``) in everything a program can observe:
+tasks go to workers round-robin, at most ``prefetch_factor`` per worker in
+flight, batches come back in order (a batch that arrives early waits in
+``_task_info``) or as they come with ``in_order=False``, an exhausted
+IterableDataset worker is skipped from then on, an exception raised in a
+worker is re-raised here (and iteration can go on), and persistent workers
+start each new epoch with a resume message. What differs is the way a batch
+travels (Note [A worker's one socket] in ``_worker.py``) and what a dead
+worker costs: its socket's end is seen at once, its exit code within
+``_CHECK_EVERY`` s, and the error is torch's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import time
+import warnings
+import weakref
+from typing import Any
+
+from .. import wire
+from .._errors import PeerDied, ShmshareTimeout
+from ..channel import Receiver
+from ._batch import unpack
+from ._seeding import draw_base_seed
+from ._worker import WorkerSpec, worker_main
+
+__all__ = ["SingleProcessIter", "MultiProcessIter", "close_inherited"]
+
+_CHECK_EVERY = 0.1  # s: a wait for a batch looks this often whether a worker died
+_JOIN_WAIT = 5.0  # s shutdown waits for the workers to exit, then terminates them
+_EXIT_WAIT = 1.0  # s to wait for the exit code of a worker whose socket ended
+_INT64 = (-(1 << 63), 1 << 63)
+
+_live: weakref.WeakSet[MultiProcessIter] = weakref.WeakSet()
+
+
+def close_inherited() -> None:
+    """In a forked worker: close the main process's loader sockets (never the worker's to use)."""
+    for it in list(_live):
+        it._close_in_child()
+
+
+class _BaseIter:
+    def __init__(self, loader: Any) -> None:
+        self._dataset = loader.dataset
+        self._iterable = loader._iterable
+        self._len_called = loader._IterableDataset_len_called
+        self._auto_collation = loader._auto_collation
+        self._drop_last = loader.drop_last
+        self._index_sampler = loader._index_sampler
+        self._num_workers = loader.num_workers
+        self._use_torch = loader._use_torch
+        self._pin_memory = _pin_memory_wanted(loader)
+        self._timeout = loader.timeout
+        self._collate_fn = loader.collate_fn
+        self._sampler_iter = iter(self._index_sampler)
+        self._base_seed = draw_base_seed(loader.generator)
+        self._persistent_workers = loader.persistent_workers
+        self._num_yielded = 0
+
+    def __iter__(self) -> _BaseIter:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._index_sampler)
+
+    def __getstate__(self) -> Any:
+        raise NotImplementedError("{} cannot be pickled", self.__class__.__name__)
+
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        self._sampler_iter = iter(self._index_sampler)
+        self._num_yielded = 0
+        self._len_called = loader._IterableDataset_len_called
+
+    def _next_index(self) -> Any:
+        return next(self._sampler_iter)
+
+    def _next_data(self) -> Any:
+        raise NotImplementedError
+
+    def __next__(self) -> Any:
+        data = self._next_data()
+        self._num_yielded += 1
+        if self._iterable and self._len_called is not None and self._num_yielded > self._len_called:
+            msg = (f"Length of IterableDataset {self._dataset} was reported to be {self._len_called}"
+                   f"(when accessing len(dataloader)), but {self._num_yielded} samples have been "
+                   "fetched. ")
+            if self._num_workers > 0:
+                msg += ("For multiprocessing data-loading, this could be caused by not properly "
+                        "configuring the IterableDataset replica at each worker. Please see "
+                        "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
+                        "for examples.")
+            warnings.warn(msg, stacklevel=2)
+        return data
+
+
+class SingleProcessIter(_BaseIter):
+    """``num_workers=0``: fetch and collate in this process (no shared memory involved)."""
+
+    def __init__(self, loader: Any) -> None:
+        super().__init__(loader)
+        if self._timeout != 0:
+            raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
+        from ._fetch import make_fetcher
+
+        self._fetcher = make_fetcher(self._iterable, self._dataset, self._auto_collation,
+                                     self._collate_fn, self._drop_last)
+
+    def _next_data(self) -> Any:
+        index = self._next_index()
+        data = self._fetcher.fetch(index)
+        return _pin(data) if self._pin_memory else data
+
+
+class MultiProcessIter(_BaseIter):
+    """Workers collating into their pools; batches arrive as leases on those pools."""
+
+    def __init__(self, loader: Any) -> None:
+        super().__init__(loader)
+        self._prefetch_factor: int = loader.prefetch_factor
+        self._in_order = loader.in_order
+        self._owner = os.getpid()
+        self._shutdown = False
+        self._failed: BaseException | None = None
+        ctx = loader.multiprocessing_context or multiprocessing.get_context()
+        self._workers: list[Any] = []
+        conns: list[wire.Connection] = []
+        self._rx: Receiver | None = None
+        _live.add(self)
+        try:
+            for i in range(self._num_workers):
+                a, b = wire.pipe()
+                a._role, b._role = "sender", "receiver"
+                conns.append(b)
+                spec = WorkerSpec(self._iterable, self._dataset, self._auto_collation,
+                                  self._collate_fn, self._drop_last, self._base_seed,
+                                  loader.worker_init_fn, i, self._num_workers, self._use_torch,
+                                  loader._pool_limit, os.getpid())
+                w = ctx.Process(target=worker_main, args=(a, spec), daemon=True)
+                try:
+                    w.start()
+                except (TypeError, AttributeError, pickle.PicklingError):
+                    warnings.warn(
+                        "Got pickle error when attempting to start a worker Process. This might be "
+                        "because the worker Process arguments are not picklable. Python 3.14+ "
+                        "changed the multiprocessing start method in non-Mac POSIX platforms to "
+                        "'forkserver', which requires the worker Process arguments to be picklable. "
+                        "You can also try multiprocessing.set_start_method('fork').", stacklevel=4)
+                    raise
+                finally:
+                    a.close()  # the worker has its own copy now
+                _drop_parent_pipe(w)
+                self._workers.append(w)
+            self._rx = Receiver(conns, writable=True)
+        except BaseException:
+            if self._rx is None:
+                for c in conns:
+                    c.close()
+            self._shutdown_workers()
+            raise
+        self._reset(loader, first_iter=True)
+
+    # -- epochs ------------------------------------------------------------------
+
+    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+        super()._reset(loader, first_iter)
+        self._send_idx = 0  # the next task to hand out
+        self._rcvd_idx = 0  # the next task to return
+        self._task_info: dict[int, tuple[Any, ...]] = {}  # task -> (worker,) or (worker, message)
+        self._tasks_outstanding = 0
+        n = self._num_workers
+        self._workers_status = [True] * n
+        self._workers_num_tasks = [0] * n
+        self._worker_cycle = itertools.cycle(range(n))
+        if not first_iter:
+            if self._failed is not None:
+                raise self._failed
+            for i in range(n):
+                self._tell(i, ["r", 0])
+            waiting = n
+            while waiting:  # batches of the last epoch still coming are dropped
+                _, msg = self._get_data()
+                if msg[1] == "r":
+                    waiting -= 1
+        for _ in range(self._prefetch_factor * n):
+            self._try_put_index()
+
+    # -- batches -----------------------------------------------------------------
+
+    def _next_data(self) -> Any:
+        if self._failed is not None:
+            raise self._failed
+        while True:
+            while self._rcvd_idx < self._send_idx:
+                info = self._task_info.get(self._rcvd_idx)
+                if info:
+                    if len(info) == 2 or self._workers_status[info[0]]:
+                        break  # it arrived, or its worker may still send it
+                    del self._task_info[self._rcvd_idx]  # its worker ran out
+                self._rcvd_idx += 1
+            else:
+                if not self._persistent_workers:
+                    self._shutdown_workers()
+                raise StopIteration
+            if len(self._task_info[self._rcvd_idx]) == 2:
+                worker, msg = self._task_info.pop(self._rcvd_idx)
+                self._rcvd_idx += 1
+                return self._process(msg, worker)
+            if self._shutdown or self._tasks_outstanding <= 0:
+                raise AssertionError("Invalid iterator state: shutdown or no outstanding tasks when "
+                                     "fetching next data")
+            worker, msg = self._get_data()
+            self._tasks_outstanding -= 1
+            idx = msg[0]
+            if msg[1] == "t":  # an IterableDataset worker ran out
+                if self._persistent_workers:
+                    self._workers_status[worker] = False
+                else:
+                    self._mark_unavailable(worker)
+                self._try_put_index()
+                continue
+            if idx != self._rcvd_idx:
+                if not self._in_order:
+                    self._task_info.pop(idx)
+                    return self._process(msg, worker)
+                self._task_info[idx] += (msg,)
+            else:
+                self._task_info.pop(idx)
+                self._rcvd_idx += 1
+                return self._process(msg, worker)
+
+    def _process(self, msg: list[Any], worker: int) -> Any:
+        self._workers_num_tasks[worker] -= 1
+        self._try_put_index()
+        if msg[1] == "e":
+            pickle.loads(msg[2]).reraise()
+        data = unpack(msg[2], msg[3])
+        return _pin(data) if self._pin_memory else data
+
+    def _try_put_index(self) -> None:
+        max_tasks = self._prefetch_factor * self._num_workers
+        if self._tasks_outstanding >= max_tasks:
+            raise AssertionError("Number of outstanding tasks exceeded maximum allowed tasks")
+        try:
+            index = self._next_index()
+        except StopIteration:
+            return
+        for _ in range(self._num_workers):  # the next active worker, if any
+            worker = next(self._worker_cycle)
+            if self._workers_status[worker] and (
+                    self._in_order
+                    or self._workers_num_tasks[worker] < max_tasks // sum(self._workers_status)):
+                break
+        else:
+            return
+        self._tell(worker, ["i", self._send_idx, index if _plain(index) else pickle.dumps(index)])
+        self._task_info[self._send_idx] = (worker,)
+        self._workers_num_tasks[worker] += 1
+        self._tasks_outstanding += 1
+        self._send_idx += 1
+
+    def _tell(self, worker: int, note: list[Any]) -> None:
+        assert self._rx is not None
+        try:
+            self._rx.tell(worker, note)
+        except PeerDied as exc:
+            self._fail(self._death_of(worker), exc)
+
+    def _get_data(self) -> tuple[int, list[Any]]:
+        """Return (worker, message): the next thing a worker sent; raise as torch does."""
+        assert self._rx is not None
+        deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
+        while True:
+            step = _CHECK_EVERY if deadline is None else min(_CHECK_EVERY,
+                                                             max(0.0, deadline - time.monotonic()))
+            try:
+                worker, msg = self._rx.recv_from(timeout=step)
+                if type(msg) is not list or len(msg) < 2:
+                    raise RuntimeError(f"DataLoader worker {worker} sent a malformed message")
+                return worker, msg
+            except ShmshareTimeout:
+                self._check_workers()
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None
+            except PeerDied as exc:
+                who: int | None = getattr(exc, "sender", None)
+                if who is None:  # the last one left: see which
+                    self._check_workers(wait=_EXIT_WAIT)
+                    self._fail(RuntimeError("DataLoader workers exited unexpectedly"), exc)
+                    raise
+                self._fail(self._death_of(who), exc)
+
+    def _check_workers(self, wait: float = 0.0) -> None:
+        for i, w in enumerate(self._workers):
+            if self._workers_status[i] or self._persistent_workers:
+                if wait:
+                    w.join(wait)
+                if w.exitcode is not None:
+                    self._fail(self._death_of(i), None)
+
+    def _death_of(self, worker: int) -> RuntimeError:
+        w = self._workers[worker]
+        w.join(_EXIT_WAIT)  # its socket ended: its exit code follows
+        code = w.exitcode
+        if code is None:
+            return RuntimeError(f"DataLoader worker (pid {w.pid}) closed its connection to the "
+                                "main process unexpectedly")
+        if code < 0:
+            name = signal.strsignal(-code) or f"signal {-code}"
+            msg = f"DataLoader worker (pid {w.pid}) is killed by signal: {name}. "
+            if -code == signal.SIGBUS:
+                msg += ("It is possible that dataloader's workers are out of shared memory. "
+                        "Please try to raise your shared memory limit.")
+            return RuntimeError(msg)
+        if code > 0:
+            return RuntimeError(f"DataLoader worker (pid {w.pid}) exited unexpectedly with exit code "
+                                f"{code}. Details are lost due to multiprocessing. Rerunning with "
+                                "num_workers=0 may give better error trace.")
+        return RuntimeError(f"DataLoader worker (pid(s) {w.pid}) exited unexpectedly")
+
+    def _fail(self, exc: RuntimeError, cause: BaseException | None) -> Any:
+        """A worker died: stop them all, and raise `exc` now and on every later call."""
+        exc.__cause__ = cause
+        self._failed = exc
+        self._shutdown_workers()
+        raise exc
+
+    def _mark_unavailable(self, worker: int) -> None:
+        self._workers_status[worker] = False
+        assert self._rx is not None
+        try:
+            self._rx.tell(worker, ["s"], timeout=0)
+        except (PeerDied, ShmshareTimeout, OSError, ValueError):
+            pass  # gone already, or too busy to hear it: shutdown ends it
+
+    # -- the end -----------------------------------------------------------------
+
+    def _shutdown_workers(self) -> None:
+        if self._shutdown or os.getpid() != self._owner or sys.is_finalizing():
+            return
+        self._shutdown = True
+        rx = self._rx
+        try:
+            if rx is not None:
+                for i in range(len(self._workers)):
+                    try:
+                        rx.tell(i, ["s"], timeout=0)
+                    except (PeerDied, ShmshareTimeout, OSError, ValueError):
+                        pass  # dead, or not reading: it is terminated below
+            end = time.monotonic() + _JOIN_WAIT
+            for w in self._workers:
+                w.join(max(0.0, end - time.monotonic()))
+        finally:
+            for w in self._workers:
+                if w.is_alive():
+                    w.terminate()
+                    w.join(_EXIT_WAIT)
+                if w.is_alive():
+                    w.kill()
+                    w.join()
+            if rx is not None:
+                rx.close()  # batches still held stay valid: their mappings go with them
+            for w in self._workers:
+                w.close()  # its sentinel fds go now, not when the collector gets to it
+
+    def _close_in_child(self) -> None:
+        if os.getpid() != self._owner and self._rx is not None:
+            self._rx.close()
+            self._rx = None
+
+    def __del__(self) -> None:
+        if getattr(self, "_owner", None) is not None:
+            self._shutdown_workers()
+
+
+def _drop_parent_pipe(w: Any) -> None:
+    """Close the pipe end multiprocessing keeps only for the child's ``parent_process()``.
+
+    Note [Two fds per worker]
+        A fork or spawn ``Process`` holds two pipe fds in the parent: its
+        sentinel (readable when the child exits) and the write end of a pipe
+        whose read end the child keeps as ``parent_process().sentinel``, so
+        that the child can see its parent die. Our workers watch their parent
+        through their socket and ``getppid()``, never that sentinel, so the
+        write end is closed at start: each worker costs the main process two
+        fds (its socket and its sentinel) instead of three. The price: in a
+        worker, ``multiprocessing.parent_process().is_alive()`` says False.
+        A forkserver Process holds only its sentinel, and is left alone.
+    """
+    popen = getattr(w, "_popen", None)
+    fin = getattr(popen, "finalizer", None)
+    args = getattr(fin, "_args", None)
+    if (type(args) is tuple and len(args) == 2 and args[0] == getattr(popen, "sentinel", None)
+            and all(type(fd) is int for fd in args)):
+        fin._args = (args[0],)  # type: ignore[union-attr]
+        os.close(args[1])
+
+
+def _plain(index: Any) -> bool:
+    """Whether `index` goes as msgpack: an int64, or a list of them (anything else is pickled)."""
+    lo, hi = _INT64
+    if type(index) is int:
+        return lo <= index < hi
+    return type(index) is list and all(type(i) is int and lo <= i < hi for i in index)
+
+
+def _pin_memory_wanted(loader: Any) -> bool:
+    available = False
+    torch = sys.modules.get("torch")
+    if torch is not None and loader._use_torch:
+        available = bool(torch.accelerator.is_available())
+    if loader.pin_memory and loader.pin_memory_device:
+        warnings.warn("pin_memory_device is deprecated, the current accelerator will be used as the "
+                      f"device,ignore pin_memory_device='{loader.pin_memory_device}'.", stacklevel=4)
+    if loader.pin_memory and not available:
+        warnings.warn("'pin_memory' argument is set as true but no accelerator is found, then device "
+                      "pinned memory won't be used.", stacklevel=4)
+    return bool(loader.pin_memory and available)
+
+
+def _pin(data: Any) -> Any:
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    return pin_memory(data)  # type: ignore[no-untyped-call]
+
+

@@ -1,0 +1,182 @@
+"""A loader worker: takes tasks from the main process, fetches and collates into its pool, sends.
+
+Note [A worker's one socket]
+    Each worker has one connection to the main process, a channel: batches
+    go out as the channel sends arrays (leases on the worker's pool blocks),
+    and tasks come in the other way as notes (``Receiver.tell``,
+    ``Sender.recv_note``), beside the releases that give blocks back. So the
+    main process holds, per worker, that socket and the process's sentinel,
+    whatever the number of batches in flight.
+
+Messages (notes are msgpack; a batch is a channel batch of a list)::
+
+    main -> worker   ["i", task, index]      fetch `index` (an int or list of ints as is,
+                     ["i", task, b"pickle"]   any other index pickled)
+                     ["r", epoch]            a new epoch (persistent workers): fresh fetcher
+                     ["s"]                   stop
+    worker -> main   [task, "d", pickle, [arrays]]   a batch (Note [Batches as pickles ...])
+                     [task, "e", pickle]              an exception (a WorkerError)
+                     [task, "t"]                      an IterableDataset ran out
+                     [-1, "r"]                        the new epoch began
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+from typing import Any
+
+from .. import wire
+from .._errors import PeerDied, ShmshareTimeout
+from ..channel import Sender
+from . import _collate, _pool
+from ._batch import pack
+from ._fetch import make_fetcher
+from ._seeding import seed_worker
+from ._wrap import capture
+
+__all__ = ["WorkerSpec", "WorkerInfo", "worker_main", "get_worker_info", "WATCH_INTERVAL"]
+
+WATCH_INTERVAL = 1.0  # s between a waiting worker's looks at whether its parent is alive
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What ``get_worker_info()`` tells a worker (torch's ``WorkerInfo`` when torch is in use)."""
+
+    id: int
+    num_workers: int
+    seed: int
+    dataset: Any
+    rng: Any = None
+    worker_method: str | None = "multiprocessing"
+
+
+_info: Any = None
+
+
+def get_worker_info() -> Any:
+    """Return this worker's WorkerInfo in a loader worker, None in the main process.
+
+    With torch in use, it is the object ``torch.utils.data.get_worker_info()``
+    returns there too.
+    """
+    return _info
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker is started with (pickled under spawn and forkserver)."""
+
+    iterable: bool
+    dataset: Any
+    auto_collation: bool
+    collate_fn: Any
+    drop_last: bool
+    base_seed: int
+    init_fn: Any
+    worker_id: int
+    num_workers: int
+    use_torch: bool
+    pool_limit: int
+    parent: int  # the main process's pid
+
+
+def worker_main(conn: wire.Connection, spec: WorkerSpec) -> None:
+    """The worker process: run until told to stop, or until the main process is gone."""
+    global _info
+    from . import _iters
+
+    _iters.close_inherited()  # a forked worker holds the main process's loader sockets
+    try:
+        tx = Sender(conn, limit=spec.pool_limit)
+    except BaseException:
+        conn.close()
+        raise
+    try:
+        if spec.use_torch:
+            import torch
+            from torch.utils.data._utils import worker as torch_worker
+
+            torch.set_num_threads(1)
+        seed = seed_worker(spec.base_seed, spec.worker_id)  # torch too, once imported
+        if spec.use_torch:
+            _info = torch_worker.WorkerInfo(id=spec.worker_id, num_workers=spec.num_workers,
+                                            seed=seed, dataset=spec.dataset)
+            torch_worker._worker_info = _info
+        else:
+            _info = WorkerInfo(spec.worker_id, spec.num_workers, seed, spec.dataset)
+        _pool.set_pool(tx)
+        _serve(tx, spec)
+    except KeyboardInterrupt:
+        pass  # the main process handles Ctrl-C; its shutdown stops us
+    finally:
+        _pool.set_pool(None)
+        tx.close()
+
+
+def _serve(tx: Sender, spec: WorkerSpec) -> None:
+    where = f"in DataLoader worker process {spec.worker_id}"
+    collate = _collate.default_collate if _collate.is_torch_default(spec.collate_fn) else spec.collate_fn
+    init_error = None
+    fetcher: Any = None
+    try:
+        if spec.init_fn is not None:
+            spec.init_fn(spec.worker_id)
+        fetcher = make_fetcher(spec.iterable, spec.dataset, spec.auto_collation, collate,
+                               spec.drop_last)
+    except Exception:  # noqa: BLE001 - reported with the first batch, as torch's worker does
+        init_error = capture(where)
+    ended = False  # this epoch's IterableDataset ran out: later tasks are ignored
+    while True:
+        try:
+            note = tx.recv_note(timeout=WATCH_INTERVAL)
+        except ShmshareTimeout:
+            if os.getppid() != spec.parent:
+                return  # orphaned: the main process died without a word
+            continue
+        except PeerDied:
+            return
+        kind = note[0]
+        if kind == "s":
+            return
+        if kind == "r":
+            ended = False
+            fetcher = make_fetcher(spec.iterable, spec.dataset, spec.auto_collation, collate,
+                                   spec.drop_last)
+            tx.send([-1, "r"])
+            continue
+        if ended:
+            continue
+        task, index = note[1], note[2]
+        if type(index) is bytes:
+            index = pickle.loads(index)
+        if init_error is not None:
+            tx.send([task, "e", init_error])
+            init_error = None
+            continue
+        try:
+            data = fetcher.fetch(index)
+            payload, arrays = pack(data)
+            del data
+        except StopIteration:
+            if not spec.iterable:
+                tx.send([task, "e", capture(where)])
+                continue
+            ended = True
+            tx.send([task, "t"])
+            continue
+        except Exception:  # noqa: BLE001 - the main process re-raises it, type and traceback
+            tx.send([task, "e", capture(where)])
+            continue
+        try:
+            tx.send([task, "d", payload, arrays], timeout=_pool.POOL_WAIT)
+        except PeerDied:
+            return
+        except Exception:  # noqa: BLE001 - a batch the channel cannot take (a full pool, a dtype)
+            del arrays
+            tx.send([task, "e", capture(where)])
+            continue
+        del arrays, payload
+
