@@ -459,9 +459,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run every (dataset, workers, loader) row, print the tables; return 0."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="a few seconds in all (smoke tests)")
-    ap.add_argument("--batches", type=int, default=None, help="batches per measured epoch (default 80, quick 8)")
+    ap.add_argument("--batches", type=int, default=None, help="batches per measured epoch (default 120, quick 8)")
     ap.add_argument("--cpu-batches", type=int, default=None, help="batches per epoch of the cpu dataset "
-                    "(default 24, quick 4)")
+                    "(default 32, quick 4)")
     ap.add_argument("--runs", type=int, default=None, help="measured epochs per row, after epoch 1 (default 3)")
     ap.add_argument("--dtypes", default="float32,uint8,cpu", help="datasets: float32, uint8, cpu")
     ap.add_argument("--workers", default="0,1,2", help="worker counts, e.g. 0,1,2")
@@ -471,8 +471,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="FILE", help="also write the rows and targets as JSON ('-': stdout, "
                     "tables to stderr)")
     args = ap.parse_args(argv)
-    args.batches = args.batches or (8 if args.quick else 80)
-    args.cpu_batches = args.cpu_batches or (4 if args.quick else 24)
+    args.batches = args.batches or (8 if args.quick else 120)
+    args.cpu_batches = args.cpu_batches or (4 if args.quick else 32)
     args.runs = args.runs or (1 if args.quick else 3)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     args.workers = [int(w) for w in args.workers.split(",")]
