@@ -131,7 +131,7 @@ def calibrate(jpeg: bytes | None) -> tuple[int, float]:
     def cost(reps: int) -> float:
         ds = Decoded(1, reps, jpeg)
         ds[0]
-        return statistics.median(_timed(ds.__getitem__, 0) for _ in range(30)) * 1e3
+        return statistics.median(_timed(ds.__getitem__, 0) for _ in range(15)) * 1e3
 
     base, per_rep = cost(0), (cost(8) - cost(0)) / 8
     reps = max(0, round((CPU_MS - base) / max(per_rep, 1e-3)))
@@ -464,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
                     "(default 32, quick 4)")
     ap.add_argument("--runs", type=int, default=None, help="measured epochs per row, after epoch 1 (default 3)")
     ap.add_argument("--dtypes", default="float32,uint8,cpu", help="datasets: float32, uint8, cpu")
-    ap.add_argument("--workers", default="0,1,2", help="worker counts, e.g. 0,1,2")
+    ap.add_argument("--workers", default=None, help="worker counts (default 0,1,2; quick 0,2)")
     ap.add_argument("--loaders", default=",".join(LOADERS), help="torch, shmshare")
     ap.add_argument("--torch-threads", type=int, default=1, help="torch.set_num_threads() in this process "
                     "(default 1; 0: torch's own default) -- see Note [One torch thread]")
@@ -475,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     args.cpu_batches = args.cpu_batches or (4 if args.quick else 32)
     args.runs = args.runs or (1 if args.quick else 3)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
-    args.workers = [int(w) for w in args.workers.split(",")]
+    args.workers = [int(w) for w in (args.workers or ("0,2" if args.quick else "0,1,2")).split(",")]
     if set(args.dtypes) - {"float32", "uint8", "cpu"}:
         ap.error(f"unknown dataset(s) in {args.dtypes}: float32, uint8 and cpu exist")
     with contextlib.redirect_stdout(sys.stderr) if args.json == "-" else contextlib.nullcontext():
