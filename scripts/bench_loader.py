@@ -11,10 +11,11 @@ decode with Pillow when installed, topped up, or a numpy stand-in) to show
 scaling with workers.
 
 Each row builds a loader and runs epoch 1 (time to its first batch includes
-starting the workers; the rest is warm-up), then ``--runs`` epochs: the best
-epoch's rate, the median time to a later epoch's first batch, the tree's CPU
-time per batch. A forked sampler records peak fds of this process and of the
-tree and peak shared memory (the tree's own objects, and the host's Shmem).
+starting the workers; the rest is warm-up), then ``--runs`` epochs, in
+``--rounds`` interleaved with the other loader's: the best epoch's rate, the
+median time to a later epoch's first batch and the tree's CPU per batch. A
+forked sampler records peak fds of this process and of the tree and peak
+shared memory (the tree's own objects, and the host's Shmem).
 Loaders are closed and their workers waited for between rows. Without torch,
 shmshare's rows run alone, with ``collate_fn=shmshare.loader.numpy_collate``.
 The issue's targets get PASS/MISS, informational only (times are never
@@ -37,7 +38,7 @@ import statistics
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -131,27 +132,22 @@ def calibrate(jpeg: bytes | None) -> tuple[int, float]:
     def cost(reps: int) -> float:
         ds = Decoded(1, reps, jpeg)
         ds[0]
-        return statistics.median(_timed(ds.__getitem__, 0) for _ in range(15)) * 1e3
+        t0 = time.perf_counter()
+        for _ in range(15):
+            ds[0]
+        return (time.perf_counter() - t0) / 15 * 1e3
 
     base, per_rep = cost(0), (cost(8) - cost(0)) / 8
     reps = max(0, round((CPU_MS - base) / max(per_rep, 1e-3)))
     return reps, cost(reps)
 
 
-def _timed(fn: Any, *args: Any) -> float:
-    t0 = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - t0
-
-
 # -- sampling fds and shared memory -------------------------------------------------------
 
 # Note [Sampling from a process]
-#     The sampler is a forked process, not a thread of this one: a thread takes
-#     the GIL from the loader under test, and with 0 workers (the whole loader
-#     in this process) on a busy 2-CPU machine that slowed the row by 2-4x (a
-#     thread that holds the GIL and is then descheduled stalls the consumer for
-#     a time slice). The sampler reads /proc only, so it costs no GIL here.
+#     A sampling thread takes the GIL from the loader under test: with 0 workers on a busy 2-CPU
+#     machine it slowed rows 2-4x (holding the GIL, descheduled, it stalls the consumer for a time
+#     slice). A forked sampler reads /proc and costs this process nothing.
 
 
 class Sampler:
@@ -288,13 +284,11 @@ def shmshare_loader() -> Any:
 
 
 def close_loader(loader: Any) -> None:
-    """Shut the loader's workers down: its close() if it has one, torch's iterator shutdown otherwise."""
-    closer = getattr(loader, "close", None)
-    if callable(closer):
-        closer()
-    shutdown = getattr(getattr(loader, "_iterator", None), "_shutdown_workers", None)
-    if callable(shutdown):  # torch: persistent workers live in the loader's cached iterator
-        shutdown()
+    """Shut the loader's workers down: its close() (shmshare), its cached iterator's shutdown (torch)."""
+    torch_it = getattr(loader, "_iterator", None)
+    for stop in (getattr(loader, "close", None), getattr(torch_it, "_shutdown_workers", None)):
+        if callable(stop):
+            stop()
 
 
 def run_row(sampler: Sampler, kind: str, name: str, dataset: Any, workers: int, runs: int,
@@ -315,7 +309,7 @@ def run_row(sampler: Sampler, kind: str, name: str, dataset: Any, workers: int, 
         cpu0, firsts = tree_cpu(me, sampler.pid), []
         for _ in range(runs):
             first, rest, n = epoch(loader)
-            row.rates.append(n / rest)
+            row.rates.append((n + 1) / (first + rest))  # the whole epoch: no batch was prefetched before it
             firsts.append(first)
         row.cpu_ms = (tree_cpu(me, sampler.pid) - cpu0) / (runs * len(loader)) * 1e3
         row.rate, row.first2 = max(row.rates), statistics.median(firsts)
@@ -443,10 +437,7 @@ def targets(rows: list[Row]) -> list[dict[str, Any]]:
 
 
 def print_targets(found: list[dict[str, Any]]) -> None:
-    if not found:
-        print("\ntargets: no shmshare rows to check")
-        return
-    print("\ntargets of the issue (informational; shmshare rows)")
+    print("\ntargets of the issue (informational; shmshare rows)" if found else "\ntargets: no shmshare rows")
     table(["target", "measured", "limit", "result"],
           [[f["target"], _num(f["value"], f["unit"]), _num(f["limit"], f["unit"]), "PASS" if f["pass"] else "MISS"]
            for f in found])
@@ -462,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, default=None, help="batches per measured epoch (default 120, quick 8)")
     ap.add_argument("--cpu-batches", type=int, default=None, help="batches per epoch of the cpu dataset "
                     "(default 32, quick 4)")
-    ap.add_argument("--runs", type=int, default=None, help="measured epochs per row, after epoch 1 (default 3)")
+    ap.add_argument("--runs", type=int, default=None, help="measured epochs per round, after epoch 1 (default 2)")
+    ap.add_argument("--rounds", type=int, default=None, help="rounds per row, the loaders interleaved (default 2)")
     ap.add_argument("--dtypes", default="float32,uint8,cpu", help="datasets: float32, uint8, cpu")
     ap.add_argument("--workers", default=None, help="worker counts (default 0,1,2; quick 0,2)")
     ap.add_argument("--loaders", default=",".join(LOADERS), help="torch, shmshare")
@@ -473,7 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.batches = args.batches or (8 if args.quick else 120)
     args.cpu_batches = args.cpu_batches or (4 if args.quick else 32)
-    args.runs = args.runs or (1 if args.quick else 3)
+    args.runs = args.runs or (1 if args.quick else 2)
+    args.rounds = args.rounds or (1 if args.quick else 2)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     args.workers = [int(w) for w in (args.workers or ("0,2" if args.quick else "0,1,2")).split(",")]
     if set(args.dtypes) - {"float32", "uint8", "cpu"}:
@@ -493,16 +486,15 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run every row (timed as main() set `args` up), print the tables; return the report for --json."""
     batches, cpu_batches, runs, dtypes = args.batches, args.cpu_batches, args.runs, args.dtypes
     started = time.perf_counter()
-    torch_version = _torch_version()
+    torch_version, threads = set_torch_threads(args.torch_threads)
     have_torch = torch_version is not None
-    threads = set_torch_threads(args.torch_threads) if have_torch else 0
     missing = {"torch": not have_torch, "shmshare": shmshare_loader() is None}
     loaders = [k for k in args.loaders.split(",") if k in LOADERS and not missing[k]]
     torch_note = f", torch {torch_version} ({threads} thread(s) here)" if have_torch else ""
     print(f"bench_loader: Linux {platform.release()}, Python {platform.python_version()}, numpy {np.__version__}"
           f"{torch_note}, {os.cpu_count()} CPUs; batch {BATCH}, prefetch {PREFETCH}, persistent workers; "
           f"{batches} batches per epoch ({cpu_batches} for cpu), "
-          f"{runs} measured epoch(s) after epoch 1{', --quick' if args.quick else ''}")
+          f"{args.rounds} round(s) of {runs} measured epoch(s) after epoch 1{', --quick' if args.quick else ''}")
     for k in (k for k, gone in missing.items() if gone):
         print(f"{k}'s rows are left out: " + ("torch is not installed (shmshare's use numpy_collate)" if k == "torch"
                                               else "this checkout has no shmshare.DataLoader yet"))
@@ -551,13 +543,26 @@ def run_all(sampler: Sampler, loaders: list[str], args: argparse.Namespace, reps
         n = (args.cpu_batches if d == "cpu" else args.batches) * BATCH
         dataset = Decoded(n, reps, jpeg) if d == "cpu" else Images(n, d)
         for w in args.workers:
-            for kind in loaders:
-                r = run_row(sampler, kind, d, dataset, w, args.runs, numpy_collate=not have_torch)
-                rows.append(r)
-                print(f"  {kind:>8} {d:>7} {w} workers: " +
-                      (r.error if r.error else f"{r.rate:,.1f} batches/s, first batch {fmt_ms(r.first1)} ms"),
-                      flush=True)
+            rounds: dict[str, list[Row]] = {k: [] for k in loaders}
+            for i in range(args.rounds):  # interleaved: a burst of other work on the machine hits both loaders
+                for kind in loaders:
+                    r = run_row(sampler, kind, d, dataset, w, args.runs, numpy_collate=not have_torch)
+                    rounds[kind].append(r)
+                    print(f"  {kind:>8} {d:>7} {w} workers, round {i + 1}: " +
+                          (r.error or f"{r.rate:,.1f} batches/s, first batch {fmt_ms(r.first1)} ms"), flush=True)
+            rows += [merge(rounds[kind]) for kind in loaders]
     return rows
+
+
+def merge(rounds: list[Row]) -> Row:
+    """Return one row for rounds of one measurement: the best rate, median times and CPU, the highest peaks."""
+    if any(r.error for r in rounds):
+        return next(r for r in rounds if r.error)
+    peaks = {f: max(getattr(r, f) for r in rounds) for f in ("fds_main", "fds_tree", "tree_mib", "shm_mib",
+                                                                "shm_left_mib", "stragglers")}
+    medians = {f: statistics.median(getattr(r, f) for r in rounds) for f in ("first1", "first2", "cpu_ms")}
+    return replace(max(rounds, key=lambda r: r.rate), rates=[x for r in rounds for x in r.rates],
+                               **peaks, **medians)
 
 
 # Note [One torch thread]
@@ -570,13 +575,15 @@ def run_all(sampler: Sampler, loaders: list[str], args: argparse.Namespace, reps
 #     too by default: the 0-worker anchor is then the steady figure.
 
 
-def set_torch_threads(n: int) -> int:
-    """Set torch's intra-op threads in this process (0: leave torch's default); return the count in use."""
-    import torch
-
+def set_torch_threads(n: int) -> tuple[str | None, int]:
+    """Set torch's intra-op threads here (0: torch's default); return (torch's version, threads), or (None, 0)."""
+    try:
+        import torch
+    except ImportError:
+        return None, 0
     if n > 0:
         torch.set_num_threads(n)
-    return int(torch.get_num_threads())
+    return str(torch.__version__), int(torch.get_num_threads())
 
 
 def _num(x: float, unit: str) -> str:
@@ -585,14 +592,6 @@ def _num(x: float, unit: str) -> str:
 
 def _load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
-def _torch_version() -> str | None:
-    try:
-        import torch
-    except ImportError:
-        return None
-    return str(torch.__version__)
 
 
 if __name__ == "__main__":
