@@ -1,4 +1,4 @@
-"""``shmshare demo``: the seed's fd-sharing walk-through, live, with two processes.
+"""``shmshare demo``: the seed's fd-sharing walk-through, live, with two processes; then the DataLoader.
 
 ``shmshare doctor`` checks, line by line, what shmshare needs from the host
 and says what each fact means for the user; ``--json`` prints the same as a
@@ -6,6 +6,10 @@ report for machines. ``shmshare demo`` runs the seed's parent/child
 walk-through (``docs/architecture.md``, "Lifetimes") with two real processes and
 prints, at every step, who holds the shared object: fds and mappings read
 from ``/proc/<pid>/fd`` and ``/proc/<pid>/maps``, and its ``/dev/shm`` name.
+After the walk, ``shmshare.DataLoader`` runs for a moment over a numpy
+dataset with two workers (``numpy_collate``: no torch needed), and torch's
+DataLoader beside it when torch is importable: batches/s, the fds and the
+shared memory each holds, and what is left once it is closed.
 
 Note [What the demo can and cannot see]
     The seed counts ``i_count``: every reference that keeps the object alive.
@@ -19,6 +23,7 @@ Note [What the demo can and cannot see]
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
@@ -41,7 +46,7 @@ _SHMEM_VISIBLE = 16 * _MiB  # below this, other processes' Shmem noise hides the
 
 
 def demo(backend: str = "memfd", size: int = 64 * _MiB) -> int:
-    """Run the seed's fd walk-through with a forked child; return 0 if the object is gone at the end."""
+    """Run the seed's fd walk-through with a forked child, then the loader; return 0 if both went right."""
     ctl, ctl_child = wire.pipe(role="demo")
     data, data_child = wire.pipe(role="demo")
     sys.stdout.flush()  # the child must not inherit (and never prints) unflushed output
@@ -67,6 +72,8 @@ def demo(backend: str = "memfd", size: int = 64 * _MiB) -> int:
         status = _reap(pid, timeout=5.0)
     if status != 0:
         print(f"child {pid} ended with status {status}")
+    if ok and status == 0:
+        ok = loader_demo()
     return 0 if ok and status == 0 else 1
 
 
@@ -284,3 +291,86 @@ def _reap(pid: int, timeout: float) -> int:
             os.kill(pid, signal.SIGKILL)
             return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
         time.sleep(0.01)
+
+
+# -- the loader, after the walk-through ----------------------------------------------
+
+_LOADER_SECONDS = 1.5  # s per loader: shmshare's, then torch's beside it when torch is importable
+_LOADER_SHAPE = (3, 128, 128)  # uint8: a batch of 32 is 1.5 MiB, small enough for any host
+_LOADER_BATCH = 32
+_LOOK_S = 0.05  # how often the loop looks at fds and shared memory
+
+
+class _Images:
+    """The loader demo's dataset: sample i is a copy of one of four uint8 images, and the label i."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+        self.src = np.random.default_rng(0).integers(0, 256, (4, *_LOADER_SHAPE), dtype=np.uint8)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, int]:
+        return self.src[i % len(self.src)].copy(), i
+
+
+def loader_demo(seconds: float = _LOADER_SECONDS) -> bool:
+    """Run shmshare's DataLoader for `seconds` (and torch's beside it when importable); return if shmshare's ran."""
+    from .loader import DataLoader, numpy_collate
+
+    mib = _LOADER_BATCH * int(np.prod(_LOADER_SHAPE)) / _MiB
+    print(f"\nshmshare.DataLoader: 2 workers, batches of {_LOADER_BATCH} x {_LOADER_SHAPE} uint8 ({mib:.1f} MiB), "
+          f"prefetch 2, persistent workers, {seconds:g} s; this process reads one element per batch")
+    ok = _show_loader("shmshare (numpy batches)", DataLoader, seconds, collate_fn=numpy_collate)
+    try:
+        tud = importlib.import_module("torch.utils.data")
+    except ImportError:
+        print("  (torch is not installed: no torch DataLoader beside it)")
+        return ok
+    _show_loader("torch (tensors)", tud.DataLoader, seconds)
+    return ok
+
+
+def _show_loader(label: str, cls: Any, seconds: float, **kw: Any) -> bool:
+    """Run one loader and print its line; return False (after printing why) if it failed."""
+    fds0, shm0 = len(_procfs.fds()), _procfs.meminfo_kb("Shmem")
+    try:
+        rate, fds, shm = _run_loader(cls(_Images(64 * _LOADER_BATCH), batch_size=_LOADER_BATCH, num_workers=2,
+                                         persistent_workers=True, prefetch_factor=2, timeout=_STEP_TIMEOUT, **kw),
+                                     seconds, fds0, shm0)
+    except Exception as exc:  # noqa: BLE001 - the demo reports it and goes on
+        print(f"  {label:<25} failed: {type(exc).__name__}: {exc}")
+        return False
+    left_fds, left_shm = len(_procfs.fds()) - fds0, (_procfs.meminfo_kb("Shmem") - shm0) / 1024
+    print(f"  {label:<25} {rate:7,.0f} batches/s | held: fds +{fds} here, shared memory {shm:+.0f} MiB "
+          f"(host-wide) | after close: fds {left_fds:+d}, {left_shm:+.0f} MiB")
+    return True
+
+
+def _run_loader(loader: Any, seconds: float, fds0: int, shm0: int) -> tuple[float, int, float]:
+    """Iterate `loader` for `seconds`, then close it; return (batches/s, peak fds added, peak MiB added)."""
+    try:
+        it = iter(loader)
+        next(it)[0][0, 0, 0, 0].item()  # the workers have started: time from here
+        n, fds, shm = 0, 0, 0.0
+        t0 = look = time.perf_counter()
+        deadline = t0 + seconds
+        while True:
+            for batch in it:
+                batch[0][0, 0, 0, 0].item()
+                n += 1
+                now = time.perf_counter()
+                if now >= look:
+                    fds = max(fds, len(_procfs.fds()) - fds0)
+                    shm = max(shm, (_procfs.meminfo_kb("Shmem") - shm0) / 1024)
+                    look = now + _LOOK_S
+                if now >= deadline:
+                    return n / (now - t0), fds, shm
+            it = iter(loader)  # the next epoch (persistent workers)
+    finally:
+        closer = getattr(loader, "close", None)  # shmshare's
+        shutdown = getattr(getattr(loader, "_iterator", None), "_shutdown_workers", None)  # torch's
+        for stop in (closer, shutdown):
+            if callable(stop):
+                stop()
