@@ -166,6 +166,11 @@ class Receiver(Closeable):
         exc.sender = sender  # type: ignore[attr-defined]
         raise exc
 
+    def flush_releases(self) -> None:
+        """Send the releases queued so far now, without waiting (a full socket keeps them queued)."""
+        if self._released:
+            self._flush()
+
     def fence_releases(self) -> None:
         """A pinned receiver: fence the releases since the last call, pass on the completed ones.
 
@@ -402,6 +407,7 @@ class Receiver(Closeable):
         except (ShmshareError, OSError, ValueError):
             pass  # gone or full: it sees the connection end without the reason
         self._forget(peer)
+        exc.sender = peer.number  # type: ignore[union-attr]  # as recv_from names it
         exc.add_note(f"shmshare: the connection to {peer.who} was dropped; it takes back what "
                      "it lent, and arrays already received stay valid")
         return exc

@@ -201,8 +201,7 @@ class Sender(BlockBook, Closeable):
             with self._lock:
                 if self._closed:
                     self._check_usable()
-                if not self._notes:
-                    self._drain()
+                self._drain()  # releases sent before the note are taken in before it is read
                 if self._notes:
                     return self._notes.popleft()
                 if self._peer_dead:

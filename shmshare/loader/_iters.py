@@ -27,7 +27,7 @@ import weakref
 from typing import Any, NoReturn
 
 from .. import wire
-from .._errors import PeerDied, ShmshareTimeout
+from .._errors import FdLimitError, PeerDied, PeerRefused, ProtocolError, SegmentError, ShmshareTimeout
 from ..channel import Receiver
 from ._batch import pack, unpack
 from ._device import DeviceCopier
@@ -277,8 +277,13 @@ class MultiProcessIter(_BaseIter):
                 return self._process(msg, worker)
 
     def _process(self, msg: list[Any], worker: int) -> Any:
-        if self._pinner is not None and self._rx is not None:
-            self._rx.fence_releases()  # batches dropped since: their fences
+        rx = self._rx
+        if rx is not None:
+            # Batches dropped since the last one go back before the next task does (the worker
+            # takes them in before it collates: Note [Releases before tasks] in _worker.py);
+            # pinned ones only once their fences complete.
+            rx.fence_releases()
+            rx.flush_releases()
         self._workers_num_tasks[worker] -= 1
         self._try_put_index()
         if msg[1] == "e":
@@ -333,6 +338,16 @@ class MultiProcessIter(_BaseIter):
                 self._check_workers()
                 if deadline is not None and time.monotonic() >= deadline:
                     raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds") from None
+            except (ProtocolError, FdLimitError, SegmentError, PeerRefused) as exc:
+                # a batch this process could not take in (a full fd table, no address space):
+                # the receiver dropped its worker, so this epoch cannot be whole any more
+                bad = getattr(exc, "sender", None)
+                pid = self._workers[bad].pid if isinstance(bad, int) else "?"
+                exc.add_note(f"shmshare: receiving a batch from DataLoader worker {bad} (pid {pid}); "
+                             "the loader stopped its workers")
+                self._failed = exc
+                self._shutdown_workers()
+                raise
             except PeerDied as exc:
                 who: int | None = getattr(exc, "sender", None)
                 if who is None:  # the last one left: see which

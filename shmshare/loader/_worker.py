@@ -8,6 +8,14 @@ Note [A worker's one socket]
     main process holds, per worker, that socket and the process's sentinel,
     whatever the number of batches in flight.
 
+Note [Releases before tasks]
+    The main process sends the releases of the batches the program dropped
+    before it sends the next task (``Receiver.flush_releases``), and
+    ``recv_note`` takes in every release queued ahead of a note. So when a
+    worker collates, the block of the batch dropped last is already back in
+    its pool, and is reused: a worker's pool holds the batches in flight and
+    the one the program holds, not one more for a release still on its way.
+
 Messages (notes are msgpack; a batch is a channel batch of a list)::
 
     main -> worker   ["i", task, index]      fetch `index` (an int or list of ints as is,
