@@ -190,12 +190,9 @@ class Sender(BlockBook, Closeable):
         return out
 
     def recv_note(self, timeout: float | None = None) -> Any:
-        """Return the next note the receiver sent with ``Receiver.tell``, waiting up to `timeout` s.
-
-        Releases that arrive meanwhile are taken in. Raises ShmshareTimeout
-        when none came in time, PeerDied once the receiver is gone and every
-        note it sent was read.
-        """
+        """Return the next note sent by ``Receiver.tell``, waiting up to `timeout` s (releases are
+        taken in meanwhile). ShmshareTimeout: none came; PeerDied: the receiver is gone, every
+        note it sent read."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
@@ -289,6 +286,10 @@ class Sender(BlockBook, Closeable):
     def _release_all(self) -> None:
         """After the connection closed: every lease is void; give back all not in local use."""
         self._on_peer_death()
+        for held in self._retired:
+            held.leases = 0
+            self._maybe_free(held)
+        self._retired.clear()
         self._drain_local()
         self._free_spares()
         self._alloc.empty_cache()
@@ -416,10 +417,10 @@ class Sender(BlockBook, Closeable):
                     raise self._exhausted(nbytes, host) from exc
                 # wait for a release (or a local view dying), then try again
                 wait = _POLL_SLICE if left is None else min(left, _POLL_SLICE)
-                if self._peer_dead:
-                    time.sleep(wait)  # only local views can give memory back now
-                else:
-                    self._conn.poll(wait)
+                if self._peer_dead:  # nothing comes back, and nothing could be sent
+                    raise PeerDied("the receiver went away while this sender waited for room in "
+                                   "its pool") from exc
+                self._conn.poll(wait)
                 if self._closing:
                     raise ValueError("this Sender was closed while it waited for room in its "
                                      "pool") from exc
@@ -507,7 +508,10 @@ class Sender(BlockBook, Closeable):
         for seg in self._provider.segments.values():
             if self._ann.knows(seg):
                 seg.keep_pages = True
-        self._return_leases(list(self._leases))
+        # Its arrays may still be read (a receiver that closed keeps them): their blocks are
+        # never handed out again, only freed at close(), when nothing allocates any more.
+        self._retired.update(self._leases.values())
+        self._leases.clear()
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -523,6 +527,7 @@ class Sender(BlockBook, Closeable):
         self._provider.listeners.append(self._ann.on_segment_event)
         self._alloc = CachingAllocator(self._provider, self._config)
         self._leases: dict[int, _Held] = {}  # lease id -> held block
+        self._retired: set[_Held] = set()  # leased when the receiver went: kept until close()
         # Unique per process, like segment ids: a forked child sharing this socket must never
         # take a release of its parent's lease 1 for its own lease 1.
         self._lease_ids = itertools.count((os.getpid() << 32) + 1)

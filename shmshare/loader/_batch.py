@@ -90,4 +90,10 @@ def pack(batch: Any) -> tuple[bytes, list[Any]]:
 
 def unpack(data: bytes, arrays: list[Any]) -> Any:
     """Return the batch `pack` made, with `arrays` (as received) put back in place."""
-    return _Unpickler(io.BytesIO(data), arrays).load()
+    batch = _Unpickler(io.BytesIO(data), arrays).load()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch._utils._sparse_tensors_to_validate:
+        # torch rebuilds a pickled sparse tensor unchecked and keeps it for torch.load to check
+        # (and forget): without this call every sparse batch would stay alive, pinning its blocks
+        torch._utils._validate_loaded_sparse_tensors()
+    return batch

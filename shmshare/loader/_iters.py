@@ -166,12 +166,16 @@ class MultiProcessIter(_BaseIter):
         super().__init__(loader)
         self._prefetch_factor: int = loader.prefetch_factor
         self._in_order = loader.in_order
+        if self._prefetch_factor <= 0:
+            raise AssertionError("prefetch_factor must be greater than 0 for "
+                                 "MultiProcessingDataLoaderIter")
         self._owner = os.getpid()
         self._shutdown = False
         self._failed: BaseException | None = None
         ctx = loader.multiprocessing_context or multiprocessing.get_context()
         self._workers: list[Any] = []
         conns: list[wire.Connection] = []
+        self._conns = conns  # our ends: a worker forked while they are made closes them too
         self._rx: Receiver | None = None
         _live.add(self)
         try:
@@ -429,6 +433,12 @@ class MultiProcessIter(_BaseIter):
                         rx.tell(i, ["s"], timeout=0)
                     except (PeerDied, ShmshareTimeout, OSError, ValueError):
                         pass  # dead, or not reading: it is terminated below
+            # Our ends go before the joins: a worker waiting for pool room (the program holds
+            # its batches) or for room on its socket sees the end now, not after _JOIN_WAIT.
+            if self._copier is not None:
+                self._copier.close()  # its copies are done before the blocks go back
+            if rx is not None:
+                rx.close()  # batches still held stay valid: their mappings go with them
             end = time.monotonic() + _JOIN_WAIT
             for w in self._workers:
                 w.join(max(0.0, end - time.monotonic()))
@@ -441,18 +451,22 @@ class MultiProcessIter(_BaseIter):
                     w.kill()
                     w.join()
             if self._copier is not None:
-                self._copier.close()  # its copies are done before the blocks go back
+                self._copier.close()
             if rx is not None:
-                rx.close()  # batches still held stay valid: their mappings go with them
+                rx.close()
             if self._pinner is not None:
                 self._pinner.close()
             for w in self._workers:
                 w.close()  # its sentinel fds go now, not when the collector gets to it
 
     def _close_in_child(self) -> None:
-        if os.getpid() != self._owner and self._rx is not None:
+        if os.getpid() == self._owner:
+            return
+        if self._rx is not None:
             self._rx.close()
             self._rx = None
+        for c in self._conns:  # made before the receiver, or while workers were started
+            c.close()
 
     def __del__(self) -> None:
         if getattr(self, "_owner", None) is not None:

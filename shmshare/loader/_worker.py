@@ -119,6 +119,8 @@ def worker_main(conn: wire.Connection, spec: WorkerSpec) -> None:
         _serve(tx, spec)
     except KeyboardInterrupt:
         pass  # the main process handles Ctrl-C; its shutdown stops us
+    except PeerDied:
+        pass  # the main process closed (or died) while we were sending: nothing to say
     finally:
         _pool.set_pool(None)
         tx.close()

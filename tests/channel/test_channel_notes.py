@@ -120,3 +120,30 @@ def test_every_sender_closing_ends_iteration_of_a_many_sender_receiver():
         assert sorted(rx) == [1, 2]
     finally:
         rx.close()
+
+
+def test_a_receiver_that_closes_keeps_its_arrays_while_the_sender_waits_for_room():
+    # A sender waiting for pool room when its receiver closed used to get every leased block
+    # back at once and hand one out again: the receiver's arrays changed under it.
+    a, b = wire.pipe()
+    tx = Sender(a, limit=48 << 20)
+    rx = Receiver([b], writable=True)
+    try:
+        held = []
+        for i in range(4):
+            tx.send(np.full(12 << 20, i, np.uint8))  # four 12 MiB arrays fill a 48 MiB pool
+            held.append(rx.recv(timeout=5))
+        timer = threading.Timer(0.3, rx.close)
+        timer.start()
+        with pytest.raises(PeerDied):
+            while True:  # the pool is full: this waits until the receiver closes
+                tx.send(np.full(12 << 20, 9, np.uint8), timeout=10)
+        timer.join()
+        intact = [int(h.min()) for h in held] == [0, 1, 2, 3] == [int(h.max()) for h in held]
+        assert intact, "a received array was overwritten by the sender"
+        with pytest.raises(PeerDied):
+            tx.empty(1 << 20, np.uint8)  # nothing more comes from this pool
+    finally:
+        tx.close()
+        rx.close()
+    del held

@@ -130,7 +130,7 @@ def _recv_and_hold(rx, ctl_tx):
             ctl_tx.send({"holding": 20})
 
 
-def test_receiver_sigkilled_mid_stream_gives_every_lease_back():
+def test_receiver_sigkilled_mid_stream_voids_every_lease_and_close_frees_the_blocks():
     tx, rx = shmshare.channel(limit=64 << 20)
     ctl_tx, ctl_rx = shmshare.channel()
     with start_child(_recv_and_hold, rx, ctl_tx) as child:
@@ -146,8 +146,11 @@ def test_receiver_sigkilled_mid_stream_gives_every_lease_back():
                 tx.send({"x": np.ones(4)})
                 time.sleep(0.001)
         assert tx.statistics().leases_out == 0
-        assert tx.memory_stats()["allocated_bytes.all.current"] == 0
+        # a receiver that closed (rather than died) may still read them: the blocks it held are
+        # retired, never handed out again, and close() frees them
+        assert tx.memory_stats()["allocated_bytes.all.current"] > 0
     tx.close()
+    assert tx.memory_stats()["allocated_bytes.all.current"] == 0
     ctl_rx.close()
 
 

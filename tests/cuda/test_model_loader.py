@@ -8,6 +8,7 @@ itself: scripts/gpu_check runs those.
 from __future__ import annotations
 
 import gc
+import sys
 
 import numpy as np
 import pytest
@@ -16,6 +17,13 @@ import shmshare.loader as L
 from tests.loader.loader_datasets import Arrays
 
 from .driver_model import DriverModel
+
+
+@pytest.fixture(autouse=True)
+def numpy_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader's numpy mode (Note [Two modes]), whatever other tests imported: torch here is
+    a CPU build, so its own mode would pin by torch's rules (no accelerator: a warning)."""
+    monkeypatch.setitem(sys.modules, "torch", None)
 
 
 def _in_registered(model: DriverModel, arr: np.ndarray) -> bool:
