@@ -1,0 +1,235 @@
+"""A second hostile round, channel only: notes on a full socket, retired blocks after peer death.
+
+Tests whose comment starts "Defect:" fail on the code they were written
+against (ea1f2f4); the rest pin down behaviour that held up.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from shmshare import PeerDied, ShmshareTimeout, wire
+from shmshare.channel import Receiver, Sender, channel
+
+
+def _fill_with_notes(rx: Receiver, sender: int) -> int:
+    """Tell `sender` (which never reads) notes until its socket is full; return how many."""
+    n = 0
+    while True:
+        try:
+            rx.tell(sender, "x" * 1000, timeout=0)
+        except ShmshareTimeout:
+            return n
+        n += 1
+
+
+def test_a_tell_waiting_on_a_full_socket_does_not_wedge_releases_or_close():
+    # Defect: Receiver.tell(timeout=None) to a sender that never reads waits holding the
+    # connection's send lock (wire.Connection.send). Every "never wait" send behind it --
+    # the flusher's releases (timeout=0, holding the receiver's _flush_lock), _drop's REFUSE,
+    # the loader's tell(["s"], timeout=0) -- blocks on that lock instead of timing out, and
+    # close() from another thread then blocks on _flush_lock forever: tell never sees the close.
+    tx, rx = channel()
+    t = closer = threading.Thread(target=lambda: None)
+    try:
+        tx.send(np.zeros(3))
+        arr = rx.recv(timeout=5)
+        _fill_with_notes(rx, 0)
+        out: list[BaseException] = []
+
+        def tell() -> None:
+            try:
+                rx.tell(0, "one more", timeout=None)
+            except BaseException as exc:  # noqa: BLE001
+                out.append(exc)
+
+        t = threading.Thread(target=tell, daemon=True)
+        t.start()
+        time.sleep(0.2)  # tell is waiting for room now
+        del arr  # a release: the flusher tries to send it (timeout=0)
+        gc.collect()
+        time.sleep(0.2)
+        closer = threading.Thread(target=rx.close, daemon=True)
+        closer.start()
+        closer.join(3)
+        assert not closer.is_alive(), "Receiver.close() hung behind a tell() waiting for room"
+        t.join(3)
+        assert not t.is_alive() and out and isinstance(out[0], (ValueError, PeerDied))
+    finally:
+        deadline = time.monotonic() + 10  # the sender reads its notes now: the threads go on
+        while time.monotonic() < deadline and (t.is_alive() or closer.is_alive()):
+            tx.poll_releases()
+            time.sleep(0.05)
+        tx.close()
+        rx.close()
+
+
+def test_a_release_flush_never_waits_behind_another_threads_tell():
+    # Defect (the same lock): _flush's timeout=0 sends wait as long as the other thread's
+    # send; recv() on the consumer's thread, which flushes, stalls with it.
+    tx, rx = channel()
+    t = None
+    try:
+        tx.send(np.zeros(3))
+        arr = rx.recv(timeout=5)
+        _fill_with_notes(rx, 0)
+        t = threading.Thread(target=lambda: _quiet(rx.tell, 0, "late", timeout=3), daemon=True)
+        t.start()
+        time.sleep(0.2)
+        del arr
+        rx._released.append((rx._peers[0], 12345))  # a release to flush (unknown ids are ignored)
+        t0 = time.monotonic()
+        rx.flush_releases()  # "without waiting"
+        took = time.monotonic() - t0
+        assert took < 0.5, f"flush_releases() waited {took:.2f} s behind a tell on another thread"
+    finally:
+        if t is not None:
+            t.join(5)
+        tx.close()
+        rx.close()
+
+
+def _quiet(f, *a, **kw):
+    try:
+        f(*a, **kw)
+    except Exception:  # noqa: BLE001, S110
+        pass
+
+
+def test_notes_past_max_notes_end_the_connection_with_a_reason(monkeypatch):
+    from shmshare.channel import _sender
+
+    monkeypatch.setattr(_sender, "MAX_NOTES", 10)
+    tx, rx = channel()
+    try:
+        tx.send(np.zeros(3))
+        rx.recv(timeout=5)
+        for i in range(11):
+            rx.tell(0, i, timeout=5)
+        time.sleep(0.05)
+        assert tx.poll_releases() == 0
+        with pytest.raises(Exception, match="notes that were never read"):
+            tx.send(np.zeros(3))
+        with pytest.raises(PeerDied):
+            for _ in range(100):
+                rx.recv(timeout=5)
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_retired_blocks_fill_the_pool_then_close_gives_everything_back():
+    tx, rx = channel(limit=8 << 20)
+    held = []
+    for i in range(6):
+        tx.send(np.full(1 << 20, i, np.uint8))
+        held.append(rx.recv(timeout=5))
+    rx.close()
+    with pytest.raises(PeerDied):
+        for i in range(20):
+            tx.send(np.full(1 << 20, 100 + i, np.uint8), timeout=2)
+    assert all((h == i).all() for i, h in enumerate(held))  # never overwritten
+    tx.close()
+    assert tx.memory_stats()["reserved_bytes.all.current"] == 0
+    assert all((h == i).all() for i, h in enumerate(held))
+    del held
+    gc.collect()
+
+
+def test_statistics_after_peer_death_count_the_retired_blocks():
+    # Defect (accounting): after the receiver goes, the blocks it still maps are retired but
+    # statistics() says leases_out=0, bytes_leased=0 while they hold allocated_bytes; a
+    # program watching bytes_leased sees memory held by nothing.
+    tx, rx = channel(limit=8 << 20)
+    held = [None] * 3
+    for i in range(3):
+        tx.send(np.full(1 << 20, i, np.uint8))
+        held[i] = rx.recv(timeout=5)
+    rx.close()
+    with pytest.raises(PeerDied):
+        tx.send(np.zeros(4), timeout=1)
+    try:
+        st = tx.statistics()
+        assert st.bytes_leased >= 3 << 20, st
+    finally:
+        tx.close()
+        del held
+
+
+def test_a_sender_collected_unclosed_after_peer_death_gives_its_pool_back():
+    tx, rx = channel(limit=8 << 20)
+    tx.send(np.full(1 << 20, 7, np.uint8))
+    kept = rx.recv(timeout=5)
+    rx.close()
+    with pytest.raises(PeerDied):
+        tx.send(np.zeros(4), timeout=1)
+    alloc = tx.allocator
+    with pytest.warns(ResourceWarning):
+        del tx
+        gc.collect()
+    assert alloc.memory_stats()["reserved_bytes.all.current"] == 0
+    assert (kept == 7).all()
+    del kept
+
+
+def test_a_fork_of_a_sender_after_peer_death_is_dead_too_and_leaks_nothing():
+    tx, rx = channel(limit=8 << 20)
+    tx.send(np.full(1 << 20, 7, np.uint8))
+    kept = rx.recv(timeout=5)
+    rx.close()
+    with pytest.raises(PeerDied):
+        tx.send(np.zeros(4), timeout=1)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            try:
+                tx.send(np.zeros(4), timeout=1)
+            except PeerDied:
+                code = 0 if tx.memory_stats()["reserved_bytes.all.current"] == 0 else 2
+            tx.close()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert (kept == 7).all()
+    tx.close()
+    del kept
+
+
+def test_several_conns_one_sender_floods_the_other_is_still_served():
+    ends = [wire.pipe() for _ in range(2)]
+    txs = [Sender(a) for a, _ in ends]
+    rx = Receiver([b for _, b in ends])
+    stop = threading.Event()
+
+    def flood() -> None:
+        while not stop.is_set():
+            try:
+                txs[0].send(np.zeros(16), timeout=0.2)
+            except Exception:  # noqa: BLE001
+                return
+
+    t = threading.Thread(target=flood, daemon=True)
+    t.start()
+    try:
+        time.sleep(0.1)
+        txs[1].send({"me": 1})
+        for _ in range(2000):
+            n, b = rx.recv_from(timeout=5)
+            if n == 1:
+                break
+        else:
+            pytest.fail("sender 1 starved by sender 0")
+    finally:
+        stop.set()
+        t.join(5)
+        for tx in txs:
+            tx.close()
+        rx.close()
