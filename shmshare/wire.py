@@ -192,7 +192,8 @@ class Connection(Closeable):
         if len(fdnums) > self._max_fds:
             raise ProtocolError(f"{len(fdnums)} fds in one message exceed max_fds={self._max_fds}; "
                                 "split them over several messages")
-        with self._send_lock:
+        self._take_send_lock(timeout)
+        try:
             if self.state is State.CLOSED:
                 self._check_open()
             try:
@@ -215,6 +216,27 @@ class Connection(Closeable):
             c[0] += 1
             c[2] += len(fdnums)
             c[4] += len(frame)
+        finally:
+            self._send_lock.release()
+
+    def _take_send_lock(self, timeout: float | None) -> None:
+        """Take the send lock within `timeout` (another thread's send may wait for room).
+
+        In slices, so that a close() from another thread ends the wait (Note
+        [Closing from another thread]); `timeout` 0 never waits.
+        """
+        if self._send_lock.acquire(blocking=False):
+            return
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = _CLOSE_CHECK if deadline is None else min(_CLOSE_CHECK, deadline - time.monotonic())
+            if step <= 0:
+                raise ShmshareTimeout("another thread's send on this connection is waiting for room "
+                                      "on the socket")
+            if self._send_lock.acquire(timeout=step):
+                return
+            if self.state is State.CLOSED:
+                raise ValueError("this Connection was closed while send() waited")
 
     def _send_frame(self, frame: bytes, fds: list[int], timeout: float | None) -> None:
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else _NO_ANC

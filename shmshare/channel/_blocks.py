@@ -183,6 +183,7 @@ class SenderStatistics:
     reserved_bytes: int  # shared memory the pool holds
     allocated_bytes: int  # of which in use (spare blocks included)
     spare_bytes: int  # blocks kept for the next request of their size (_blocks.py)
+    retired_bytes: int = 0  # blocks a receiver that went may still map: never reused, freed by close()
 
 
 class ViewDied:

@@ -59,6 +59,7 @@ class Fences:
 
     def __init__(self, pin: Pinning) -> None:
         self.pin = pin
+        self.error: Exception | None = None  # the first driver failure, raised by close()
         self.unfenced: collections.deque[tuple[Peer, int, int]] = collections.deque()
         self.fenced: collections.deque[tuple[Any, list[tuple[Peer, int, int]]]] = collections.deque()
 
@@ -87,5 +88,19 @@ class Fences:
         return self.pin.on_map(address, size, root, readonly)
 
     def on_unmap(self, token: Any) -> None:
+        """Undo on_map; a failure (the range then stays pinned, and mapped) waits for close()."""
         if token is not None:
-            self.pin.on_unmap(token)
+            try:
+                self.pin.on_unmap(token)
+            except Exception as exc:  # noqa: BLE001 - the receiver must still close what it holds
+                self.error = self.error or exc
+
+    def wait_all(self, rx: Receiver) -> None:
+        """close(): wait for every fence. If the device fails, the releases are void: the senders
+        retire those blocks when the connection ends (never reuse them)."""
+        try:
+            self.take(rx, wait=True)
+        except Exception as exc:  # noqa: BLE001 - raised by close() once everything is closed
+            self.error = self.error or exc
+            self.unfenced.clear()
+            self.fenced.clear()

@@ -286,7 +286,7 @@ class Receiver(Closeable):
 
     def _shut(self, join: bool) -> None:
         if self._fences is not None and join:
-            self._fences.take(self, wait=True)
+            self._fences.wait_all(self)
         self._flush()  # never waits (timeout=0 sends)
         self._closed = True
         self._wake.poke()  # the flusher sees _closed (and closes the pipe if not joined)
@@ -302,6 +302,11 @@ class Receiver(Closeable):
             self._sel.close()
         if self._listener is not None:
             self._listener.close()
+        if self._fences is not None and self._fences.error is not None and join:
+            # everything is closed; pinned ranges that failed stay mapped. Not kept here: its
+            # traceback's frames hold whatever the caller held (a loader's batches)
+            error, self._fences.error = self._fences.error, None
+            raise error
 
     def __repr__(self) -> str:
         where = f" on {self.path!r}" if self._listener is not None else ""

@@ -226,7 +226,7 @@ class Sender(BlockBook, Closeable):
                 self._sent, self._copied, self._in_place, len(self._leases),
                 sum(h.block.size for h in set(self._leases.values())), self._ann.count,
                 stats["reserved_bytes.all.current"], stats["allocated_bytes.all.current"],
-                self._spare_bytes)
+                self._spare_bytes, sum(h.block.size for h in self._retired))
 
     def memory_stats(self) -> dict[str, int]:
         """Return the pool's statistics with PyTorch's key names."""

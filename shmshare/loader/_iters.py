@@ -443,21 +443,26 @@ class MultiProcessIter(_BaseIter):
             for w in self._workers:
                 w.join(max(0.0, end - time.monotonic()))
         finally:
-            for w in self._workers:
-                if w.is_alive():
-                    w.terminate()
-                    w.join(_EXIT_WAIT)
-                if w.is_alive():
-                    w.kill()
-                    w.join()
-            if self._copier is not None:
-                self._copier.close()
-            if rx is not None:
-                rx.close()
-            if self._pinner is not None:
-                self._pinner.close()
-            for w in self._workers:
-                w.close()  # its sentinel fds go now, not when the collector gets to it
+            self._finish_shutdown(rx)
+
+    def _finish_shutdown(self, rx: Receiver | None) -> None:
+        """Whatever failed before (a device error in close): end every worker, close everything."""
+        for w in self._workers:
+            if w.is_alive():
+                w.terminate()
+                w.join(_EXIT_WAIT)
+            if w.is_alive():
+                w.kill()
+                w.join()
+        error: Exception | None = None
+        closers = [c.close for c in (self._copier, rx, self._pinner) if c is not None]
+        for close in [*closers, *(w.close for w in self._workers)]:  # sentinel fds go now, too
+            try:
+                close()
+            except Exception as exc:  # noqa: BLE001 - the rest must close all the same
+                error = error or exc
+        if error is not None:
+            raise error
 
     def _close_in_child(self) -> None:
         if os.getpid() == self._owner:

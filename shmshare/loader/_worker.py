@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import wire
-from .._errors import PeerDied, ShmshareTimeout
+from .._errors import PeerDied, ProtocolError, ShmshareTimeout
 from ..channel import Sender
 from . import _collate, _pool
 from ._batch import pack
@@ -119,8 +119,8 @@ def worker_main(conn: wire.Connection, spec: WorkerSpec) -> None:
         _serve(tx, spec)
     except KeyboardInterrupt:
         pass  # the main process handles Ctrl-C; its shutdown stops us
-    except PeerDied:
-        pass  # the main process closed (or died) while we were sending: nothing to say
+    except (PeerDied, ProtocolError):
+        pass  # the main process closed, died or refused us while we sent: it reports that
     finally:
         _pool.set_pool(None)
         tx.close()

@@ -1,6 +1,6 @@
 """A second hostile round, channel only: notes on a full socket, retired blocks after peer death.
 
-Tests whose comment starts "Defect:" fail on the code they were written
+Tests whose comment starts "Was a defect" failed on the code they were written
 against (ea1f2f4); the rest pin down behaviour that held up.
 """
 
@@ -30,7 +30,7 @@ def _fill_with_notes(rx: Receiver, sender: int) -> int:
 
 
 def test_a_tell_waiting_on_a_full_socket_does_not_wedge_releases_or_close():
-    # Defect: Receiver.tell(timeout=None) to a sender that never reads waits holding the
+    # Was a defect (fixed): Receiver.tell(timeout=None) to a sender that never reads waits holding the
     # connection's send lock (wire.Connection.send). Every "never wait" send behind it --
     # the flusher's releases (timeout=0, holding the receiver's _flush_lock), _drop's REFUSE,
     # the loader's tell(["s"], timeout=0) -- blocks on that lock instead of timing out, and
@@ -71,7 +71,7 @@ def test_a_tell_waiting_on_a_full_socket_does_not_wedge_releases_or_close():
 
 
 def test_a_release_flush_never_waits_behind_another_threads_tell():
-    # Defect (the same lock): _flush's timeout=0 sends wait as long as the other thread's
+    # Was a defect (fixed; the same lock): _flush's timeout=0 sends wait as long as the other thread's
     # send; recv() on the consumer's thread, which flushes, stalls with it.
     tx, rx = channel()
     t = None
@@ -143,9 +143,9 @@ def test_retired_blocks_fill_the_pool_then_close_gives_everything_back():
 
 
 def test_statistics_after_peer_death_count_the_retired_blocks():
-    # Defect (accounting): after the receiver goes, the blocks it still maps are retired but
-    # statistics() says leases_out=0, bytes_leased=0 while they hold allocated_bytes; a
-    # program watching bytes_leased sees memory held by nothing.
+    # Was a defect (accounting): after the receiver goes, the blocks it still maps are retired
+    # but statistics() said nothing of them while they held allocated_bytes. Leases are void
+    # then (leases_out 0); retired_bytes counts the blocks.
     tx, rx = channel(limit=8 << 20)
     held = [None] * 3
     for i in range(3):
@@ -156,7 +156,7 @@ def test_statistics_after_peer_death_count_the_retired_blocks():
         tx.send(np.zeros(4), timeout=1)
     try:
         st = tx.statistics()
-        assert st.bytes_leased >= 3 << 20, st
+        assert st.leases_out == 0 and st.retired_bytes >= 3 << 20, st
     finally:
         tx.close()
         del held
@@ -222,7 +222,7 @@ def test_several_conns_one_sender_floods_the_other_is_still_served():
         time.sleep(0.1)
         txs[1].send({"me": 1})
         for _ in range(2000):
-            n, b = rx.recv_from(timeout=5)
+            n, _b = rx.recv_from(timeout=5)
             if n == 1:
                 break
         else:

@@ -1,6 +1,6 @@
 """A second hostile round: channel notes and retirement, pinned/device loaders, main-process paths.
 
-Tests whose comment starts "Defect:" fail on the code they were written
+Tests whose comment starts "Was a defect" failed on the code they were written
 against (ea1f2f4); each comment names the defect. The rest pin down
 behaviour that held up.
 """
@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import gc
 import sys
-import threading
-import time
 
 import numpy as np
 import pytest
 
 import shmshare.loader as L
-from shmshare import PeerDied
-from shmshare.channel import channel
-from tests.cuda.conftest import driver_model  # noqa: F401 - the fixture, used by name below
-from tests.cuda.driver_model import CUresult, DriverModel
 from tests.loader.loader_datasets import Arrays
+
+from .driver_model import CUresult, DriverModel
 
 
 @pytest.fixture
@@ -90,10 +86,10 @@ def test_device_persistent_workers_epoch_broken_off_then_a_whole_one(
         driver_model: DriverModel, numpy_mode: None) -> None:
     dl = L.DataLoader(Arrays(24, (8,)), batch_size=4, num_workers=2, device=0,
                       collate_fn=L.numpy_collate, persistent_workers=True)
-    for i, b in enumerate(dl):
-        if i == 1:
-            break  # batch 2 is staged (its copy started): dropped by the next epoch
-    del b
+    it = iter(dl)
+    next(it)
+    next(it)  # batch 2 is staged now (its copy started): the next epoch drops it
+    del it
     seen = []
     for b in dl:
         seen.append(int(np.frombuffer(driver_model.read(b["x"].address, 4), np.float32)[0]))
@@ -138,7 +134,7 @@ def test_fences_completing_out_of_order_hold_the_later_ones_too(driver_model: Dr
 def test_unregister_failure_at_close_leaks_nothing_else(driver_model: DriverModel,
                                                          numpy_mode: None,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    # Defect: Receiver._forget calls Fences.on_unmap (cuMemHostUnregister) unguarded, inside
+    # Was a defect (fixed): Receiver._forget calls Fences.on_unmap (cuMemHostUnregister) unguarded, inside
     # _shut's loop over peers: one failed unregister aborts the loop, so DataLoader.close()
     # raises CudaError and the other workers' sockets, their registered mappings and the
     # epoll selector stay open for good (_closed is already True: a second close() is a no-op).
@@ -173,7 +169,7 @@ def test_unregister_failure_at_close_leaks_nothing_else(driver_model: DriverMode
 def test_a_failed_fence_wait_at_close_still_closes_the_receiver(driver_model: DriverModel,
                                                                  numpy_mode: None,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    # Defect: Receiver._shut runs Fences.take(wait=True) before anything else; an event wait
+    # Was a defect (fixed): Receiver._shut runs Fences.take(wait=True) before anything else; an event wait
     # that fails (a sticky CUDA error in the program) raises out of close() with _closed still
     # False, every socket, the wake pipe and the selector open; _shutdown_workers' finally
     # calls rx.close() again, which raises again, so the pinner and the workers' sentinels
