@@ -10,7 +10,7 @@ Note [Batches as pickles with arrays beside]
     the worker's pool block, no copy when the array is already in the pool
     (``default_collate`` stacks straight into it), one copy otherwise. What
     the pickle keeps in-band: arrays of objects, tensors that need autograd
-    (``requires_grad``), tensor subclasses, sparse, quantized, or not on the CPU.
+    (``requires_grad``), tensor subclasses, sparse, nested, quantized, or not on the CPU.
 
     A non-contiguous tensor goes as torch's pickling sends it: its whole
     storage, with its shape, strides and offset, rebuilt by ``as_strided``.
@@ -77,7 +77,7 @@ class _Unpickler(pickle.Unpickler):
 
 def _plain_tensor(t: Any, strided: Any) -> bool:
     return bool(t.layout is strided and t.device.type == "cpu" and not t.requires_grad
-                and not t.is_quantized and not t.is_conj() and not t.is_neg())
+                and not t.is_nested and not t.is_quantized and not t.is_conj() and not t.is_neg())
 
 
 def pack(batch: Any) -> tuple[bytes, list[Any]]:

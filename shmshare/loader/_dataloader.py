@@ -103,7 +103,11 @@ class DataLoader(Generic[T_co]):
         samplers: Any = _torch_samplers() if use_torch else _samplers
         self._iterable = _samplers.is_iterable_dataset(dataset)
         if self._iterable:
-            if shuffle not in {False, None}:
+            if use_torch and shuffle is not None and _is_iter_datapipe(dataset):
+                from torch.utils.data import graph_settings
+
+                graph_settings.apply_shuffle_settings(dataset, shuffle=shuffle)  # in place, as torch
+            elif shuffle not in {False, None}:
                 raise ValueError("DataLoader with IterableDataset: expected unspecified shuffle "
                                  f"option, but got shuffle={shuffle}")
             if sampler is not None:
@@ -243,6 +247,12 @@ class DataLoader(Generic[T_co]):
     def __repr__(self) -> str:
         return (f"<shmshare DataLoader num_workers={self.num_workers} batch_size={self.batch_size} "
                 f"{'torch' if self._use_torch else 'numpy'}>")
+
+
+def _is_iter_datapipe(dataset: Any) -> bool:
+    from torch.utils.data import IterDataPipe
+
+    return isinstance(dataset, IterDataPipe)
 
 
 def _torch_samplers() -> Any:

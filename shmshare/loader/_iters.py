@@ -15,6 +15,7 @@ worker costs: its socket's end is seen at once, its exit code within
 
 from __future__ import annotations
 
+import functools
 import itertools
 import multiprocessing
 import os
@@ -24,6 +25,7 @@ import sys
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from .. import wire
@@ -41,6 +43,7 @@ _CHECK_EVERY = 0.1  # s: a wait for a batch looks this often whether a worker di
 _JOIN_WAIT = 5.0  # s shutdown waits for the workers to exit, then terminates them
 _EXIT_WAIT = 1.0  # s to wait for the exit code of a worker whose socket ended
 _INT64 = (-(1 << 63), 1 << 63)
+_PART = 8192  # ints (at most 9 bytes each in msgpack) or pickle bytes in one note: < wire.MAX_FRAME
 
 _live: weakref.WeakSet[MultiProcessIter] = weakref.WeakSet()
 
@@ -290,11 +293,14 @@ class MultiProcessIter(_BaseIter):
             rx.flush_releases()
         self._workers_num_tasks[worker] -= 1
         self._try_put_index()
+        payload, arrays = msg[2], msg[3]
+        if payload is None:  # a big pickle, in the pool: the last array
+            payload = arrays.pop().tobytes()
         if msg[1] == "e":
-            pickle.loads(msg[2]).reraise()
+            pickle.loads(payload).reraise()
         if self._copier is not None:
-            return self._on_device(msg[2], msg[3])
-        data = unpack(msg[2], msg[3])
+            return self._on_device(payload, arrays)
+        data = unpack(payload, arrays)
         return pin_by_copy(data) if self._pin_memory else data
 
     def _try_put_index(self) -> None:
@@ -313,11 +319,20 @@ class MultiProcessIter(_BaseIter):
                 break
         else:
             return
-        self._tell(worker, ["i", self._send_idx, index if _plain(index) else pickle.dumps(index)])
+        self._tell_task(worker, self._send_idx, index if _plain(index) else pickle.dumps(index))
         self._task_info[self._send_idx] = (worker,)
         self._workers_num_tasks[worker] += 1
         self._tasks_outstanding += 1
         self._send_idx += 1
+
+    def _tell_task(self, worker: int, task: int, index: Any) -> None:
+        """Send a task; an index too big for one frame (a huge batch) goes in parts before it."""
+        size = len(index) if type(index) in (list, bytes) else 0
+        if size > _PART:
+            *heads, index = [index[at:at + _PART] for at in range(0, size, _PART)]
+            for head in heads:
+                self._tell(worker, ["p", task, head])
+        self._tell(worker, ["i", task, index])
 
     def _tell(self, worker: int, note: list[Any]) -> None:
         assert self._rx is not None
@@ -335,7 +350,7 @@ class MultiProcessIter(_BaseIter):
                                                              max(0.0, deadline - time.monotonic()))
             try:
                 worker, msg = self._rx.recv_from(timeout=step)
-                if type(msg) is not list or len(msg) < 2:
+                if type(msg) is not list or len(msg) < 2 or (msg[1] in ("d", "e") and len(msg) != 4):
                     raise RuntimeError(f"DataLoader worker {worker} sent a malformed message")
                 return worker, msg
             except ShmshareTimeout:
@@ -455,8 +470,10 @@ class MultiProcessIter(_BaseIter):
                 w.kill()
                 w.join()
         error: Exception | None = None
-        closers = [c.close for c in (self._copier, rx, self._pinner) if c is not None]
-        for close in [*closers, *(w.close for w in self._workers)]:  # sentinel fds go now, too
+        steps: list[Callable[[], None]] = [c.close for c in (self._copier, rx, self._pinner)
+                                           if c is not None]
+        steps += [functools.partial(_close_sentinel, w) for w in self._workers]
+        for close in steps:
             try:
                 close()
             except Exception as exc:  # noqa: BLE001 - the rest must close all the same
@@ -476,6 +493,18 @@ class MultiProcessIter(_BaseIter):
     def __del__(self) -> None:
         if getattr(self, "_owner", None) is not None:
             self._shutdown_workers()
+
+
+def _close_sentinel(w: Any) -> None:
+    """Close a reaped worker's sentinel fds now, not when the collector gets to its Process.
+
+    Not ``Process.close()``: programs (torch's own tests) keep ``it._workers``
+    and call ``join``/``is_alive``/``exitcode`` after the loader is gone, which
+    a closed Process refuses; its exit code stays known.
+    """
+    popen = getattr(w, "_popen", None)
+    if popen is not None and w.exitcode is not None and hasattr(popen, "close"):
+        popen.close()
 
 
 def _drop_parent_pipe(w: Any) -> None:

@@ -20,10 +20,14 @@ Messages (notes are msgpack; a batch is a channel batch of a list)::
 
     main -> worker   ["i", task, index]      fetch `index` (an int or list of ints as is,
                      ["i", task, b"pickle"]   any other index pickled)
+                     ["p", task, part]       a part of the next "i"'s index (list or bytes):
+                                             one frame holds at most 128 KiB
                      ["r", epoch]            a new epoch (persistent workers): fresh fetcher
                      ["s"]                   stop
     worker -> main   [task, "d", pickle, [arrays]]   a batch (Note [Batches as pickles ...])
-                     [task, "e", pickle]              an exception (a WorkerError)
+                     [task, "e", pickle, []]          an exception (a WorkerError)
+                     [task, "d"|"e", None, [..., p]]  the same, its pickle `p` (uint8) in the
+                                                      pool: a big one (past 32 KiB)
                      [task, "t"]                      an IterableDataset ran out
                      [-1, "r"]                        the new epoch began
 """
@@ -34,6 +38,8 @@ import os
 import pickle
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from .. import wire
 from .._errors import PeerDied, ProtocolError, ShmshareTimeout
@@ -47,6 +53,7 @@ from ._wrap import capture
 __all__ = ["WorkerSpec", "WorkerInfo", "worker_main", "get_worker_info", "WATCH_INTERVAL"]
 
 WATCH_INTERVAL = 1.0  # s between a waiting worker's looks at whether its parent is alive
+_INLINE = 32 << 10  # bytes of a batch's pickle sent in its frame; more go through the pool
 
 
 @dataclass(frozen=True)
@@ -139,6 +146,7 @@ def _serve(tx: Sender, spec: WorkerSpec) -> None:
     except Exception:  # noqa: BLE001 - reported with the first batch, as torch's worker does
         init_error = capture(where)
     ended = False  # this epoch's IterableDataset ran out: later tasks are ignored
+    parts: list[Any] = []  # a big index's parts so far
     while True:
         try:
             note = tx.recv_note(timeout=WATCH_INTERVAL)
@@ -159,11 +167,18 @@ def _serve(tx: Sender, spec: WorkerSpec) -> None:
             continue
         if ended:
             continue
+        if kind == "p":  # the first parts of a big index (Note [A worker's one socket])
+            parts.append(note[2])
+            continue
         task, index = note[1], note[2]
+        if parts:
+            parts.append(index)
+            index = b"".join(parts) if type(index) is bytes else [i for p in parts for i in p]
+            parts = []
         if type(index) is bytes:
             index = pickle.loads(index)
         if init_error is not None:
-            tx.send([task, "e", init_error])
+            _send(tx, task, "e", init_error)
             init_error = None
             continue
         try:
@@ -172,21 +187,40 @@ def _serve(tx: Sender, spec: WorkerSpec) -> None:
             del data
         except StopIteration:
             if not spec.iterable:
-                tx.send([task, "e", capture(where)])
+                _send(tx, task, "e", capture(where))
                 continue
             ended = True
             tx.send([task, "t"])
             continue
         except Exception:  # noqa: BLE001 - the main process re-raises it, type and traceback
-            tx.send([task, "e", capture(where)])
+            _send(tx, task, "e", capture(where))
             continue
         try:
-            tx.send([task, "d", payload, arrays], timeout=_pool.POOL_WAIT)
+            _send(tx, task, "d", payload, arrays, timeout=_pool.POOL_WAIT)
         except PeerDied:
             return
         except Exception:  # noqa: BLE001 - a batch the channel cannot take (a full pool, a dtype)
             del arrays
-            tx.send([task, "e", capture(where)])
+            _send(tx, task, "e", capture(where))
             continue
         del arrays, payload
+
+
+def _send(tx: Sender, task: int, kind: str, payload: bytes, arrays: list[Any] | None = None,
+          timeout: float | None = None) -> None:
+    """Send a batch or an error: a pickle past _INLINE bytes goes through the pool, not the frame.
+
+    A frame holds 128 KiB; a batch of strings (documents, paths) or a long
+    traceback can be more. The main process reads a None payload from the
+    last array.
+    """
+    arrays = list(arrays or ())
+    if len(payload) > _INLINE:
+        buf = tx.empty(len(payload), np.uint8, timeout=timeout)
+        buf[:] = np.frombuffer(payload, np.uint8)
+        arrays.append(buf)
+        del buf
+        tx.send([task, kind, None, arrays], timeout=timeout)
+    else:
+        tx.send([task, kind, payload, arrays], timeout=timeout)
 

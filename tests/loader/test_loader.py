@@ -257,3 +257,29 @@ def test_pin_memory_without_an_accelerator_warns_and_gives_unpinned_batches():
         batches = list(L.DataLoader(Arrays(4), batch_size=2, num_workers=1, pin_memory=True,
                                     collate_fn=L.numpy_collate))
     assert len(batches) == 2
+
+
+def test_a_batch_of_indices_larger_than_a_frame_arrives_whole():
+    n = 40_000  # ~360 KB of msgpack ints: three notes of parts, then the task
+    dl = L.DataLoader(Keys(), batch_size=None, sampler=[list(range(n)), [f"k{i}" for i in range(n)]],
+                      num_workers=1, collate_fn=lambda x: x)
+    got = list(dl)
+    assert got[0] == (repr(list(range(n))), "list")
+    assert got[1] == (repr([f"k{i}" for i in range(n)]), "list")  # pickled, in parts too
+
+
+def test_the_workers_process_objects_stay_usable_after_shutdown():
+    it = iter(L.DataLoader(Arrays(8), batch_size=2, num_workers=2, collate_fn=L.numpy_collate))
+    workers = it._workers
+    assert len(list(it)) == 4
+    for w in workers:  # torch's own tests join and look at them after the loader is gone
+        w.join(5)
+        assert not w.is_alive() and w.exitcode == 0
+
+
+def test_nested_tensors_go_in_the_pickle():
+    torch = pytest.importorskip("torch")
+    nt = torch.nested.nested_tensor([torch.arange(3.0), torch.arange(5.0)])
+    dl = L.DataLoader([nt, nt], batch_size=None, num_workers=1)
+    got = list(dl)
+    assert all(g.is_nested and torch.equal(g.unbind()[1], torch.arange(5.0)) for g in got)
