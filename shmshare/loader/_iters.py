@@ -141,9 +141,9 @@ class SingleProcessIter(_BaseIter):
     """``num_workers=0``: fetch and collate in this process (no shared memory involved)."""
 
     def __init__(self, loader: Any) -> None:
-        super().__init__(loader)
-        if self._timeout != 0:
+        if loader.timeout != 0:  # before anything that holds resources is made
             raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
+        super().__init__(loader)
         from ._fetch import make_fetcher
 
         self._fetcher = make_fetcher(self._iterable, self._dataset, self._auto_collation,
@@ -166,12 +166,12 @@ class MultiProcessIter(_BaseIter):
     """Workers collating into their pools; batches arrive as leases on those pools."""
 
     def __init__(self, loader: Any) -> None:
+        if loader.prefetch_factor <= 0:  # before anything that holds resources is made
+            raise AssertionError("prefetch_factor must be greater than 0 for "
+                                 "MultiProcessingDataLoaderIter")
         super().__init__(loader)
         self._prefetch_factor: int = loader.prefetch_factor
         self._in_order = loader.in_order
-        if self._prefetch_factor <= 0:
-            raise AssertionError("prefetch_factor must be greater than 0 for "
-                                 "MultiProcessingDataLoaderIter")
         self._owner = os.getpid()
         self._shutdown = False
         self._failed: BaseException | None = None
