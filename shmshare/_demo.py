@@ -45,7 +45,7 @@ _STEP_TIMEOUT = 10.0  # s: any one demo step; far above what a step takes
 _SHMEM_VISIBLE = 16 * _MiB  # below this, other processes' Shmem noise hides the segment
 
 
-def demo(backend: str = "memfd", size: int = 64 * _MiB) -> int:
+def demo(backend: str = "memfd", size: int = 64 * _MiB, loader_seconds: float | None = None) -> int:
     """Run the seed's fd walk-through with a forked child, then the loader; return 0 if both went right."""
     ctl, ctl_child = wire.pipe(role="demo")
     data, data_child = wire.pipe(role="demo")
@@ -72,8 +72,9 @@ def demo(backend: str = "memfd", size: int = 64 * _MiB) -> int:
         status = _reap(pid, timeout=5.0)
     if status != 0:
         print(f"child {pid} ended with status {status}")
-    if ok and status == 0:
-        ok = loader_demo()
+    seconds = _LOADER_SECONDS if loader_seconds is None else loader_seconds
+    if ok and status == 0 and seconds > 0:
+        ok = loader_demo(seconds)
     return 0 if ok and status == 0 else 1
 
 

@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     dem.add_argument("--backend", choices=("memfd", "posix"), default="memfd")
     dem.add_argument("--size", type=_parse_size, default=64 * _MiB,
                      help="segment size, e.g. 8M, 64MiB, 1G (default 64M)")
+    dem.add_argument("--loader-seconds", type=_parse_seconds, default=None,
+                     help="how long each DataLoader runs after the walk-through (0: skip them)")
     args = parser.parse_args(argv)
     try:
         if args.command == "doctor":
@@ -39,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "sweep":
             return _sweep(args.dry_run)
         if args.command == "demo":
-            return demo(backend=args.backend, size=args.size)
+            return demo(backend=args.backend, size=args.size, loader_seconds=args.loader_seconds)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # the reader (`| head`) left: stop quietly, as Unix tools do
@@ -59,6 +61,17 @@ def _sweep(dry_run: bool) -> int:
         print(f"{verb} {path}")
     print(f"shmshare sweep: {verb} {len(paths)} name(s) of dead processes")
     return 0
+
+
+def _parse_seconds(text: str) -> float:
+    """Parse a non-negative number of seconds."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not seconds >= 0:
+        raise argparse.ArgumentTypeError(f"seconds must be 0 or more, got {text!r}")
+    return seconds
 
 
 def _parse_size(text: str) -> int:

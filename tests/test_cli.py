@@ -121,7 +121,7 @@ def test_console_script_runs_doctor() -> None:
 
 @pytest.mark.parametrize("backend", ["memfd", "posix"])
 def test_demo_walks_the_seed_and_the_object_is_gone(backend: str) -> None:
-    pid, code, out = run_cli("demo", "--backend", backend, "--size", "8M")
+    pid, code, out = run_cli("demo", "--backend", backend, "--size", "8M", "--loader-seconds", "0")
     assert code == 0, out
     assert re.findall(r"\| refs (\d+(?:\+1 in flight)?) \|", out) == REFS[backend], out
     assert "object gone: yes" in out and "child read the pattern: yes" in out, out
@@ -132,11 +132,18 @@ def test_demo_walks_the_seed_and_the_object_is_gone(backend: str) -> None:
 
 
 def test_demo_shows_host_shmem_only_when_the_segment_is_large_enough() -> None:
-    _, code, out = run_cli("demo")  # the default, 64 MiB
+    _, code, out = run_cli("demo", "--loader-seconds", "0")  # the default size, 64 MiB
     assert code == 0 and "object gone: yes" in out, out
     assert out.count("| Shmem ") == len(REFS["memfd"])
-    _, code, out = run_cli("demo", "--size", "1M")
+    _, code, out = run_cli("demo", "--size", "1M", "--loader-seconds", "0")
     assert code == 0 and "Shmem" not in out, out
+
+
+def test_demo_runs_the_loader_after_the_walk_through_and_leaves_no_fd() -> None:
+    _, code, out = run_cli("demo", "--size", "1M", "--loader-seconds", "0.3")
+    assert code == 0, out
+    line = next(ln for ln in out.splitlines() if "shmshare (numpy batches)" in ln)
+    assert re.search(r"[\d,]+ batches/s", line) and "after close: fds +0" in line, line
 
 
 def test_demo_reports_a_failing_child_step_and_leaves_nothing(
