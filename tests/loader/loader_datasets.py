@@ -1,4 +1,4 @@
-"""Datasets for the loader tests, importable by spawned workers (no torch needed here)."""
+"""Datasets for the loader tests, importable by spawned workers (no torch needed here), and a wait."""
 
 from __future__ import annotations
 
@@ -41,3 +41,21 @@ class Keys:
 
     def __getitem__(self, key: object) -> tuple[str, str]:
         return repr(key), type(key).__name__
+
+
+def gone(pid: int, within: float) -> bool:
+    """Wait up to `within` s for `pid` to exit (a zombie of ours counts); return whether it did."""
+    end = time.monotonic() + within
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # a zombie of ours counts as gone
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.05)
+    return False
