@@ -189,7 +189,7 @@ class MultiProcessIter(_BaseIter):
                 spec = WorkerSpec(self._iterable, self._dataset, self._auto_collation,
                                   self._collate_fn, self._drop_last, self._base_seed,
                                   loader.worker_init_fn, i, self._num_workers, self._use_torch,
-                                  loader._pool_limit, os.getpid())
+                                  loader._pool_limit)
                 w = ctx.Process(target=worker_main, args=(a, spec), daemon=True)
                 try:
                     w.start()

@@ -95,7 +95,6 @@ class WorkerSpec:
     num_workers: int
     use_torch: bool
     pool_limit: int
-    parent: int  # the main process's pid
 
 
 def worker_main(conn: wire.Connection, spec: WorkerSpec) -> None:
@@ -134,6 +133,9 @@ def worker_main(conn: wire.Connection, spec: WorkerSpec) -> None:
 
 
 def _serve(tx: Sender, spec: WorkerSpec) -> None:
+    # Our parent now: the main process (fork, spawn) or the forkserver. A child is reparented
+    # when its parent dies (and the forkserver exits with the main process).
+    parent = os.getppid()
     where = f"in DataLoader worker process {spec.worker_id}"
     collate = _collate.default_collate if _collate.is_torch_default(spec.collate_fn) else spec.collate_fn
     init_error = None
@@ -151,7 +153,7 @@ def _serve(tx: Sender, spec: WorkerSpec) -> None:
         try:
             note = tx.recv_note(timeout=WATCH_INTERVAL)
         except ShmshareTimeout:
-            if os.getppid() != spec.parent:
+            if os.getppid() != parent:
                 return  # orphaned: the main process died without a word
             continue
         except PeerDied:

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -269,3 +270,16 @@ def test_nested_tensors_go_in_the_pickle():
     dl = L.DataLoader([nt, nt], batch_size=None, num_workers=1)
     got = list(dl)
     assert all(g.is_nested and torch.equal(g.unbind()[1], torch.arange(5.0)) for g in got)
+
+
+def test_forkserver_workers_idle_between_epochs_are_not_taken_for_orphans():
+    # a forkserver worker's parent is the forkserver, not the main process: it once took
+    # that for its parent's death at the first idle second, and left
+    dl = L.DataLoader(Arrays(8), batch_size=2, num_workers=2, persistent_workers=True,
+                      collate_fn=L.numpy_collate, multiprocessing_context="forkserver")
+    try:
+        assert len(list(dl)) == 4
+        time.sleep(1.5)  # past a worker's WATCH_INTERVAL (1 s) of waiting for a task
+        assert len(list(dl)) == 4
+    finally:
+        dl.close()
