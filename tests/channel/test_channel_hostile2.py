@@ -142,18 +142,24 @@ def test_retired_blocks_fill_the_pool_then_close_gives_everything_back():
     gc.collect()
 
 
+def _orphaned_sender(values: list[int]):
+    """A sender whose receiver closed after receiving one 1 MiB array per value: (sender, arrays)."""
+    tx, rx = channel(limit=8 << 20)
+    held = []
+    for v in values:
+        tx.send(np.full(1 << 20, v, np.uint8))
+        held.append(rx.recv(timeout=5))
+    rx.close()
+    with pytest.raises(PeerDied):
+        tx.send(np.zeros(4), timeout=1)
+    return tx, held
+
+
 def test_statistics_after_peer_death_count_the_retired_blocks():
     # Was a defect (accounting): after the receiver goes, the blocks it still maps are retired
     # but statistics() said nothing of them while they held allocated_bytes. Leases are void
     # then (leases_out 0); retired_bytes counts the blocks.
-    tx, rx = channel(limit=8 << 20)
-    held = [None] * 3
-    for i in range(3):
-        tx.send(np.full(1 << 20, i, np.uint8))
-        held[i] = rx.recv(timeout=5)
-    rx.close()
-    with pytest.raises(PeerDied):
-        tx.send(np.zeros(4), timeout=1)
+    tx, held = _orphaned_sender([0, 1, 2])
     try:
         st = tx.statistics()
         assert st.leases_out == 0 and st.retired_bytes >= 3 << 20, st
@@ -163,12 +169,7 @@ def test_statistics_after_peer_death_count_the_retired_blocks():
 
 
 def test_a_sender_collected_unclosed_after_peer_death_gives_its_pool_back():
-    tx, rx = channel(limit=8 << 20)
-    tx.send(np.full(1 << 20, 7, np.uint8))
-    kept = rx.recv(timeout=5)
-    rx.close()
-    with pytest.raises(PeerDied):
-        tx.send(np.zeros(4), timeout=1)
+    tx, (kept,) = _orphaned_sender([7])
     alloc = tx.allocator
     with pytest.warns(ResourceWarning):
         del tx
@@ -179,12 +180,7 @@ def test_a_sender_collected_unclosed_after_peer_death_gives_its_pool_back():
 
 
 def test_a_fork_of_a_sender_after_peer_death_is_dead_too_and_leaks_nothing():
-    tx, rx = channel(limit=8 << 20)
-    tx.send(np.full(1 << 20, 7, np.uint8))
-    kept = rx.recv(timeout=5)
-    rx.close()
-    with pytest.raises(PeerDied):
-        tx.send(np.zeros(4), timeout=1)
+    tx, (kept,) = _orphaned_sender([7])
     pid = os.fork()
     if pid == 0:
         code = 1
