@@ -43,17 +43,25 @@ def warm_driver() -> Iterator[None]:
 
 
 @pytest.fixture
-def driver_model(monkeypatch: pytest.MonkeyPatch) -> Iterator[DriverModel]:
-    """Install the driver model (tests/cuda/driver_model.py) in place of cuda-python: NOT a GPU."""
+def driver_model(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[DriverModel]:
+    """Install the driver model (tests/cuda/driver_model.py) in place of cuda-python: NOT a GPU.
+
+    Parametrize it indirectly to build it otherwise:
+    ``@pytest.mark.parametrize("driver_model", [{"devices": 2}], indirect=True)``.
+    The test fails at teardown if the model saw a race between streams, even
+    where the library swallowed the AssertionError.
+    """
     if cuda.available():
         pytest.skip("a real driver is present here; the model would shadow it (the cuda tests cover this)")
-    model = DriverModel(_real_binding())
+    options: dict[str, Any] = getattr(request, "param", None) or {}
+    model = DriverModel(_real_binding(), **options)
     monkeypatch.setattr(_driver, "_state", (model, None))
     monkeypatch.setattr(_driver, "_forked_after_init", False)
     monkeypatch.setattr(_context, "_primary", {})
     monkeypatch.setattr(_pinned, "_default_pool", None)
     monkeypatch.setattr(_array, "_pools", {})
     yield model  # leaked fds (an exported chunk's, say) are the root conftest's leak check's to find
+    assert not model.violations, model.violations
 
 
 @pytest.fixture

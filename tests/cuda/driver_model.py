@@ -1,46 +1,94 @@
-"""A bookkeeping model of one CUDA device behind the driver API, to run shmshare.cuda's Python on CPU.
+"""A bookkeeping model of CUDA devices behind the driver API, to run shmshare.cuda's Python on CPU.
 
 THIS IS NOT A GPU and proves nothing about one. It answers the driver calls
-that shmshare.cuda makes from a small in-Python model (contexts per thread,
-streams whose work completes when a test says so, device memory as
-bytearrays, virtual ranges, chunks, POSIX fds carrying a chunk's identity),
-so that the Python around the calls (bookkeeping, chunking, all-or-nothing
-paths, the IPC header and its fds, error mapping) runs and is checked here.
+that shmshare.cuda makes from a small in-Python model (devices with their
+primary contexts, a context stack per thread, streams whose work runs in
+stream order, device memory as bytearrays, virtual ranges, chunks, POSIX fds
+carrying a chunk's identity), so that the Python around the calls
+(bookkeeping, chunking, all-or-nothing paths, the IPC header and its fds,
+error mapping, ordering) runs and is checked here.
+
+The model is meant to be at least as strict as the driver: where the driver
+refuses a call, the model refuses it with the same ``CUresult``; where the
+driver would misbehave silently (a race between streams, a DMA into memory
+no longer pinned, an unregister after munmap), the model raises
+AssertionError. tests/cuda/test_driver_model*.py show each rule.
 
 Where cuda-python is installed, every call is also handed to the real
 binding first. Without libcuda the binding can only fail for that reason,
 *after* converting its arguments: any other exception means shmshare passed
 an argument that cuda-python does not accept, and the call fails the test.
 Types then come from the real binding too (``CUdeviceptr``, structs, enums).
+
+The class is spread over three files only to keep each short: this one has
+the plumbing, the test controls, devices and contexts;
+driver_model_streams.py streams, events, the execution engine and capture
+(Note [Stream order in the model]); driver_model_memory.py memory and
+copies. All state lives here, in ``DriverModel.__init__``.
 """
 
 from __future__ import annotations
 
 import ctypes
-import enum
 import itertools
 import os
 import threading
-import time
 import types
+from dataclasses import dataclass, field
 from typing import Any
 
+from .driver_model_memory import MemoryMixin, Phys
+from .driver_model_streams import (
+    UNSAFE_DURING_CAPTURE,
+    CaptureMode,
+    CaptureStatus,
+    CUresult,
+    Event,
+    Refused,
+    Stream,
+    StreamsMixin,
+)
+
+__all__ = ["GRANULARITY", "CUresult", "DriverModel", "Phys"]
+
 GRANULARITY = 2 << 20
-_CONTEXT = 0xC0C0  # the one primary context
+CONTEXT_BASE = 0xC0C0  # device d's primary context is CONTEXT_BASE + d
 _CONTEXT_FREE = {"cuInit", "cuDeviceGetCount", "cuDeviceGet", "cuDevicePrimaryCtxRetain",
-                 "cuDevicePrimaryCtxRelease", "cuCtxGetCurrent", "cuCtxSetCurrent", "cuDeviceGetAttribute",
-                 "cuDeviceTotalMem", "cuDeviceGetUuid", "cuDeviceGetName", "cuMemGetAllocationGranularity"}
+                 "cuDevicePrimaryCtxRelease", "cuDevicePrimaryCtxGetState", "cuCtxGetCurrent",
+                 "cuCtxSetCurrent", "cuCtxPushCurrent", "cuCtxPopCurrent", "cuDeviceGetAttribute",
+                 "cuDeviceTotalMem", "cuDeviceGetUuid", "cuDeviceGetName", "cuMemGetAllocationGranularity",
+                 "cuStreamGetCtx", "cuPointerGetAttribute"}
+# Calls whose only output is the CUresult: a refusal returns (code,), others (code, None).
+_NO_OUTPUT = {"cuInit", "cuDevicePrimaryCtxRelease", "cuCtxSetCurrent", "cuCtxPushCurrent", "cuCtxSynchronize",
+              "cuStreamDestroy", "cuStreamSynchronize", "cuStreamQuery", "cuStreamWaitValue32",
+              "cuStreamWaitEvent", "cuStreamBeginCapture", "cuGraphDestroy", "cuEventDestroy", "cuEventRecord",
+              "cuEventQuery", "cuEventSynchronize", "cuMemFreeHost", "cuMemHostRegister", "cuMemHostUnregister",
+              "cuMemFree", "cuMemAddressFree", "cuMemRelease", "cuMemMap", "cuMemUnmap", "cuMemSetAccess",
+              "cuMemcpyHtoD", "cuMemcpyHtoDAsync", "cuMemcpyDtoH", "cuMemcpyDtoHAsync", "cuMemsetD8",
+              "cuMemsetD8Async"}
 
 
-class CUresult(enum.IntEnum):
-    CUDA_SUCCESS = 0
-    CUDA_ERROR_INVALID_VALUE = 1
-    CUDA_ERROR_OUT_OF_MEMORY = 2
-    CUDA_ERROR_INVALID_DEVICE = 101
-    CUDA_ERROR_INVALID_CONTEXT = 201
-    CUDA_ERROR_NOT_READY = 600
-    CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
-    CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713
+@dataclass(eq=False)
+class Device:
+    """One device of the model."""
+
+    ordinal: int
+    context: int  # its primary context's handle
+    capacity: int  # bytes of device memory
+    used: int = 0  # bytes of it allocated
+    retains: int = 0  # cuDevicePrimaryCtxRetain minus cuDevicePrimaryCtxRelease
+    ever_retained: bool = False
+    uuid: bytes = field(default=bytes(16))
+
+
+@dataclass(eq=False)
+class Context:
+    """A primary context and its default streams."""
+
+    handle: int
+    device: int
+    legacy: Stream  # the legacy default stream (handles 0 and CU_STREAM_LEGACY)
+    per_thread: Stream  # CU_STREAM_PER_THREAD (one per context here, not one per thread)
 
 
 def _standins() -> types.SimpleNamespace:
@@ -59,35 +107,63 @@ def _standins() -> types.SimpleNamespace:
 
     return ns(
         CUresult=CUresult, CUmemAllocationProp=Prop, CUmemAccessDesc=Desc,
+        CUstreamCaptureStatus=CaptureStatus, CUstreamCaptureMode=CaptureMode,
         CUmemAllocationType=ns(CU_MEM_ALLOCATION_TYPE_PINNED=1),
         CUmemLocationType=ns(CU_MEM_LOCATION_TYPE_DEVICE=1),
         CUmemAccess_flags=ns(CU_MEM_ACCESS_FLAGS_PROT_READWRITE=3),
-        CUmemAllocationHandleType=ns(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR=1),
-        CUmemAllocationGranularity_flags=ns(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0),
+        CUmemAllocationHandleType=ns(CU_MEM_HANDLE_TYPE_NONE=0, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR=1),
+        CUmemAllocationGranularity_flags=ns(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0,
+                                            CU_MEM_ALLOC_GRANULARITY_RECOMMENDED=1),
         CUdevice_attribute=ns(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED=102,
-                              CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED=103),
+                              CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED=103,
+                              CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED=113),
+        CUpointer_attribute=ns(CU_POINTER_ATTRIBUTE_CONTEXT=1, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL=9),
+        CUstream_flags=ns(CU_STREAM_DEFAULT=0, CU_STREAM_NON_BLOCKING=1),
+        CUevent_flags=ns(CU_EVENT_DEFAULT=0, CU_EVENT_BLOCKING_SYNC=1, CU_EVENT_DISABLE_TIMING=2,
+                         CU_EVENT_INTERPROCESS=4),
+        CU_STREAM_LEGACY=1, CU_STREAM_PER_THREAD=2,
+        CU_MEMHOSTALLOC_PORTABLE=1, CU_MEMHOSTALLOC_DEVICEMAP=2, CU_MEMHOSTALLOC_WRITECOMBINED=4,
+        CU_MEMHOSTREGISTER_PORTABLE=1, CU_MEMHOSTREGISTER_DEVICEMAP=2, CU_MEMHOSTREGISTER_IOMEMORY=4,
+        CU_MEMHOSTREGISTER_READ_ONLY=8,
     )
 
 
-class DriverModel:
-    """Answer driver calls from a model of one device (see the module docstring)."""
+class DriverModel(StreamsMixin, MemoryMixin):
+    """Answer driver calls from a model of ``devices`` devices (see the module docstring).
 
-    def __init__(self, real: Any = None, capacity: int = 1 << 32) -> None:
-        self.real = real  # cuda.bindings.driver, for signature checks and types; None for stand-ins
+    Parameters
+    ----------
+    real : module or None
+        cuda.bindings.driver, for signature checks and types; None for stand-ins.
+    capacity : int
+        Bytes of memory of each device.
+    devices : int
+        How many devices there are.
+    """
+
+    def __init__(self, real: Any = None, capacity: int = 1 << 32, devices: int = 1) -> None:
+        self.real = real
         self.types = real if real is not None else _standins()
-        self.capacity = capacity
-        self.granularity = GRANULARITY  # cuMemGetAllocationGranularity; tests may shrink it for many cheap chunks
-        self.used = 0
+        self.pid = os.getpid()  # a forked child may not use CUDA
+        self.granularity = GRANULARITY  # MINIMUM; tests may shrink it for many cheap chunks
+        self.recommended_granularity = GRANULARITY  # RECOMMENDED
+        self.attributes: dict[int | str, int] = {}  # cuDeviceGetAttribute by int value or name; default 1
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
-        self.retains = 0
+        self.violations: list[str] = []  # races found (also raised as AssertionError where found)
+        self._lock = threading.Lock()  # one call at a time (released while a wait polls)
         self._tls = threading.local()
         self._ids = itertools.count(0x1000)
+        self._seq = itertools.count()
         self._va = itertools.count(0x7000_0000_0000, 1 << 36)  # one 64 GiB slot per reservation
-        self.streams: dict[int, list[int]] = {0: [0, 0], 1: [0, 0], 2: [0, 0]}  # handle -> [enqueued, done]
-        self.events: dict[int, tuple[int, int] | None] = {}  # handle -> (stream, target) once recorded
-        self.waits: dict[int, tuple[int, int]] = {}  # stream -> (host word address, value) it waits for
-        self.phys: dict[int, int] = {}  # physical allocation -> bytes
-        self.data: dict[int, bytearray] = {}  # physical allocation -> contents, once touched
+        self._uuids: list[Any] = []  # ctypes buffers behind the real binding's CUuuid objects
+        self.devices = [Device(d, CONTEXT_BASE + d, capacity, uuid=bytes([d]) * 16) for d in range(devices)]
+        self.contexts = {d.context: Context(d.context, d.ordinal, Stream(0, d.context, True, legacy=True),
+                                            Stream(2, d.context, True)) for d in self.devices}
+        self.streams: dict[int, Stream] = {}  # cuStreamCreate'd, not yet destroyed
+        self.events: dict[int, Event] = {}
+        self.graphs: dict[int, list[Any]] = {}  # cuStreamEndCapture's graphs -> captured operations
+        self._queues: set[Stream] = set()  # streams with pending work, destroyed ones included
+        self.phys: dict[int, Phys] = {}  # physical allocation id -> allocation
         self.handles: dict[int, int] = {}  # generic allocation handle -> physical allocation
         self.reservations: dict[int, int] = {}  # start -> size
         self.mappings: dict[int, tuple[int, int]] = {}  # start -> (size, physical allocation)
@@ -107,11 +183,20 @@ class DriverModel:
             raise AttributeError(f"the driver model has no {name}")
 
         def call(*args: Any) -> Any:
+            if os.getpid() != self.pid:  # CUDA does not survive fork()
+                return self._refusal(name, CUresult.CUDA_ERROR_NOT_INITIALIZED)
             self.calls.append((name, args))
             self._check_signature(name, args)
-            if name not in _CONTEXT_FREE and getattr(self._tls, "ctx", 0) != _CONTEXT:
-                return self._err(CUresult.CUDA_ERROR_INVALID_CONTEXT)
-            return impl(self, *args)
+            with self._lock:
+                try:
+                    self._progress()  # a host word may have been written since the last call
+                    if name not in _CONTEXT_FREE and self._current() not in self.contexts:
+                        return self._refusal(name, CUresult.CUDA_ERROR_INVALID_CONTEXT)
+                    if name in UNSAFE_DURING_CAPTURE:
+                        self._refuse_if_capturing(name)
+                    return impl(self, *args)
+                except Refused as refused:
+                    return self._refusal(name, refused.code)
 
         return call
 
@@ -134,37 +219,100 @@ class DriverModel:
     def _err(self, code: int) -> tuple[Any, ...]:
         return (self.types.CUresult(int(code)), None)
 
+    def _refusal(self, name: str, code: int) -> tuple[Any, ...]:
+        out = self._err(code)
+        return out[:1] if name in _NO_OUTPUT else out
+
     def _wrap(self, kind: str, value: int) -> Any:
         return getattr(self.real, kind)(value) if self.real is not None else value
 
+    def _stack(self) -> list[int]:
+        stack = getattr(self._tls, "stack", None)
+        if stack is None:
+            stack = self._tls.stack = []
+        return stack
+
+    def _current(self) -> int:
+        stack = self._stack()
+        return stack[-1] if stack else 0
+
+    def _attribute(self, value: int, name: str) -> int:
+        return self.attributes.get(name, self.attributes.get(value, 1))
+
     # --- test controls ----------------------------------------------------------------------
 
+    @property
+    def capacity(self) -> int:
+        """Bytes of memory of device 0; setting it sets every device's."""
+        return self.devices[0].capacity
+
+    @capacity.setter
+    def capacity(self, value: int) -> None:
+        for device in self.devices:
+            device.capacity = value
+
+    @property
+    def used(self) -> int:
+        """Bytes of device memory allocated, over all devices."""
+        return sum(d.used for d in self.devices)
+
+    @property
+    def retains(self) -> int:
+        """Primary context retains not yet released, over all devices."""
+        return sum(d.retains for d in self.devices)
+
+    def _control_stream(self, stream: int) -> Stream:
+        number = int(stream)
+        if number in (0, 1, 2):
+            context = self.contexts.get(self._current(), self.contexts[CONTEXT_BASE])
+            return context.legacy if number != 2 else context.per_thread
+        return self.streams[number]
+
     def hold(self, stream: int) -> None:
-        """Enqueue work on ``stream`` that completes only at ``finish``."""
-        self.streams[int(stream)][0] += 1
+        """Enqueue on ``stream`` a long kernel, which runs until ``finish`` (or a synchronous wait).
+
+        0, 1 and 2 name the current context's default streams (device 0's when none is current).
+        """
+        with self._lock:
+            self._enqueue(self._control_stream(stream), "hold (a long kernel)", held=True)
 
     def finish(self, stream: int) -> None:
-        """Complete the work enqueued on ``stream``."""
-        entry = self.streams[int(stream)]
-        entry[1] = entry[0]
+        """End the long kernels held on ``stream``, and run what can run."""
+        with self._lock:
+            for op in self._control_stream(stream).queue:
+                op.held = False
+            self._progress()
 
-    def _advance(self, stream: int, block: bool = False) -> None:
-        """Complete a stream's work once the host word it waits on is written (poll when ``block``)."""
-        wait = self.waits.get(stream)
-        deadline = time.monotonic() + 120
-        while wait is not None:
-            if ctypes.c_uint32.from_address(wait[0]).value >= wait[1]:
-                del self.waits[stream]
-                self.finish(stream)
-                return
-            if not block or time.monotonic() > deadline:
-                assert not block, f"stream {stream} never stopped waiting"
-                return
-            time.sleep(0.001)
+    def settle(self) -> None:
+        """Complete all work of every context, as a cuCtxSynchronize on each would."""
+        with self._lock:
+            self._force([op for s in list(self._queues) for op in s.queue], "settle()")
+
+    def pending(self, stream: int) -> list[str]:
+        """Return the labels of the operations not yet executed on ``stream``."""
+        with self._lock:
+            self._progress()
+            return [op.label for op in self._control_stream(stream).queue]
+
+    def capturing(self) -> list[int]:
+        """Return the handles of the streams capturing now."""
+        return [s.handle for s in self.streams.values() if s.capture is not None]
+
+    def adopt_after_fork(self) -> None:
+        """Serve this (forked) process from now on, as if it had initialized CUDA itself.
+
+        For tests whose forked child plays another process; a real driver would
+        not survive the fork (every call from a child otherwise returns
+        CUDA_ERROR_NOT_INITIALIZED).
+        """
+        self.pid = os.getpid()
+        self._lock = threading.Lock()
 
     def read(self, address: int, nbytes: int) -> bytes:
-        """Return device bytes (through mappings), for assertions."""
-        return bytes(self._gather(address, nbytes))
+        """Return the device bytes that have landed (through mappings), forcing nothing."""
+        with self._lock:
+            self._progress()
+            return self._gather(self._segments(address, nbytes))
 
     def live(self) -> dict[str, int]:
         """Return counts of what is still allocated, for leak assertions."""
@@ -178,292 +326,77 @@ class DriverModel:
         return self._ok()[:1]
 
     def _cuDeviceGetCount(self) -> Any:
-        return self._ok(1)
+        return self._ok(len(self.devices))
 
     def _cuDeviceGet(self, ordinal: int) -> Any:
-        if ordinal != 0:
-            return self._err(CUresult.CUDA_ERROR_INVALID_DEVICE)
-        return self._ok(self._wrap("CUdevice", ordinal))
+        return self._ok(self._wrap("CUdevice", self._device_arg(ordinal)))
 
     def _cuDevicePrimaryCtxRetain(self, dev: Any) -> Any:
-        self.retains += 1
-        return self._ok(self._wrap("CUcontext", _CONTEXT))
+        device = self.devices[self._device_arg(dev)]
+        device.retains += 1
+        device.ever_retained = True
+        return self._ok(self._wrap("CUcontext", device.context))
 
     def _cuDevicePrimaryCtxRelease(self, dev: Any) -> Any:
-        assert self.retains > 0, "primary context released more often than retained"
-        self.retains -= 1
+        device = self.devices[self._device_arg(dev)]
+        assert device.retains > 0, "primary context released more often than retained"
+        device.retains -= 1
         return self._ok()[:1]
+
+    def _cuDevicePrimaryCtxGetState(self, dev: Any) -> Any:
+        device = self.devices[self._device_arg(dev)]
+        return self._ok(0, int(device.retains > 0))
+
+    def _context_arg(self, ctx: Any) -> int:
+        handle = int(ctx)
+        if handle not in self.contexts:
+            raise Refused(CUresult.CUDA_ERROR_INVALID_CONTEXT)
+        return handle
 
     def _cuCtxGetCurrent(self) -> Any:
-        return self._ok(self._wrap("CUcontext", getattr(self._tls, "ctx", 0)))
+        return self._ok(self._wrap("CUcontext", self._current()))
 
     def _cuCtxSetCurrent(self, ctx: Any) -> Any:
-        self._tls.ctx = int(ctx)
+        stack = self._stack()
+        if int(ctx) == 0:  # unbind: pop the top, if any
+            if stack:
+                stack.pop()
+            return self._ok()[:1]
+        handle = self._context_arg(ctx)
+        if stack:
+            stack[-1] = handle
+        else:
+            stack.append(handle)
         return self._ok()[:1]
 
-    def _cuCtxSynchronize(self) -> Any:
-        for stream in list(self.waits):
-            self._advance(stream, block=True)
-        for entry in self.streams.values():
-            entry[1] = entry[0]
+    def _cuCtxPushCurrent(self, ctx: Any) -> Any:
+        self._stack().append(self._context_arg(ctx))
         return self._ok()[:1]
+
+    def _cuCtxPopCurrent(self) -> Any:
+        stack = self._stack()
+        if not stack:
+            return self._err(CUresult.CUDA_ERROR_INVALID_CONTEXT)
+        return self._ok(self._wrap("CUcontext", stack.pop()))
+
+    def _cuCtxGetDevice(self) -> Any:
+        return self._ok(self._wrap("CUdevice", self.contexts[self._current()].device))
 
     def _cuDeviceGetAttribute(self, attribute: Any, dev: Any) -> Any:
-        return self._ok(1)
+        self._device_arg(dev)
+        return self._ok(self._attribute(int(attribute), getattr(attribute, "name", "")))
 
     def _cuDeviceTotalMem(self, dev: Any) -> Any:
-        return self._ok(self.capacity)
-
-    def _cuMemGetInfo(self) -> Any:
-        return self._ok(self.capacity - self.used, self.capacity)
+        return self._ok(self.devices[self._device_arg(dev)].capacity)
 
     def _cuDeviceGetUuid(self, dev: Any) -> Any:
-        uuid = self.real.CUuuid() if self.real is not None else types.SimpleNamespace(bytes=b"\0" * 16)
-        return self._ok(uuid)
+        raw = self.devices[self._device_arg(dev)].uuid
+        if self.real is None:
+            return self._ok(types.SimpleNamespace(bytes=raw))
+        buffer = ctypes.create_string_buffer(raw, 16)
+        self._uuids.append(buffer)  # the CUuuid points into it
+        return self._ok(self.real.CUuuid(ctypes.addressof(buffer)))
 
     def _cuDeviceGetName(self, length: int, dev: Any) -> Any:
+        self._device_arg(dev)
         return self._ok(b"driver model\0")
-
-    # --- streams and events ------------------------------------------------------------------
-
-    def _cuStreamCreate(self, flags: int) -> Any:
-        handle = next(self._ids)
-        self.streams[handle] = [0, 0]
-        return self._ok(self._wrap("CUstream", handle))
-
-    def _cuStreamDestroy(self, stream: Any) -> Any:
-        assert self.streams.pop(int(stream), None) is not None, f"destroy of unknown stream {stream}"
-        return self._ok()[:1]
-
-    def _cuStreamSynchronize(self, stream: Any) -> Any:
-        self._advance(int(stream), block=True)
-        self.finish(int(stream))
-        return self._ok()[:1]
-
-    def _cuStreamQuery(self, stream: Any) -> Any:
-        self._advance(int(stream))
-        enqueued, done = self.streams[int(stream)]
-        return self._ok()[:1] if done >= enqueued else self._err(CUresult.CUDA_ERROR_NOT_READY)[:1]
-
-    def _cuEventCreate(self, flags: int) -> Any:
-        handle = next(self._ids)
-        self.events[handle] = None
-        return self._ok(self._wrap("CUevent", handle))
-
-    def _cuEventDestroy(self, event: Any) -> Any:
-        assert int(event) in self.events, f"destroy of unknown event {event}"
-        del self.events[int(event)]
-        return self._ok()[:1]
-
-    def _cuEventRecord(self, event: Any, stream: Any) -> Any:
-        assert int(event) in self.events and int(stream) in self.streams, "record with unknown objects"
-        self.events[int(event)] = (int(stream), self.streams[int(stream)][0])
-        return self._ok()[:1]
-
-    def _cuEventQuery(self, event: Any) -> Any:
-        recorded = self.events[int(event)]
-        if recorded is not None:
-            self._advance(recorded[0])
-        if recorded is None or self.streams[recorded[0]][1] >= recorded[1]:
-            return self._ok()[:1]
-        return self._err(CUresult.CUDA_ERROR_NOT_READY)[:1]
-
-    def _cuEventSynchronize(self, event: Any) -> Any:
-        recorded = self.events[int(event)]
-        if recorded is not None:
-            self._advance(recorded[0], block=True)
-            self.finish(recorded[0])
-        return self._ok()[:1]
-
-    def _cuStreamWaitValue32(self, stream: Any, address: Any, value: int, flags: int) -> Any:
-        assert int(stream) not in self.waits and flags == 0, "one GEQ wait per stream in this model"
-        self.waits[int(stream)] = (int(address), value)
-        self.hold(int(stream))
-        return self._ok()[:1]
-
-    def _cuMemHostGetDevicePointer(self, address: int, flags: int) -> Any:
-        assert int(address) in self.host, "device pointer of memory cuMemHostAlloc did not give"
-        return self._ok(self._wrap("CUdeviceptr", int(address)))  # unified addressing: the same address
-
-    def _cuStreamWaitEvent(self, stream: Any, event: Any, flags: int) -> Any:
-        assert int(stream) in self.streams and int(event) in self.events
-        return self._ok()[:1]
-
-    # --- host memory -------------------------------------------------------------------------------
-
-    def _cuMemHostAlloc(self, nbytes: int, flags: int) -> Any:
-        buffer = ctypes.create_string_buffer(nbytes)
-        self.host[ctypes.addressof(buffer)] = buffer
-        return self._ok(ctypes.addressof(buffer))
-
-    def _cuMemFreeHost(self, address: int) -> Any:
-        assert self.host.pop(int(address), None) is not None, f"cuMemFreeHost of unknown 0x{int(address):x}"
-        return self._ok()[:1]
-
-    def _cuMemHostRegister(self, address: int, nbytes: int, flags: int) -> Any:
-        for start, size in self.registered.items():
-            if start < address + nbytes and address < start + size:
-                return self._err(CUresult.CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED)[:1]
-        self.registered[int(address)] = nbytes
-        return self._ok()[:1]
-
-    def _cuMemHostUnregister(self, address: int) -> Any:
-        if self.registered.pop(int(address), None) is None:
-            return self._err(CUresult.CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED)[:1]
-        return self._ok()[:1]
-
-    # --- device memory -------------------------------------------------------------------------------
-
-    def _new_phys(self, nbytes: int) -> int | None:
-        if self.used + nbytes > self.capacity:
-            return None
-        self.used += nbytes
-        pid = next(self._ids)
-        self.phys[pid] = nbytes
-        return pid
-
-    def _drop_phys_if_unused(self, pid: int) -> None:
-        if pid in self.handles.values() or any(p == pid for _, p in self.mappings.values()):
-            return
-        if pid in self.mallocs.values():
-            return
-        self.used -= self.phys.pop(pid)
-        self.data.pop(pid, None)
-
-    def _cuMemAlloc(self, nbytes: int) -> Any:
-        pid = self._new_phys(nbytes)
-        if pid is None:
-            return self._err(CUresult.CUDA_ERROR_OUT_OF_MEMORY)
-        address = next(self._va)
-        self.mallocs[address] = pid
-        return self._ok(self._wrap("CUdeviceptr", address))
-
-    def _cuMemFree(self, address: Any) -> Any:
-        pid = self.mallocs.pop(int(address), None)
-        assert pid is not None, f"cuMemFree of unknown 0x{int(address):x}"
-        self._drop_phys_if_unused(pid)
-        return self._ok()[:1]
-
-    def _cuMemGetAllocationGranularity(self, prop: Any, option: Any) -> Any:
-        assert int(prop.type) == 1 and int(prop.location.type) == 1, "granularity of a non-device prop"
-        return self._ok(self.granularity)
-
-    def _cuMemAddressReserve(self, size: int, alignment: int, address: Any, flags: int) -> Any:
-        assert size % self.granularity == 0 and size <= 1 << 36, f"reserve of {size} bytes"
-        start = next(self._va)
-        self.reservations[start] = size
-        return self._ok(self._wrap("CUdeviceptr", start))
-
-    def _cuMemAddressFree(self, address: Any, size: int) -> Any:
-        start = int(address)
-        assert self.reservations.get(start) == size, f"address free of 0x{start:x}+{size}, not a reservation"
-        assert not any(start <= m < start + size for m in self.mappings), "address free with chunks mapped"
-        del self.reservations[start]
-        return self._ok()[:1]
-
-    def _cuMemCreate(self, size: int, prop: Any, flags: int) -> Any:
-        assert size % self.granularity == 0, f"cuMemCreate of {size} bytes, not whole granules"
-        pid = self._new_phys(size)
-        if pid is None:
-            return self._err(CUresult.CUDA_ERROR_OUT_OF_MEMORY)
-        handle = next(self._ids)
-        self.handles[handle] = pid
-        return self._ok(self._wrap("CUmemGenericAllocationHandle", handle))
-
-    def _cuMemRelease(self, handle: Any) -> Any:
-        pid = self.handles.pop(int(handle), None)
-        assert pid is not None, f"cuMemRelease of unknown handle {handle}"
-        self._drop_phys_if_unused(pid)
-        return self._ok()[:1]
-
-    def _cuMemMap(self, address: Any, size: int, offset: int, handle: Any, flags: int) -> Any:
-        start, pid = int(address), self.handles[int(handle)]
-        assert offset == 0 and size == self.phys[pid], "cuMemMap must map a whole allocation here"
-        assert any(r <= start and start + size <= r + s for r, s in self.reservations.items()), \
-            "map outside a reservation"
-        assert not any(m < start + size and start < m + s for m, (s, _) in self.mappings.items()), "map over a mapping"
-        self.mappings[start] = (size, pid)
-        return self._ok()[:1]
-
-    def _cuMemUnmap(self, address: Any, size: int) -> Any:
-        entry = self.mappings.get(int(address))
-        if entry is None or entry[0] != size:  # the driver cannot unmap part of a mapping
-            return self._err(CUresult.CUDA_ERROR_INVALID_VALUE)[:1]
-        del self.mappings[int(address)]
-        self._drop_phys_if_unused(entry[1])
-        return self._ok()[:1]
-
-    def _cuMemSetAccess(self, address: Any, size: int, descs: Any, count: int) -> Any:
-        assert len(descs) == count == 1 and int(descs[0].flags) == 3, "access must be read-write for one device"
-        self._segments(int(address), size)  # the whole range must be mapped
-        return self._ok()[:1]
-
-    def _cuMemExportToShareableHandle(self, handle: Any, kind: Any, flags: int) -> Any:
-        fd = os.memfd_create("driver-model-chunk", os.MFD_CLOEXEC)
-        os.write(fd, self.handles[int(handle)].to_bytes(8, "little"))
-        self.exported.append(fd)
-        return self._ok(fd)
-
-    def _cuMemImportFromShareableHandle(self, fd: int, kind: Any) -> Any:
-        pid = int.from_bytes(os.pread(int(fd), 8, 0), "little")
-        assert pid in self.phys, "import of a chunk that no longer exists"
-        handle = next(self._ids)
-        self.handles[handle] = pid
-        return self._ok(self._wrap("CUmemGenericAllocationHandle", handle))
-
-    # --- copies ----------------------------------------------------------------------------------------
-
-    def _segments(self, address: int, nbytes: int) -> list[tuple[bytearray, int, int]]:
-        """Return (contents, offset, length) pieces covering a device range, or fail."""
-        pieces, cursor, end = [], address, address + nbytes
-        while cursor < end:
-            for start, pid in self.mallocs.items():
-                if start <= cursor < start + self.phys[pid]:
-                    break
-            else:
-                found = [(s, p) for s, (size, p) in self.mappings.items() if s <= cursor < s + size]
-                assert found, f"device address 0x{cursor:x} is not mapped"
-                start, pid = found[0]
-            data = self.data.get(pid)
-            if data is None:
-                data = self.data[pid] = bytearray(self.phys[pid])
-            length = min(end, start + len(data)) - cursor
-            pieces.append((data, cursor - start, length))
-            cursor += length
-        return pieces
-
-    def _gather(self, address: int, nbytes: int) -> bytearray:
-        out = bytearray()
-        for data, offset, length in self._segments(address, nbytes):
-            out += data[offset:offset + length]
-        return out
-
-    def _scatter(self, address: int, payload: bytes) -> None:
-        done = 0
-        for data, offset, length in self._segments(address, len(payload)):
-            data[offset:offset + length] = payload[done:done + length]
-            done += length
-
-    def _cuMemcpyHtoD(self, dst: Any, src: int, nbytes: int) -> Any:
-        self._scatter(int(dst), ctypes.string_at(int(src), nbytes))
-        return self._ok()[:1]
-
-    def _cuMemcpyHtoDAsync(self, dst: Any, src: int, nbytes: int, stream: Any) -> Any:
-        assert int(stream) in self.streams
-        return self._cuMemcpyHtoD(dst, src, nbytes)
-
-    def _cuMemcpyDtoH(self, dst: int, src: Any, nbytes: int) -> Any:
-        ctypes.memmove(int(dst), bytes(self._gather(int(src), nbytes)), nbytes)
-        return self._ok()[:1]
-
-    def _cuMemcpyDtoHAsync(self, dst: int, src: Any, nbytes: int, stream: Any) -> Any:
-        assert int(stream) in self.streams
-        return self._cuMemcpyDtoH(dst, src, nbytes)
-
-    def _cuMemsetD8(self, dst: Any, value: int, nbytes: int) -> Any:
-        self._scatter(int(dst), bytes([value]) * nbytes)
-        return self._ok()[:1]
-
-    def _cuMemsetD8Async(self, dst: Any, value: int, nbytes: int, stream: Any) -> Any:
-        assert int(stream) in self.streams
-        return self._cuMemsetD8(dst, value, nbytes)

@@ -61,8 +61,10 @@ def _room_limit(room: int) -> int:
 def _receive_with_few_fds(conn: wire.Connection, nbytes: int, seed: int) -> None:
     """Child (forked): receive a block of MANY chunks allowed only ROOM new fds, check it, report."""
     # The model is plain Python, copied by fork with the parent's chunks and their contents:
-    # it serves the child as it served the parent (a real driver would not survive the fork).
+    # it serves the child as it served the parent (a real driver would not survive the fork:
+    # the child stands for another process that initialized CUDA itself, so it adopts the model).
     _driver._forked_after_init = False
+    _driver._state[0].adopt_after_fork()
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (_room_limit(ROOM), resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
         imported = cuda.recv_device_memory(conn, timeout=30)
