@@ -30,6 +30,7 @@ copies. All state lives here, in ``DriverModel.__init__``.
 from __future__ import annotations
 
 import ctypes
+import enum
 import itertools
 import os
 import threading
@@ -114,9 +115,10 @@ def _standins() -> types.SimpleNamespace:
         CUmemAllocationHandleType=ns(CU_MEM_HANDLE_TYPE_NONE=0, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR=1),
         CUmemAllocationGranularity_flags=ns(CU_MEM_ALLOC_GRANULARITY_MINIMUM=0,
                                             CU_MEM_ALLOC_GRANULARITY_RECOMMENDED=1),
-        CUdevice_attribute=ns(CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED=102,
-                              CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED=103,
-                              CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED=113),
+        CUdevice_attribute=enum.IntEnum("CUdevice_attribute", {  # an enum: attributes are looked up by name
+            "CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED": 102,
+            "CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED": 103,
+            "CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED": 113}),
         CUpointer_attribute=ns(CU_POINTER_ATTRIBUTE_CONTEXT=1, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL=9),
         CUstream_flags=ns(CU_STREAM_DEFAULT=0, CU_STREAM_NON_BLOCKING=1),
         CUevent_flags=ns(CU_EVENT_DEFAULT=0, CU_EVENT_BLOCKING_SYNC=1, CU_EVENT_DISABLE_TIMING=2,

@@ -148,8 +148,10 @@ class MemoryMixin:
         return self._ok(self._wrap("CUdeviceptr", address))
 
     def _cuMemFree(self, address: Any) -> Any:
-        pid = self.mallocs.pop(int(address), None)
+        pid = self.mallocs.get(int(address))
         assert pid is not None, f"cuMemFree of unknown 0x{int(address):x}"
+        self._force(self._pending_on(int(address), self.phys[pid].size), "cuMemFree")  # waits, as cudaFree does
+        del self.mallocs[int(address)]
         self._drop_phys_if_unused(pid)
         return self._ok()[:1]
 
@@ -209,6 +211,12 @@ class MemoryMixin:
         entry = self.mappings.get(int(address))
         if entry is None or entry[0] != size:  # the driver cannot unmap part of a mapping
             return self._err(CUresult.CUDA_ERROR_INVALID_VALUE)[:1]
+        pending = self._pending_on(int(address), size)
+        if pending:  # cuMemUnmap does not wait: on a GPU that work faults, or reads what comes next
+            raise AssertionError(
+                f"cuMemUnmap of 0x{int(address):x}+{size} while {pending[0].label} on stream "
+                f"{self._name(pending[0].stream)} is pending on it: wait for that work first (an event "
+                "recorded on its stream, or a synchronize of its context)")
         del self.mappings[int(address)]
         self._drop_phys_if_unused(entry[1])
         return self._ok()[:1]
@@ -305,7 +313,7 @@ class MemoryMixin:
 
             def effect() -> None:
                 self._scatter(pieces, staged)
-        return self._enqueue(stream, label, effect=effect, writes=writes)
+        return self._enqueue(stream, label, effect=effect, writes=writes, span=(dst, nbytes))
 
     def _device_to_host(self, stream: Stream, label: str, dst: int, src: int, nbytes: int) -> Op:
         pieces = self._segments(src, nbytes)
@@ -315,7 +323,8 @@ class MemoryMixin:
             if pinned:
                 self._still_pinned(label, dst, nbytes)
             ctypes.memmove(dst, self._gather(pieces), nbytes)
-        op = self._enqueue(stream, label, effect=effect, reads=frozenset(pid for pid, _, _ in pieces))
+        op = self._enqueue(stream, label, effect=effect, reads=frozenset(pid for pid, _, _ in pieces),
+                           span=(src, nbytes))
         if not pinned:  # into pageable memory the copy is synchronous
             self._force([op], label)
         return op
@@ -323,7 +332,7 @@ class MemoryMixin:
     def _memset(self, stream: Stream, label: str, dst: int, value: int, nbytes: int) -> Op:
         pieces = self._segments(dst, nbytes)
         return self._enqueue(stream, label, effect=lambda: self._scatter(pieces, bytes([value]) * nbytes),
-                             writes=frozenset(pid for pid, _, _ in pieces))
+                             writes=frozenset(pid for pid, _, _ in pieces), span=(dst, nbytes))
 
     def _legacy(self) -> Stream:
         return self.contexts[self._current()].legacy

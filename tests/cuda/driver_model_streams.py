@@ -110,6 +110,7 @@ class Op:
     after: list[Op] = field(default_factory=list)  # operations of other streams it follows
     held: bool = False  # a hold: runs until finish() or a synchronous wait
     word: tuple[int, int] | None = None  # (host address, value): waits for *address >= value
+    span: tuple[int, int] | None = None  # (device address, bytes) it reads or writes
     done: bool = False  # executed
 
 
@@ -267,6 +268,11 @@ class StreamsMixin:
                 work.append(prior)
             work.extend(op.after)
         return needed
+
+    def _pending_on(self, start: int, size: int) -> list[Op]:
+        """Return the pending operations (any stream, any context) touching device [start, start + size)."""
+        return [op for stream in self._queues for op in stream.queue
+                if op.span is not None and op.span[0] < start + size and start < op.span[0] + op.span[1]]
 
     # --- lookups --------------------------------------------------------------------------------
 

@@ -179,6 +179,26 @@ def test_vmm_memory_belongs_to_the_device_its_prop_names(driver_model: DriverMod
     assert ok(model.cuPointerGetAttribute(ordinal, int(start) + 4096)) == 1  # inside the mapping
 
 
+def test_unmap_with_work_pending_on_the_range_fails_the_test_free_waits(driver_model: DriverModel) -> None:
+    model = driver_model
+    enter(model)
+    s = stream(model)
+    handle = ok(model.cuMemCreate(2 * MiB, _prop(model), 0))
+    start = ok(model.cuMemAddressReserve(2 * MiB, 0, 0, 0))
+    ok(model.cuMemMap(start, 2 * MiB, 0, handle, 0))
+    model.hold(s)
+    ok(model.cuMemsetD8Async(start, 1, 4096, s))
+    with pytest.raises(AssertionError, match=r"cuMemUnmap of .* while cuMemsetD8Async"):
+        model.cuMemUnmap(start, 2 * MiB)  # cuMemUnmap does not wait
+    ok(model.cuStreamSynchronize(s))
+    ok(model.cuMemUnmap(start, 2 * MiB))
+    dst = device_buffer(model)
+    model.hold(s)
+    ok(model.cuMemsetD8Async(dst, 1, 4096, s))
+    ok(model.cuMemFree(dst))  # waits for the work using it, as cudaFree does
+    assert model.pending(s) == []
+
+
 # --- pointer attributes -------------------------------------------------------------------------------
 
 
@@ -250,9 +270,12 @@ def test_captured_work_is_recorded_not_run(driver_model: DriverModel) -> None:
     ok(model.cuGraphDestroy(graph))
 
 
-def _unsafe_calls(model: DriverModel, s: Any, event: Any) -> dict[str, Callable[[], Any]]:
-    dst, out = device_buffer(model), pageable()
+def _unsafe_calls(model: DriverModel, s: Any, event: Any, host: int) -> dict[str, Callable[[], Any]]:
+    dst, out, locked = device_buffer(model), pageable(), pinned(model)
     return {
+        "cuMemFreeHost": lambda: model.cuMemFreeHost(locked),
+        "cuMemHostRegister": lambda: model.cuMemHostRegister(host, PAGE, 0),
+        "cuMemcpyHtoD": lambda: model.cuMemcpyHtoD(dst, ctypes.addressof(out), 4096),
         "cuCtxSynchronize": model.cuCtxSynchronize,
         "cuMemAlloc": lambda: model.cuMemAlloc(4096),
         "cuMemFree": lambda: model.cuMemFree(dst),
@@ -266,21 +289,26 @@ def _unsafe_calls(model: DriverModel, s: Any, event: Any) -> dict[str, Callable[
     }
 
 
-@pytest.mark.parametrize("unsafe", ["cuCtxSynchronize", "cuMemAlloc", "cuMemFree", "cuMemHostAlloc", "cuMemcpyDtoH",
-                                    "cuMemsetD8", "cuStreamSynchronize", "cuStreamQuery", "cuEventQuery",
-                                    "cuEventSynchronize"])
+UNSAFE = ["cuMemFreeHost", "cuMemHostRegister", "cuMemcpyHtoD", "cuCtxSynchronize", "cuMemAlloc", "cuMemFree",
+          "cuMemHostAlloc", "cuMemcpyDtoH", "cuMemsetD8", "cuStreamSynchronize", "cuStreamQuery", "cuEventQuery",
+          "cuEventSynchronize"]
+
+
+@pytest.mark.parametrize("unsafe", UNSAFE)
 def test_an_unsafe_call_during_a_global_capture_fails_and_invalidates_it(driver_model: DriverModel,
                                                                           unsafe: str) -> None:
     model = driver_model
     enter(model)
     s, event = stream(model, NON_BLOCKING), ok(model.cuEventCreate(0))
-    calls = _unsafe_calls(model, s, event)
-    ok(model.cuStreamBeginCapture(s, _global(model)))
-    ok(model.cuEventRecord(event, s))
-    assert code(calls[unsafe]()) == CAPTURE_UNSUPPORTED
-    assert _status(model, s) == "CU_STREAM_CAPTURE_STATUS_INVALIDATED"
-    assert code(model.cuStreamEndCapture(s)) == CAPTURE_INVALIDATED
-    ok(model.cuStreamSynchronize(s))  # capture over: an ordinary stream again
+    with mapping(PAGE) as host:
+        calls = _unsafe_calls(model, s, event, host)
+        ok(model.cuStreamBeginCapture(s, _global(model)))
+        ok(model.cuEventRecord(event, s))
+        assert code(calls[unsafe]()) == CAPTURE_UNSUPPORTED
+        assert _status(model, s) == "CU_STREAM_CAPTURE_STATUS_INVALIDATED"
+        assert code(model.cuStreamEndCapture(s)) == CAPTURE_INVALIDATED
+        ok(model.cuStreamSynchronize(s))  # capture over: an ordinary stream again
+        assert not model.registered
 
 
 def test_a_relaxed_capture_lets_process_wide_calls_through_but_not_a_sync_of_itself(
