@@ -10,6 +10,7 @@ check starts, as the root conftest does for multiprocessing's tracker.
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -62,6 +63,9 @@ def driver_model(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(_array, "_pools", {})
     yield model  # leaked fds (an exported chunk's, say) are the root conftest's leak check's to find
     assert not model.violations, model.violations
+    gc.collect()  # run the finalizers of what the test dropped, then look for pinned memory they unmapped
+    stale = model.stale_registrations()
+    assert not stale, f"munmapped while still cuMemHostRegister'ed (a stale DMA target): {stale}"
 
 
 @pytest.fixture

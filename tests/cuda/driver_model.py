@@ -38,7 +38,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
-from .driver_model_memory import MemoryMixin, Phys
+from .driver_model_memory import MemoryMixin, Phys, _covering
 from .driver_model_streams import (
     UNSAFE_DURING_CAPTURE,
     CaptureMode,
@@ -157,7 +157,7 @@ class DriverModel(StreamsMixin, MemoryMixin):
         self._ids = itertools.count(0x1000)
         self._seq = itertools.count()
         self._va = itertools.count(0x7000_0000_0000, 1 << 36)  # one 64 GiB slot per reservation
-        self._uuids: list[Any] = []  # ctypes buffers behind the real binding's CUuuid objects
+        self._keep: list[Any] = []  # ctypes buffers behind the real binding's CUuuid and CUipcEventHandle
         self.devices = [Device(d, CONTEXT_BASE + d, capacity, uuid=bytes([d]) * 16) for d in range(devices)]
         self.contexts = {d.context: Context(d.context, d.ordinal, Stream(0, d.context, True, legacy=True),
                                             Stream(2, d.context, True)) for d in self.devices}
@@ -316,6 +316,10 @@ class DriverModel(StreamsMixin, MemoryMixin):
             self._progress()
             return self._gather(self._segments(address, nbytes))
 
+    def stale_registrations(self) -> list[tuple[int, int]]:
+        """Return the registered ranges no longer (wholly) mapped: munmapped while pinned, a stale DMA target."""
+        return [(start, size) for start, size in self.registered.items() if _covering(start, size) is None]
+
     def live(self) -> dict[str, int]:
         """Return counts of what is still allocated, for leak assertions."""
         return {"mallocs": len(self.mallocs), "host": len(self.host), "registered": len(self.registered),
@@ -396,7 +400,7 @@ class DriverModel(StreamsMixin, MemoryMixin):
         if self.real is None:
             return self._ok(types.SimpleNamespace(bytes=raw))
         buffer = ctypes.create_string_buffer(raw, 16)
-        self._uuids.append(buffer)  # the CUuuid points into it
+        self._keep.append(buffer)  # the CUuuid points into it
         return self._ok(self.real.CUuuid(ctypes.addressof(buffer)))
 
     def _cuDeviceGetName(self, length: int, dev: Any) -> Any:

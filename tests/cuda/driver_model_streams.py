@@ -30,6 +30,7 @@ import ctypes
 import enum
 import threading
 import time
+import types
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -76,6 +77,8 @@ EVENT_FLAGS = 1 | 2 | 4  # BLOCKING_SYNC | DISABLE_TIMING | INTERPROCESS
 EVENT_DISABLE_TIMING, EVENT_INTERPROCESS = 2, 4
 LEGACY_HANDLES = (0, 1)  # the NULL stream and CU_STREAM_LEGACY: the current context's legacy stream
 PER_THREAD_HANDLE = 2  # CU_STREAM_PER_THREAD
+IPC_HANDLE_SIZE = 64  # CU_IPC_HANDLE_SIZE
+IPC_EVENT_MAGIC = b"driver-model-event"  # then the exported event's handle: valid in this model (and its forks)
 
 # Calls that fail with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, and invalidate every active
 # capture, while a stream captures in GLOBAL mode (or THREAD_LOCAL mode, from that thread).
@@ -145,6 +148,7 @@ class Event:
     flags: int
     record: Op | None = None  # the latest record outside a capture
     captured: Capture | None = None  # the capture its latest record went into
+    source: Event | None = None  # for one opened by cuIpcOpenEventHandle: the exported event it stands for
 
 
 class StreamsMixin:
@@ -398,7 +402,7 @@ class StreamsMixin:
         return self._ok()[:1]
 
     def _cuStreamWaitEvent(self, stream: Any, event: Any, flags: int) -> Any:
-        target, waited = self._stream(stream), self._event(event, own_context=False)  # any context's event
+        target, waited = self._stream(stream), self._shared(self._event(event, own_context=False))  # any context's
         record = waited.record  # the latest record at the time of this call; a later one does not count
         self._enqueue(target, "cuStreamWaitEvent", after=[record] if record is not None else [])
         return self._ok()[:1]
@@ -423,9 +427,10 @@ class StreamsMixin:
         return self._ok()[:1]
 
     def _cuEventRecord(self, event: Any, stream: Any) -> Any:
-        target, recorded = self._stream(stream), self._event(event, own_context=False)
-        if recorded.context != target.context:
+        target, own = self._stream(stream), self._event(event, own_context=False)
+        if own.context != target.context:
             return self._err(CUresult.CUDA_ERROR_INVALID_HANDLE)[:1]
+        recorded = self._shared(own)
         op = self._enqueue(target, "cuEventRecord")
         if target.capture is not None:
             recorded.captured = target.capture
@@ -440,15 +445,40 @@ class StreamsMixin:
             raise Refused(CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
 
     def _cuEventQuery(self, event: Any) -> Any:
-        waited = self._event(event)
+        waited = self._shared(self._event(event))
         self._event_in_capture(waited)
         if waited.record is None or waited.record.done:
             return self._ok()[:1]
         return self._err(CUresult.CUDA_ERROR_NOT_READY)[:1]
 
     def _cuEventSynchronize(self, event: Any) -> Any:
-        waited = self._event(event)
+        waited = self._shared(self._event(event))
         self._event_in_capture(waited)
         if waited.record is not None:
             self._force([waited.record], "cuEventSynchronize")
         return self._ok()[:1]
+
+    @staticmethod
+    def _shared(event: Event) -> Event:
+        return event.source if event.source is not None else event
+
+    def _cuIpcGetEventHandle(self, event: Any) -> Any:
+        own = self._event(event)
+        if own.flags & (EVENT_INTERPROCESS | EVENT_DISABLE_TIMING) != EVENT_INTERPROCESS | EVENT_DISABLE_TIMING:
+            return self._err(CUresult.CUDA_ERROR_INVALID_HANDLE)  # needs INTERPROCESS | DISABLE_TIMING
+        raw = IPC_EVENT_MAGIC + self._shared(own).handle.to_bytes(8, "little")
+        buffer = ctypes.create_string_buffer(raw.ljust(IPC_HANDLE_SIZE, b"\0"), IPC_HANDLE_SIZE)
+        self._keep.append(buffer)  # the handle points into it
+        if self.real is None:
+            return self._ok(types.SimpleNamespace(getPtr=lambda: ctypes.addressof(buffer)))
+        return self._ok(self.real.CUipcEventHandle(ctypes.addressof(buffer)))
+
+    def _cuIpcOpenEventHandle(self, handle: Any) -> Any:
+        raw = ctypes.string_at(int(handle.getPtr()), IPC_HANDLE_SIZE)
+        if not raw.startswith(IPC_EVENT_MAGIC):
+            return self._err(CUresult.CUDA_ERROR_INVALID_VALUE)
+        source = self.events.get(int.from_bytes(raw[len(IPC_EVENT_MAGIC):len(IPC_EVENT_MAGIC) + 8], "little"))
+        assert source is not None, "open of an interprocess event its exporter destroyed"
+        number = next(self._ids)
+        self.events[number] = Event(number, self._current(), source.flags, source=source)
+        return self._ok(self._wrap("CUevent", number))

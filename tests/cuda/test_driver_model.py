@@ -130,6 +130,20 @@ def test_an_event_of_another_context_is_refused_but_may_be_waited_on(driver_mode
     ok(model.cuStreamWaitEvent(mine, theirs, 0))  # the driver allows a wait across contexts
 
 
+def test_an_interprocess_event_needs_its_flags_and_opens_as_the_exported_event(driver_model: DriverModel) -> None:
+    model = driver_model
+    enter(model)
+    assert code(model.cuIpcGetEventHandle(ok(model.cuEventCreate(0)))) == INVALID_HANDLE
+    exported = ok(model.cuEventCreate(2 | 4))  # DISABLE_TIMING | INTERPROCESS
+    opened = ok(model.cuIpcOpenEventHandle(ok(model.cuIpcGetEventHandle(exported))))
+    s = stream(model)
+    model.hold(s)
+    ok(model.cuEventRecord(exported, s))
+    assert code(model.cuEventQuery(opened)) == NOT_READY
+    model.finish(s)
+    ok(model.cuEventQuery(opened))
+
+
 @TWO
 def test_the_legacy_handles_name_the_current_context_s_stream(driver_model: DriverModel) -> None:
     model = driver_model
