@@ -192,8 +192,8 @@ class DriverModel(StreamsMixin, MemoryMixin):
             with self._lock:
                 try:
                     self._progress()  # a host word may have been written since the last call
-                    if name not in _CONTEXT_FREE and self._current() not in self.contexts:
-                        return self._refusal(name, CUresult.CUDA_ERROR_INVALID_CONTEXT)
+                    if name not in _CONTEXT_FREE:
+                        self._check_current()
                     if name in UNSAFE_DURING_CAPTURE:
                         self._refuse_if_capturing(name)
                     return impl(self, *args)
@@ -237,6 +237,14 @@ class DriverModel(StreamsMixin, MemoryMixin):
     def _current(self) -> int:
         stack = self._stack()
         return stack[-1] if stack else 0
+
+    def _check_current(self) -> None:
+        """Refuse a call that needs a context when none is current, or the current one was released."""
+        context = self.contexts.get(self._current())
+        if context is None:
+            raise Refused(CUresult.CUDA_ERROR_INVALID_CONTEXT)
+        if not self.devices[context.device].retains:  # its last release reset it
+            raise Refused(CUresult.CUDA_ERROR_CONTEXT_IS_DESTROYED)
 
     def _attribute(self, value: int, name: str) -> int:
         return self.attributes.get(name, self.attributes.get(value, 1))

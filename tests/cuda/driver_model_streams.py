@@ -49,6 +49,7 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_INVALID_HANDLE = 400
     CUDA_ERROR_ILLEGAL_STATE = 401
     CUDA_ERROR_NOT_READY = 600
+    CUDA_ERROR_CONTEXT_IS_DESTROYED = 709
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
     CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713
     CUDA_ERROR_NOT_PERMITTED = 800
@@ -180,8 +181,10 @@ class StreamsMixin:
         return op
 
     def _context_streams(self, context: int) -> list[Stream]:
+        """Return the context's streams, destroyed ones with work still pending included."""
         ctx = self.contexts[context]
-        own = [s for s in self.streams.values() if s.context == context]
+        own = {s: None for s in [*self.streams.values(), *self._queues] if s.context == context and not s.legacy
+               and s is not ctx.per_thread}
         return [ctx.legacy, ctx.per_thread, *own]
 
     def _progress(self) -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from .driver_model import DriverModel
 from .model_calls import (
+    CONTEXT_IS_DESTROYED,
     INVALID_CONTEXT,
     INVALID_DEVICE,
     INVALID_HANDLE,
@@ -78,9 +79,13 @@ def test_the_context_stack_pushes_pops_and_replaces_its_top(driver_model: Driver
     assert seen == [0]  # each thread has its own stack
 
 
-def test_a_call_that_needs_a_context_fails_without_one(driver_model: DriverModel) -> None:
-    assert code(driver_model.cuMemAlloc(4096)) == INVALID_CONTEXT
-    assert code(driver_model.cuStreamCreate(0)) == INVALID_CONTEXT
+def test_a_call_that_needs_a_context_fails_without_one_or_with_a_released_one(driver_model: DriverModel) -> None:
+    model = driver_model
+    assert code(model.cuMemAlloc(4096)) == INVALID_CONTEXT
+    assert code(model.cuStreamCreate(0)) == INVALID_CONTEXT
+    enter(model)
+    ok(model.cuDevicePrimaryCtxRelease(ok(model.cuDeviceGet(0))))  # the last release resets it
+    assert code(model.cuMemAlloc(4096)) == CONTEXT_IS_DESTROYED
 
 
 def test_the_primary_context_is_active_while_retained(driver_model: DriverModel) -> None:
@@ -280,6 +285,18 @@ def test_the_legacy_stream_and_blocking_streams_wait_for_each_other(driver_model
     out = pageable()
     ok(model.cuMemcpyDtoH(ctypes.addressof(out), a, 4096))  # synchronous: completes what it follows
     assert out.raw == b"\2" * 4096
+
+
+def test_a_destroyed_stream_s_work_still_runs_in_order(driver_model: DriverModel) -> None:
+    model = driver_model
+    enter(model)
+    s, dst = stream(model), device_buffer(model)
+    model.hold(s)
+    ok(model.cuMemsetD8Async(dst, 1, 4096, s))
+    ok(model.cuStreamDestroy(s))  # returns at once; the work goes on
+    ok(model.cuMemsetD8(dst, 2, 4096))  # the legacy stream still waits for it: no race
+    model.settle()
+    assert landed(model, dst) == b"\2" * 4096 and not model.violations
 
 
 def test_a_synchronous_copy_from_pageable_memory_may_land_later_one_from_pinned_may_not(
