@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from shmshare import Segment, cuda, wire
-from shmshare.cuda import _array, _context, _driver, _pinned
+from shmshare.cuda import _array, _context, _deferred, _driver, _pinned
 
 from .driver_model import DriverModel
 
@@ -53,7 +53,10 @@ def driver_model(monkeypatch: pytest.MonkeyPatch) -> Iterator[DriverModel]:
     monkeypatch.setattr(_context, "_primary", {})
     monkeypatch.setattr(_pinned, "_default_pool", None)
     monkeypatch.setattr(_array, "_pools", {})
+    monkeypatch.setattr(_deferred, "_pools", {})
+    monkeypatch.setattr(_deferred, "_tasks", [])
     yield model  # leaked fds (an exported chunk's, say) are the root conftest's leak check's to find
+    _deferred.drain(wait=True)  # what the test left deferred, before the leak check looks
 
 
 @pytest.fixture

@@ -27,7 +27,8 @@ from typing import Any
 
 GRANULARITY = 2 << 20
 _CONTEXT = 0xC0C0  # the one primary context
-_CONTEXT_FREE = {"cuInit", "cuDeviceGetCount", "cuDeviceGet", "cuDevicePrimaryCtxRetain",
+_CONTEXT_FREE = {"cuInit", "cuStreamGetCtx", "cuCtxPushCurrent", "cuCtxPopCurrent", "cuDevicePrimaryCtxGetState",
+                 "cuPointerGetAttribute", "cuDeviceGetCount", "cuDeviceGet", "cuDevicePrimaryCtxRetain",
                  "cuDevicePrimaryCtxRelease", "cuCtxGetCurrent", "cuCtxSetCurrent", "cuDeviceGetAttribute",
                  "cuDeviceTotalMem", "cuDeviceGetUuid", "cuDeviceGetName", "cuMemGetAllocationGranularity"}
 
@@ -200,6 +201,30 @@ class DriverModel:
     def _cuCtxSetCurrent(self, ctx: Any) -> Any:
         self._tls.ctx = int(ctx)
         return self._ok()[:1]
+
+    def _cuCtxPushCurrent(self, ctx: Any) -> Any:
+        stack = self._tls.__dict__.setdefault("stack", [])
+        stack.append(getattr(self._tls, "ctx", 0))
+        self._tls.ctx = int(ctx)
+        return self._ok()[:1]
+
+    def _cuCtxPopCurrent(self) -> Any:
+        stack = self._tls.__dict__.setdefault("stack", [])
+        old = getattr(self._tls, "ctx", 0)
+        self._tls.ctx = stack.pop() if stack else 0
+        return self._ok(self._wrap("CUcontext", old))
+
+    def _cuDevicePrimaryCtxGetState(self, dev: Any) -> Any:
+        return self._ok(0, 1 if self.retains else 0)
+
+    def _cuStreamGetCtx(self, stream: Any) -> Any:
+        return self._ok(self._wrap("CUcontext", _CONTEXT))
+
+    def _cuStreamIsCapturing(self, stream: Any) -> Any:
+        return self._ok(self.types.CUstreamCaptureStatus(0))
+
+    def _cuPointerGetAttribute(self, attribute: Any, ptr: Any) -> Any:
+        return self._ok(0)
 
     def _cuCtxSynchronize(self) -> Any:
         for stream in list(self.waits):
