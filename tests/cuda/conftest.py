@@ -106,3 +106,21 @@ def _warm_up() -> None:
         cuda.register_segment(seg, ctx).unregister()
     stream.close()
     pool.close()
+    cuda.finish_releases()
+    _warm_up_torch()
+
+
+def _warm_up_torch() -> None:
+    """Initialize torch's CUDA too (its allocator, streams, cuBLAS handle), where torch has it."""
+    try:
+        import torch
+    except ImportError:
+        return
+    if not torch.cuda.is_available():
+        return
+    torch.cuda.init()
+    x = torch.ones(256, 256, device="cuda")
+    (x @ x).sum().item()
+    torch.from_dlpack(torch.utils.dlpack.to_dlpack(x))
+    x.cpu().pin_memory()
+    torch.cuda.synchronize()
