@@ -258,6 +258,10 @@ def run_step(step: Step, log: Path, deadline: float) -> Result:
             result.key, result.lines = step.summarize(log.read_text(errors="replace"), log)
         except Exception as exc:  # noqa: BLE001 - a log we cannot read is shown as such, the run goes on
             result.key = f"(summary failed: {exc!r})"
+    if rc != 0 or timed_out:
+        last = [line for line in log.read_text(errors="replace").splitlines() if line.strip() and
+                not line.startswith("# ")][-1:]
+        result.key += f" | last line: {last[0].strip()[:160]}" if last else " | no output"
     state = "TIMED OUT" if timed_out else f"rc={rc}"
     print(f"    {state} in {seconds:.1f} s  {result.key}", flush=True)
     return result
