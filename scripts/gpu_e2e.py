@@ -254,7 +254,7 @@ class HeldStream:
         self.delay = delay
         try:
             device_word = _driver.call("cuMemHostGetDevicePointer", self._word, 0)
-            geq = drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ
+            geq = int(drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)  # flags are an unsigned int
             _driver.call("cuStreamWaitValue32", stream.handle, device_word, 1, geq)
         except cuda.CudaError as exc:
             print(f"  (no stream hold: {exc})", flush=True)
