@@ -261,7 +261,10 @@ def run_step(step: Step, log: Path, deadline: float) -> Result:
     if rc != 0 or timed_out:
         last = [line for line in log.read_text(errors="replace").splitlines() if line.strip() and
                 not line.startswith("# ")][-1:]
-        result.key += f" | last line: {last[0].strip()[:160]}" if last else " | no output"
+        if not last:
+            result.key += " | no output"
+        elif last[0].split(" ", 1)[-1][:40] not in result.key:  # not what the summary shows already
+            result.key += f" | last line: {last[0].strip()[:160]}"
     state = "TIMED OUT" if timed_out else f"rc={rc}"
     print(f"    {state} in {seconds:.1f} s  {result.key}", flush=True)
     return result
