@@ -1,7 +1,26 @@
-"""Builds the C extension ``shmshare._native``; everything else lives in pyproject.toml."""
+"""Builds the C extension ``shmshare._native`` and sets the license; everything else lives in pyproject.toml."""
+import setuptools
 from setuptools import Extension, setup
 
+LICENSE = "BSD-3-Clause"  # an SPDX expression
+
+
+def _license() -> dict[str, str]:
+    """Return the license as this setuptools takes it, without a deprecation in either.
+
+    setuptools >= 77 takes an SPDX ``license_expression`` (core metadata 2.4,
+    ``License-Expression``) and deprecates the old ``project.license`` table;
+    older ones (an offline ``pip install --no-build-isolation`` uses the one
+    installed) reject the SPDX string in pyproject.toml and take ``license``
+    (``License:``). So pyproject.toml lists ``license`` as dynamic and it is set here.
+    """
+    if int(setuptools.__version__.split(".")[0]) >= 77:
+        return {"license_expression": LICENSE}
+    return {"license": LICENSE}
+
+
 setup(
+    **_license(),
     ext_modules=[
         Extension(
             "shmshare._native",

@@ -19,6 +19,9 @@ say whether it can be used and why not.
   DLPack (``_array.py``, ``_dlpack.py``).
 - :func:`send_device_memory` / :func:`recv_device_memory`: device memory to
   another process as fds in ``SCM_RIGHTS`` (``_ipc.py``).
+- :func:`finish_releases` / :func:`pending_releases`: releases that
+  finalizers and DLPack deleters queued instead of waiting for the GPU
+  (``_deferred.py``, Note [Deferred releases]).
 
 Layer: beside ``memory`` (it may import ``memory``, ``wire``, ``segment``
 and ``_native``; nothing below imports it). Design notes: ``docs/cuda.md``.
@@ -29,6 +32,8 @@ from __future__ import annotations
 from ._array import DeviceArray
 from ._context import Context, Event, EventPool, Stream, stream_handle
 from ._copy import address_of, copy_device_to_host, copy_host_to_device, memset_device
+from ._deferred import finish_releases
+from ._deferred import pending as pending_releases
 from ._device import CudaDeviceProvider
 from ._driver import (
     CudaError,
@@ -60,8 +65,10 @@ __all__ = [
     "available",
     "copy_device_to_host",
     "copy_host_to_device",
+    "finish_releases",
     "host_allocator",
     "memset_device",
+    "pending_releases",
     "recv_device_memory",
     "register_segment",
     "registered",

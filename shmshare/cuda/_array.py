@@ -12,8 +12,21 @@ It speaks the two standard protocols:
 When the array was produced on a stream (``stream=``), a consumer that
 passes its own stream to ``__dlpack__`` gets an event recorded on the
 producer's stream and waited on by its own (``cuStreamWaitEvent``), as the
-DLPack stream rules ask; the ``__cuda_array_interface__`` carries the
-stream instead, for the consumer to wait on.
+DLPack stream rules ask. ``__cuda_array_interface__`` could only carry the
+stream for the consumer to wait on, and consumers may ignore it (v3 makes
+it optional; numba can be told to), so the producer's stream is
+synchronized on the host before the interface is returned, and the
+interface names no stream: the data is ready on any stream.
+
+The consumer's stream is also told to the owner when it can take it
+(``owner.record_stream``: imported device memory), so that the memory is
+not unmapped before the consumer's work on it is done (Note [Imported
+memory is unmapped deferred]).
+
+A read-only array is exported through DLPack only as a versioned (1.x)
+capsule with the read-only flag (the consumer must pass
+``max_version >= (1, 0)``): the unversioned capsule cannot say read-only,
+and its consumer would take the memory as writable.
 """
 
 from __future__ import annotations
@@ -23,7 +36,8 @@ from typing import Any
 import numpy as np
 
 from ._context import Context, EventPool, stream_handle
-from ._dlpack import CUDA, make_capsule
+from ._dlpack import CUDA, VERSION, make_capsule
+from ._driver import call
 
 __all__ = ["DeviceArray"]
 
@@ -85,8 +99,10 @@ class DeviceArray:
             "strides": self.strides,
             "descr": [("", self.dtype.str)],
         }
-        if self.stream is not None:  # v3 forbids 0 as ambiguous: the legacy default stream is 1
-            interface["stream"] = self.stream or 1
+        if self.stream is not None:  # consumers may ignore a stream: the data is made ready here
+            producer = Context.of_stream(self.stream, Context.primary(self.device))
+            with producer.active():
+                call("cuStreamSynchronize", self.stream)
         return interface
 
     def __dlpack_device__(self) -> tuple[int, int]:
@@ -99,8 +115,10 @@ class DeviceArray:
 
         ``stream`` is the consumer's: None or 1 for the legacy default
         stream, 2 for the per-thread one, another handle, or -1 for "do not
-        synchronize". ``max_version`` is accepted and an unversioned
-        (DLPack 0.8) capsule returned, which consumers take.
+        synchronize". A writable array gives an unversioned (DLPack 0.8)
+        capsule, which every consumer takes; a read-only one gives a
+        versioned capsule with the read-only flag, and needs ``max_version``
+        of at least (1, 0).
         """
         if copy:
             raise BufferError("DeviceArray exports its memory without copying; copy=True is not supported")
@@ -108,18 +126,36 @@ class DeviceArray:
             raise BufferError(f"DeviceArray lives on {self.__dlpack_device__()}, not {tuple(dl_device)}")
         if stream == 0:
             raise ValueError("stream=0 is ambiguous for DLPack on CUDA; pass 1 for the legacy default stream")
+        versioned = False
+        if self.readonly:
+            if max_version is None or int(max_version[0]) < VERSION[0]:
+                raise BufferError(f"this DeviceArray is read-only, and the consumer asked for a DLPack "
+                                  f"{'0.8' if max_version is None else tuple(max_version)} capsule, which cannot "
+                                  "say read-only (it would be taken as writable); consume it with a DLPack 1.x "
+                                  "consumer (max_version=(1, 0)), or make the array writable")
+            versioned = True
+        consumer = 1 if stream is None else stream
         if self.stream is not None and stream != -1:
-            self._wait_on(1 if stream is None else stream)
-        return make_capsule(self.address, self.shape, self.dtype, self.strides, CUDA, self.device, self)
+            self._wait_on(consumer)
+        if stream != -1:
+            record = getattr(self.owner, "record_stream", None)
+            if callable(record):
+                record(0 if consumer in (1, 2) else consumer)
+        return make_capsule(self.address, self.shape, self.dtype, self.strides, CUDA, self.device, self,
+                            versioned=versioned, readonly=self.readonly)
 
     def __repr__(self) -> str:
         return f"<DeviceArray {self.dtype} {self.shape} at 0x{self.address:x} on device {self.device}>"
 
     def _wait_on(self, consumer: Any) -> None:
-        context = Context.primary(self.device)
-        pool = _pools.get(context.handle)
-        if pool is None:
-            pool = _pools[context.handle] = EventPool(context)
+        """Make the consumer's stream wait for the producer's: an event of the producer's context."""
+        device = Context.primary(self.device)
+        producer = Context.of_stream(self.stream, device)
+        pool = _pools.get(producer.handle)
+        if pool is None or pool.closed:
+            pool = _pools[producer.handle] = EventPool(producer)
         event = pool.get().record(self.stream)
-        event.wait_on(stream_handle(consumer))
-        event.release()  # the wait is enqueued; re-recording the event later does not affect it
+        try:
+            event.wait_on(stream_handle(consumer), Context.of_stream(consumer, device))
+        finally:
+            event.release()  # the wait is enqueued; re-recording the event later does not affect it

@@ -3,11 +3,21 @@
 Note [Current context]
     The driver's current context is per thread, and every driver call acts
     on it. shmshare uses each device's *primary* context (the one the CUDA
-    runtime, torch and CuPy use too), so making it current never changes
-    what those libraries see. Before driver calls an owner runs
-    ``Context.make_current()``, which asks the driver and sets the context
-    only when another one (or none) is current on this thread; the pinned
-    pool's background thread relies on that.
+    runtime, torch and CuPy use too). Its driver calls run inside
+    ``with context.active():``, which pushes the context only when another
+    one (or none) is current on this thread and pops it afterwards, so the
+    caller's current context is what it was: a user working on device 1
+    who asks shmshare for a device-0 copy is still on device 1 afterwards.
+    (``make_current()`` sets it for good, for callers that want that.)
+
+    Streams and events belong to the context that was current when they
+    were made, and the driver refuses to record an event of one context on
+    a stream of another (``CUDA_ERROR_INVALID_HANDLE``). So events come from
+    a pool per context, and the context is the stream's own:
+    :meth:`Context.of_stream` asks ``cuStreamGetCtx``. The legacy and
+    per-thread default streams (handles 0, 1, 2) have no context of their
+    own: they mean the one that is current, so a caller passes the context
+    it means with them.
 
 Note [Event pool]
     ``cuEventCreate`` is slow and, called from many threads, contended
@@ -26,12 +36,14 @@ Note [Event pool]
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from .. import _fork
 from ._driver import call, driver, query
 
-__all__ = ["Context", "Event", "EventPool", "Stream", "stream_handle"]
+__all__ = ["Context", "Event", "EventPool", "Stream", "active_primaries", "stream_handle"]
 
 _primary: dict[int, Context] = {}
 _primary_lock = threading.Lock()
@@ -66,22 +78,80 @@ class Context:
                 ctx = _primary[device] = cls(device)
             return ctx
 
+    @classmethod
+    def of_stream(cls, stream: Any, default: Context | None = None) -> Context:
+        """Return the primary context that ``stream`` belongs to (``cuStreamGetCtx``).
+
+        The default streams (None, 0, 1, 2) belong to whichever context is
+        current, so for them ``default`` is returned (device 0's when None);
+        see Note [Current context].
+        """
+        handle = stream_handle(stream)
+        if handle in DEFAULT_STREAMS:
+            return default or cls.primary(0)
+        if isinstance(stream, Stream):
+            return stream.context
+        raw = int(call("cuStreamGetCtx", handle))
+        for ctx in list(_primary.values()):
+            if ctx.handle == raw and not ctx.closed:
+                return ctx
+        for device in range(call("cuDeviceGetCount")):
+            ctx = cls.primary(device)
+            if ctx.handle == raw:
+                return ctx
+        raise ValueError(f"stream 0x{handle:x} belongs to context 0x{raw:x}, which is no device's primary "
+                         "context; shmshare works in primary contexts (the ones torch and CuPy use)")
+
     @property
     def closed(self) -> bool:
         """Whether ``close()`` released the context."""
         return self._ctx is None
 
     def make_current(self) -> None:
-        """Make this context current on the calling thread (Note [Current context])."""
+        """Make this context current on the calling thread for good (Note [Current context])."""
         if self._ctx is None:
             raise ValueError(f"context of device {self.device} is closed")
         if int(call("cuCtxGetCurrent")) != self.handle:
             call("cuCtxSetCurrent", self._ctx)
 
+    @contextmanager
+    def active(self) -> Iterator[Context]:
+        """Make this context current for the ``with`` block, then restore the caller's.
+
+        Pushes only when another context (or none) is current, and pops what
+        it pushed (Note [Current context]).
+        """
+        if self._ctx is None:
+            raise ValueError(f"context of device {self.device} is closed")
+        if int(call("cuCtxGetCurrent")) == self.handle:
+            yield self
+            return
+        call("cuCtxPushCurrent", self._ctx)
+        try:
+            yield self
+        finally:
+            call("cuCtxPopCurrent")
+
     def synchronize(self) -> None:
         """Wait for all work of this context, on every stream."""
-        self.make_current()
-        call("cuCtxSynchronize")
+        with self.active():
+            call("cuCtxSynchronize")
+
+    def is_capturing(self, stream: Any = 0) -> bool:
+        """Return whether ``stream`` (a stream of this context) is being captured into a CUDA graph.
+
+        For the legacy default stream this is also True while any blocking
+        stream of the context captures (the driver's ``CUDA_ERROR_STREAM_CAPTURE_IMPLICIT``).
+        """
+        drv = driver()
+        with self.active():
+            out = drv.cuStreamIsCapturing(stream_handle(stream))
+        err = int(out[0])
+        if err == int(drv.CUresult.CUDA_ERROR_STREAM_CAPTURE_IMPLICIT):
+            return True
+        if err != 0:
+            call("cuStreamIsCapturing", stream_handle(stream))  # raises the CudaError, naming the call
+        return int(out[1]) != int(drv.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_NONE)
 
     def attribute(self, name: str) -> int:
         """Return device attribute ``name`` (``"CU_DEVICE_ATTRIBUTE_..."``) as an int."""
@@ -94,8 +164,8 @@ class Context:
 
     def memory_info(self) -> tuple[int, int]:
         """Return (free, total) bytes of device memory, as the driver sees them now."""
-        self.make_current()
-        free, total = call("cuMemGetInfo")
+        with self.active():
+            free, total = call("cuMemGetInfo")
         return int(free), int(total)
 
     def uuid(self) -> bytes:
@@ -141,8 +211,9 @@ class Stream:
 
     def __init__(self, context: Context | None = None, *, non_blocking: bool = True) -> None:
         self.context = context or Context.primary(0)
-        self.context.make_current()
-        self._raw = call("cuStreamCreate", 1 if non_blocking else 0)  # CU_STREAM_NON_BLOCKING is 1
+        flags = int(driver().CUstream_flags.CU_STREAM_NON_BLOCKING) if non_blocking else 0
+        with self.context.active():
+            self._raw = call("cuStreamCreate", flags)
         self.handle = int(self._raw)  # the CUstream, as an int
         self._owned = True
 
@@ -158,20 +229,20 @@ class Stream:
 
     def synchronize(self) -> None:
         """Wait until the work enqueued on the stream has completed."""
-        self.context.make_current()
-        call("cuStreamSynchronize", self.handle)
+        with self.context.active():
+            call("cuStreamSynchronize", self.handle)
 
     def query(self) -> bool:
         """Return whether the work enqueued so far has completed, without blocking."""
-        self.context.make_current()
-        return query("cuStreamQuery", self.handle)
+        with self.context.active():
+            return query("cuStreamQuery", self.handle)
 
     def close(self) -> None:
         """Destroy the stream if this object created it. Idempotent."""
         raw, self._raw = self._raw, None
         if raw is not None and self._owned:
-            self.context.make_current()
-            call("cuStreamDestroy", raw)
+            with self.context.active():
+                call("cuStreamDestroy", raw)
 
     def __cuda_stream__(self) -> tuple[int, int]:
         """Return (0, handle): the CUDA stream protocol of cuda.core and CuPy."""
@@ -198,6 +269,9 @@ class Stream:
 
     def __repr__(self) -> str:
         return f"<Stream 0x{self.handle:x}{'' if self._owned else ' (wrapped)'}>"
+
+
+DEFAULT_STREAMS = (0, 1, 2)  # NULL (legacy), CU_STREAM_LEGACY, CU_STREAM_PER_THREAD: the current context's
 
 
 def stream_handle(stream: Any) -> int:
@@ -250,8 +324,9 @@ class EventPool:
             self.handed_out += 1
         if raw is None:
             try:
-                self.context.make_current()
-                raw = call("cuEventCreate", 2)  # CU_EVENT_DISABLE_TIMING: cheaper to record and query
+                flags = int(driver().CUevent_flags.CU_EVENT_DISABLE_TIMING)  # cheaper to record and query
+                with self.context.active():
+                    raw = call("cuEventCreate", flags)
             except BaseException:
                 with self._lock:
                     self.handed_out -= 1
@@ -292,13 +367,13 @@ class EventPool:
         """Destroy every one of ``raws``; a failure does not keep the others alive."""
         if not raws:
             return
-        self.context.make_current()
         error: Exception | None = None
-        for raw in raws:
-            try:
-                call("cuEventDestroy", raw)
-            except Exception as exc:  # noqa: BLE001 - raised below, once the others are destroyed
-                error = error or exc
+        with self.context.active():
+            for raw in raws:
+                try:
+                    call("cuEventDestroy", raw)
+                except Exception as exc:  # noqa: BLE001 - raised below, once the others are destroyed
+                    error = error or exc
         if error is not None:
             raise error
 
@@ -313,12 +388,19 @@ class Event:
         self._raw = raw  # the CUevent, None once given back
         self._done = False  # a query found it complete
 
+    @property
+    def context(self) -> Context:
+        """The context the event belongs to: only its streams can record it."""
+        if self._pool is None:
+            raise ValueError("an event without a pool")
+        return self._pool.context
+
     def record(self, stream: Any) -> Event:
-        """Record the event on ``stream`` (any stream object or handle); return self."""
+        """Record the event on ``stream``, a stream of the event's context; return self."""
         if self._raw is None:
             raise ValueError("record() on an event that was released")
-        self._pool.context.make_current()  # type: ignore[union-attr]
-        call("cuEventRecord", self._raw, stream_handle(stream))
+        with self.context.active():
+            call("cuEventRecord", self._raw, stream_handle(stream))
         self._done = False
         return self
 
@@ -328,9 +410,9 @@ class Event:
             return True
         if self._raw is None:
             raise ValueError("query() on an event that was released before completing")
-        self._pool.context.make_current()  # type: ignore[union-attr]
-        if not query("cuEventQuery", self._raw):
-            return False
+        with self.context.active():
+            if not query("cuEventQuery", self._raw):
+                return False
         self._done = True
         self.release()
         return True
@@ -341,17 +423,23 @@ class Event:
             return
         if self._raw is None:
             raise ValueError("synchronize() on an event that was released before completing")
-        self._pool.context.make_current()  # type: ignore[union-attr]
-        call("cuEventSynchronize", self._raw)
+        with self.context.active():
+            call("cuEventSynchronize", self._raw)
         self._done = True
         self.release()
 
-    def wait_on(self, stream: Any) -> None:
-        """Make ``stream`` wait for the event (``cuStreamWaitEvent``) without blocking the host."""
+    def wait_on(self, stream: Any, context: Context | None = None) -> None:
+        """Make ``stream`` wait for the event (``cuStreamWaitEvent``) without blocking the host.
+
+        ``stream`` may belong to another context (another device): the
+        driver allows that; ``context`` is the stream's, the event's when None.
+        """
         if self._done:
             return
-        self._pool.context.make_current()  # type: ignore[union-attr]
-        call("cuStreamWaitEvent", stream_handle(stream), self._raw, 0)
+        if self._raw is None:
+            raise ValueError("wait_on() on an event that was released before completing")
+        with (context or self.context).active():
+            call("cuStreamWaitEvent", stream_handle(stream), self._raw, 0)
 
     def release(self) -> None:
         """Give the raw event back to its pool. Idempotent."""
@@ -369,6 +457,21 @@ class Event:
     def __repr__(self) -> str:
         state = "done" if self._done else "released" if self._raw is None else "pending"
         return f"<Event {state}>"
+
+
+def active_primaries() -> list[Context]:
+    """Return the owner of every device's primary context that is active in this process.
+
+    Active means someone (shmshare, torch, CuPy) retained it: those are the
+    contexts whose streams may use host memory this process pinned.
+    Inactive ones are not created by asking.
+    """
+    contexts = []
+    for device in range(call("cuDeviceGetCount")):
+        _flags, active = call("cuDevicePrimaryCtxGetState", call("cuDeviceGet", device))
+        if active:
+            contexts.append(Context.primary(device))
+    return contexts
 
 
 def _forget_primary_after_fork() -> None:

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from ._context import Context, stream_handle
-from ._driver import call
+from ._context import DEFAULT_STREAMS, Context, stream_handle
+from ._driver import call, driver
 
 __all__ = ["address_of", "copy_device_to_host", "copy_host_to_device", "memset_device"]
 
@@ -23,11 +23,11 @@ def copy_host_to_device(dst: Any, src: Any, nbytes: int, *, stream: Any = None,
     """Copy ``nbytes`` from host ``src`` to device ``dst``; asynchronous on ``stream`` when given."""
     _check_nbytes(nbytes)
     _check_host(src, nbytes, "src", writable=False)
-    (context or Context.primary(0)).make_current()
-    if stream is None:
-        call("cuMemcpyHtoD", address_of(dst), address_of(src), nbytes)
-    else:
-        call("cuMemcpyHtoDAsync", address_of(dst), address_of(src), nbytes, stream_handle(stream))
+    with _context_for(context, stream, address_of(dst)).active():
+        if stream is None:
+            call("cuMemcpyHtoD", address_of(dst), address_of(src), nbytes)
+        else:
+            call("cuMemcpyHtoDAsync", address_of(dst), address_of(src), nbytes, stream_handle(stream))
 
 
 def copy_device_to_host(dst: Any, src: Any, nbytes: int, *, stream: Any = None,
@@ -35,11 +35,11 @@ def copy_device_to_host(dst: Any, src: Any, nbytes: int, *, stream: Any = None,
     """Copy ``nbytes`` from device ``src`` to host ``dst``; asynchronous on ``stream`` when given."""
     _check_nbytes(nbytes)
     _check_host(dst, nbytes, "dst", writable=True)
-    (context or Context.primary(0)).make_current()
-    if stream is None:
-        call("cuMemcpyDtoH", address_of(dst), address_of(src), nbytes)
-    else:
-        call("cuMemcpyDtoHAsync", address_of(dst), address_of(src), nbytes, stream_handle(stream))
+    with _context_for(context, stream, address_of(src)).active():
+        if stream is None:
+            call("cuMemcpyDtoH", address_of(dst), address_of(src), nbytes)
+        else:
+            call("cuMemcpyDtoHAsync", address_of(dst), address_of(src), nbytes, stream_handle(stream))
 
 
 def memset_device(dst: Any, value: int, nbytes: int, *, stream: Any = None,
@@ -48,11 +48,11 @@ def memset_device(dst: Any, value: int, nbytes: int, *, stream: Any = None,
     _check_nbytes(nbytes)
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 255:
         raise ValueError(f"value must be a byte (0..255), got {value!r}")
-    (context or Context.primary(0)).make_current()
-    if stream is None:
-        call("cuMemsetD8", address_of(dst), value, nbytes)
-    else:
-        call("cuMemsetD8Async", address_of(dst), value, nbytes, stream_handle(stream))
+    with _context_for(context, stream, address_of(dst)).active():
+        if stream is None:
+            call("cuMemsetD8", address_of(dst), value, nbytes)
+        else:
+            call("cuMemsetD8Async", address_of(dst), value, nbytes, stream_handle(stream))
 
 
 def address_of(obj: Any) -> int:
@@ -68,6 +68,16 @@ def address_of(obj: Any) -> int:
         return address
     raise TypeError(f"cannot take the address of {type(obj).__name__}: pass an int, a block, "
                     "a numpy array or a DeviceArray")
+
+
+def _context_for(context: Context | None, stream: Any, device_address: int) -> Context:
+    """The context a copy runs in: the one given, the stream's, or the device memory's."""
+    if context is not None:
+        return context
+    if stream is not None and stream_handle(stream) not in DEFAULT_STREAMS:
+        return Context.of_stream(stream)
+    attribute = driver().CUpointer_attribute.CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL
+    return Context.primary(int(call("cuPointerGetAttribute", attribute, device_address)))
 
 
 def _check_host(arr: Any, nbytes: int, name: str, writable: bool) -> None:

@@ -36,6 +36,7 @@ import numpy as np
 from ..memory._policy import format_size
 from ._array import DeviceArray
 from ._context import Context, Event, EventPool, Stream, stream_handle
+from ._deferred import drain
 from ._driver import CudaError, CudaOutOfMemory, call
 from ._vmm import VirtualRange, allocation_granularity
 
@@ -80,6 +81,7 @@ class CudaDeviceProvider:
     def allocate(self, nbytes: int) -> tuple[int, object]:
         """Back ``nbytes`` with device memory; return (address, handle)."""
         _check_positive(nbytes, "allocate")
+        drain()
         if self.ipc:
             chunk = self.chunk_size
             self._check_free(nbytes, "allocate")
@@ -91,22 +93,22 @@ class CudaDeviceProvider:
                 vrange.release()
                 raise
             return vrange.address, vrange
-        self.context.make_current()
-        address = int(call("cuMemAlloc", nbytes))
+        with self.context.active():
+            address = int(call("cuMemAlloc", nbytes))
         self._classic[address] = nbytes
         return address, _ClassicHandle(address)
 
     def free(self, handle: object) -> None:
         """Give back a segment from ``allocate``, after the work using it."""
         if isinstance(handle, _ClassicHandle) and handle.address in self._classic:
-            self.context.make_current()
-            call("cuMemFree", handle.address)  # waits for work using it, as cudaFree does
+            with self.context.active():
+                call("cuMemFree", handle.address)  # waits for work using it, as cudaFree does
             del self._classic[handle.address]
             return
         vrange = self._range(handle, "free")
         self.context.synchronize()  # unlike cuMemFree, cuMemUnmap does not wait
+        vrange.close()  # a failed unmap keeps the range in the books (and mapped), for close() to retry
         self._drop_range(vrange)
-        vrange.close()
 
     # --- expandable segments ---------------------------------------------------------------------
 
@@ -119,6 +121,7 @@ class CudaDeviceProvider:
     def map(self, handle: object, offset: int, nbytes: int) -> None:
         """Back a chunk-aligned, unmapped range of a reservation; all or nothing."""
         vrange = self._range(handle, "map")
+        drain()
         self._check_free(nbytes, "map")
         vrange.map(offset, nbytes)
 
@@ -151,7 +154,11 @@ class CudaDeviceProvider:
         return Stream(self.context, non_blocking=non_blocking)
 
     def record_event(self, stream: Hashable) -> Event:
-        """Return a pooled event recorded on ``stream`` (any stream object or int handle)."""
+        """Return a pooled event recorded on ``stream`` (any stream object or int handle of this device)."""
+        owner = Context.of_stream(stream, self.context)
+        if owner.handle != self.context.handle:
+            raise ValueError(f"stream {stream!r} belongs to device {owner.device}, and this allocator's memory "
+                             f"is on device {self.device}: use a stream of device {self.device}")
         return self.events.get().record(stream)
 
     def event_done(self, event: object) -> bool:
@@ -165,8 +172,8 @@ class CudaDeviceProvider:
         if stream is None:
             self.context.synchronize()
             return
-        self.context.make_current()
-        call("cuStreamSynchronize", stream_handle(stream))
+        with self.context.active():
+            call("cuStreamSynchronize", stream_handle(stream))
 
     # --- blocks as arrays, lookup ---------------------------------------------------------------------
 
@@ -174,7 +181,7 @@ class CudaDeviceProvider:
     def chunk_size(self) -> int:
         """Return the allocation granularity of virtual-memory chunks (asked once)."""
         if self._chunk is None:
-            chunk = allocation_granularity(self.context, self.ipc)
+            chunk = allocation_granularity(self.context, self.ipc, _SMALL_PAGE)
             if _SMALL_PAGE % chunk:
                 raise CudaError(f"device {self.device}: allocation granularity {chunk} does not divide "
                                 "2 MiB, so expandable segments cannot be mapped page by page here")
@@ -203,12 +210,13 @@ class CudaDeviceProvider:
         """Free every segment still held and the pooled events (the allocator freed them first). Idempotent."""
         if self._classic or self._ranges:
             self.context.synchronize()
-        for address in list(self._classic):
-            call("cuMemFree", address)
-            del self._classic[address]
+        with self.context.active():
+            for address in list(self._classic):
+                call("cuMemFree", address)
+                del self._classic[address]
         for vrange in list(self._ranges.values()):
+            vrange.close()  # a failed unmap raises and keeps the range in the books: close() again retries
             self._drop_range(vrange)
-            vrange.close()
         self.events.close()
 
     def __repr__(self) -> str:

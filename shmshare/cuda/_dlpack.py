@@ -12,10 +12,16 @@ deleter, a ctypes callback (which takes the GIL itself), drops that entry.
 A capsule that is never consumed calls the deleter from its own destructor,
 which checks the name first: a consumed capsule is not ours to clean.
 
-The layout follows ``dlpack.h`` (v0.8, unversioned): ``DLTensor`` is data,
-device (type, id), ndim, dtype (code, bits, lanes), shape, strides (in
-elements), byte_offset. It is exercised on CPU memory in the tests, so the
-layout and the lifetime are proven without a GPU.
+The layout follows ``dlpack.h``: ``DLTensor`` is data, device (type, id),
+ndim, dtype (code, bits, lanes), shape, strides (in elements),
+byte_offset. The unversioned (0.8) capsule, ``"dltensor"``, has no way to
+say "read-only", so read-only memory goes only as a versioned (1.x)
+capsule, ``"dltensor_versioned"`` (``DLManagedTensorVersioned``: version,
+manager_ctx, deleter, flags, then the tensor), with
+``DLPACK_FLAG_BITMASK_READ_ONLY`` set; its consumer renames it
+``"used_dltensor_versioned"``. Both are exercised on CPU memory in the
+tests (numpy consumes either), so the layouts and the lifetime are proven
+without a GPU.
 """
 
 from __future__ import annotations
@@ -26,11 +32,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CPU", "CUDA", "CUDA_HOST", "dtype_code", "make_capsule"]
+__all__ = ["CPU", "CUDA", "CUDA_HOST", "READ_ONLY", "dtype_code", "make_capsule"]
 
 CPU, CUDA, CUDA_HOST = 1, 2, 3  # DLDeviceType: kDLCPU, kDLCUDA, kDLCUDAHost
 _INT, _UINT, _FLOAT, _COMPLEX, _BOOL = 0, 1, 2, 5, 6  # DLDataTypeCode
 _NAME = b"dltensor"
+_NAME_VERSIONED = b"dltensor_versioned"
+READ_ONLY = 1 << 0  # DLPACK_FLAG_BITMASK_READ_ONLY
+VERSION = (1, 0)  # the versioned layout this module writes
 
 
 class DLDevice(ctypes.Structure):
@@ -63,8 +72,22 @@ class DLManagedTensor(ctypes.Structure):
     """Mirror ``DLManagedTensor``: the description, its owner, and the deleter to call."""
 
 
+class DLPackVersion(ctypes.Structure):
+    """Mirror ``DLPackVersion``."""
+
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class DLManagedTensorVersioned(ctypes.Structure):
+    """Mirror ``DLManagedTensorVersioned`` (DLPack 1.x): with a version and flags (read-only)."""
+
+
 _Deleter = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensor))
 DLManagedTensor._fields_ = [("dl_tensor", DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _Deleter)]
+_DeleterVersioned = ctypes.CFUNCTYPE(None, ctypes.POINTER(DLManagedTensorVersioned))
+DLManagedTensorVersioned._fields_ = [("version", DLPackVersion), ("manager_ctx", ctypes.c_void_p),
+                                     ("deleter", _DeleterVersioned), ("flags", ctypes.c_uint64),
+                                     ("dl_tensor", DLTensor)]
 _CapsuleDestructor = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 _live: dict[int, tuple[Any, ...]] = {}  # struct address -> what must live until the deleter runs
@@ -72,13 +95,18 @@ _live_lock = threading.RLock()  # re-entrant: a consumer may run a deleter durin
 
 
 def make_capsule(address: int, shape: tuple[int, ...], dtype: np.dtype[Any], strides: tuple[int, ...] | None,
-                 device_type: int, device_id: int, owner: Any) -> Any:
-    """Return a ``"dltensor"`` capsule over ``address`` that keeps ``owner`` alive until consumed and freed.
+                 device_type: int, device_id: int, owner: Any, *, versioned: bool = False,
+                 readonly: bool = False) -> Any:
+    """Return a capsule over ``address`` that keeps ``owner`` alive until consumed and freed.
 
-    ``strides`` are in bytes (as numpy and ``__cuda_array_interface__`` give
-    them), None for C order; DLPack wants elements, so each must divide by
-    the item size.
+    ``"dltensor"`` (DLPack 0.8), or ``"dltensor_versioned"`` (1.0) when
+    ``versioned``; ``readonly`` needs ``versioned``, since only the
+    versioned struct has the read-only flag. ``strides`` are in bytes (as
+    numpy and ``__cuda_array_interface__`` give them), None for C order;
+    DLPack wants elements, so each must divide by the item size.
     """
+    if readonly and not versioned:
+        raise ValueError("a read-only capsule must be versioned: DLPack 0.8 cannot say read-only")
     code = dtype_code(dtype)
     ndim = len(shape)
     shape_arr = (ctypes.c_int64 * max(ndim, 1))(*shape)
@@ -88,7 +116,7 @@ def make_capsule(address: int, shape: tuple[int, ...], dtype: np.dtype[Any], str
             raise ValueError(f"DLPack needs strides in whole items; {strides} bytes are not multiples of "
                              f"{dtype.itemsize}")
         strides_arr = (ctypes.c_int64 * max(ndim, 1))(*(s // dtype.itemsize for s in strides))
-    managed = DLManagedTensor()
+    managed: Any = DLManagedTensorVersioned() if versioned else DLManagedTensor()
     tensor = managed.dl_tensor
     tensor.data = address
     tensor.device = DLDevice(device_type, device_id)
@@ -99,10 +127,17 @@ def make_capsule(address: int, shape: tuple[int, ...], dtype: np.dtype[Any], str
     tensor.byte_offset = 0
     key = ctypes.addressof(managed)
     managed.manager_ctx = key
-    managed.deleter = _deleter
+    if versioned:
+        managed.version = DLPackVersion(*VERSION)
+        managed.flags = READ_ONLY if readonly else 0
+        managed.deleter = _deleter_versioned
+    else:
+        managed.deleter = _deleter
     with _live_lock:
         _live[key] = (managed, shape_arr, strides_arr, owner)
     try:
+        if versioned:
+            return _capsule_new(key, _NAME_VERSIONED, _capsule_destructor_versioned)
         return _capsule_new(key, _NAME, _capsule_destructor)
     except BaseException:
         with _live_lock:
@@ -135,14 +170,32 @@ def _deleter(managed: Any) -> None:
         _live.pop(key, None)
 
 
-@_CapsuleDestructor  # type: ignore[untyped-decorator]
-def _capsule_destructor(capsule: int) -> None:
-    # A consumed capsule was renamed "used_dltensor": the consumer calls the deleter.
-    if _capsule_is_valid(capsule, _NAME):
-        pointer = _capsule_get_pointer(capsule, _NAME)
+@_DeleterVersioned  # type: ignore[untyped-decorator]
+def _deleter_versioned(managed: Any) -> None:
+    key = ctypes.cast(managed, ctypes.c_void_p).value
+    if key is None:
+        return
+    with _live_lock:
+        _live.pop(key, None)
+
+
+def _destroy_unconsumed(capsule: int, name: bytes) -> None:
+    # A consumed capsule was renamed "used_...": the consumer calls the deleter.
+    if _capsule_is_valid(capsule, name):
+        pointer = _capsule_get_pointer(capsule, name)
         with _live_lock:
             entry = _live.pop(pointer, None)
         del entry
+
+
+@_CapsuleDestructor  # type: ignore[untyped-decorator]
+def _capsule_destructor(capsule: int) -> None:
+    _destroy_unconsumed(capsule, _NAME)
+
+
+@_CapsuleDestructor  # type: ignore[untyped-decorator]
+def _capsule_destructor_versioned(capsule: int) -> None:
+    _destroy_unconsumed(capsule, _NAME_VERSIONED)
 
 
 _capsule_new = ctypes.pythonapi.PyCapsule_New

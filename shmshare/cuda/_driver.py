@@ -184,10 +184,8 @@ def _initialize() -> tuple[Any, str | None]:
 
 
 def _import_driver() -> Any:
-    try:
-        from cuda.bindings import driver as module
-    except ImportError:
-        from cuda import cuda as module  # cuda-python < 12.6
+    from cuda.bindings import driver as module  # cuda-python >= 12.6 (pyproject pins it)
+
     return module
 
 

@@ -58,6 +58,35 @@ send fail (clearly, at once). Receive while the sender sends.
 
 The sender must not reuse the block until the receiver says it is done;
 that ordering is the channel's lease protocol, not this module's.
+
+Note [Ordered before it leaves]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Kernels and copies that write the block may still be running when
+``send_device_memory`` is called, and the receiver's streams know nothing
+of the sender's. So the sender waits on the host for the stream named with
+``stream=`` (``cuStreamSynchronize``), or for its whole context when none
+is named (``cuCtxSynchronize``: every stream, blocking or not), *before the
+header goes out*. Whatever the receiver does with the memory then comes
+after those writes, on any stream, with nothing to wait for on its side.
+
+An interprocess event (``CU_EVENT_INTERPROCESS``, ``cuIpcGetEventHandle``
+in the header, the receiver's ``cuStreamWaitEvent``) would avoid the host
+wait, as torch's CUDA IPC does. But the sender must keep that event alive
+until the receiver has waited on it (the driver leaves using an imported
+event after its owner destroyed it undefined), and this protocol has no
+acknowledgement to say when that is; the channel's lease protocol will.
+
+Note [Imported memory is unmapped deferred]
+    The imported range is unmapped when the last holder (the
+    :class:`ImportedDeviceMemory`, its arrays, their DLPack consumers) is
+    gone, which happens in a finalizer or a DLPack deleter. ``cuMemUnmap``
+    does not wait for kernels still reading the memory, and a finalizer
+    must not wait (Note [Deferred releases]). So the unmap is a deferred
+    release fenced on the device's legacy default stream (which covers its
+    blocking streams), on each DLPack consumer's stream, and on the streams
+    named with :meth:`ImportedDeviceMemory.record_stream`: a consumer that
+    uses the memory on a non-blocking stream it did not pass to
+    ``__dlpack__`` names it there, as with torch's ``record_stream``.
 """
 
 from __future__ import annotations
@@ -69,7 +98,8 @@ import numpy as np
 from .._errors import PeerDied, ProtocolError, ShmshareTimeout
 from ..wire import MAX_FDS, Connection, Fd
 from ._array import DeviceArray
-from ._context import Context
+from ._context import Context, stream_handle
+from ._deferred import drain, release_later
 from ._device import CudaDeviceProvider
 from ._driver import call
 from ._vmm import VirtualRange, posix_fd_handle_type
@@ -84,12 +114,15 @@ _ABORT_TIMEOUT = 1.0  # s: the abort is a courtesy to the receiver, never a reas
 
 
 def send_device_memory(conn: Connection, provider: CudaDeviceProvider, address: Any, nbytes: int | None = None,
-                       *, meta: dict[str, Any] | None = None, timeout: float | None = None) -> None:
+                       *, stream: Any = None, meta: dict[str, Any] | None = None,
+                       timeout: float | None = None) -> None:
     """Send ``[address, address + nbytes)`` of ``provider``'s device memory to the peer of ``conn``.
 
-    The chunks' fds go in batches of at most ``wire.MAX_FDS``, each
-    exported just before it is sent and closed right after (Note [Device
-    memory in batches]).
+    The send is ordered after the work that wrote the memory: it waits for
+    ``stream``, or for the provider's whole context when None, before
+    anything goes out (Note [Ordered before it leaves]). The chunks' fds go
+    in batches of at most ``wire.MAX_FDS``, each exported just before it is
+    sent and closed right after (Note [Device memory in batches]).
 
     Parameters
     ----------
@@ -97,6 +130,9 @@ def send_device_memory(conn: Connection, provider: CudaDeviceProvider, address: 
         A block of an allocator over ``provider`` made with ``ipc=True``, or an address in one.
     nbytes : int, optional
         The block's size when None.
+    stream : stream object or int handle, optional
+        The stream whose work wrote the memory (a stream of the provider's
+        device); the whole context is waited for when None.
     meta : dict, optional
         msgpack-able values delivered with the memory (dtype, shape...).
     timeout : float, optional
@@ -118,6 +154,8 @@ def send_device_memory(conn: Connection, provider: CudaDeviceProvider, address: 
     missing = [o for o in range(first, first + count * chunk, chunk) if o not in vrange.chunks]
     if missing:  # checked before the header goes: the receiver then waits for nothing that cannot come
         raise ValueError(f"send of [0x{address:x}, +{nbytes}): the chunk at offset {missing[0]:#x} is not mapped")
+    drain()
+    _wait_for_writers(provider, stream)  # Note [Ordered before it leaves]
     header = {"kind": KIND, "version": VERSION, "device": provider.device,
               "device_uuid": provider.context.uuid(), "chunk_size": chunk, "nchunks": count,
               "batch": MAX_FDS, "offset": offset - first, "nbytes": nbytes, "meta": meta or {}}
@@ -145,6 +183,19 @@ def send_device_memory(conn: Connection, provider: CudaDeviceProvider, address: 
         sent += n
 
 
+def _wait_for_writers(provider: CudaDeviceProvider, stream: Any) -> None:
+    """Wait on the host for ``stream``'s work, or the provider's whole context's when None."""
+    if stream is None:
+        provider.context.synchronize()
+        return
+    owner = Context.of_stream(stream, provider.context)
+    if owner.handle != provider.context.handle:
+        raise ValueError(f"stream {stream!r} belongs to device {owner.device}; the memory is on device "
+                         f"{provider.device}: pass the stream that wrote it")
+    with owner.active():
+        call("cuStreamSynchronize", stream_handle(stream))
+
+
 def recv_device_memory(conn: Connection, *, timeout: float | None = None,
                        context: Context | None = None) -> ImportedDeviceMemory:
     """Receive device memory sent with :func:`send_device_memory`, imported and mapped here.
@@ -161,6 +212,7 @@ def recv_device_memory(conn: Connection, *, timeout: float | None = None,
     PeerDied, ShmshareTimeout
         When the sender closes the connection, or stops sending, part way.
     """
+    drain()
     header, fds = conn.recv(timeout)
     vrange: VirtualRange | None = None
     try:
@@ -170,7 +222,6 @@ def recv_device_memory(conn: Connection, *, timeout: float | None = None,
         if chunk * count > context.total_memory():
             raise ProtocolError(f"device memory header announces {count} chunks of {chunk} bytes, more than "
                                 f"device {context.device}'s {context.total_memory()} bytes")
-        context.make_current()
         vrange = VirtualRange(context, chunk * count, chunk, shareable=False)
         received = 0
         while True:
@@ -185,7 +236,9 @@ def recv_device_memory(conn: Connection, *, timeout: float | None = None,
             try:
                 vrange.close()  # every chunk mapped so far, then the range; nothing used them: no synchronize
             except Exception as cleanup:  # noqa: BLE001 - noted on the first error, which says what went wrong
-                exc.add_note(f"releasing the partly imported range failed too: {cleanup!r}")
+                exc.add_note(f"releasing the partly imported range failed too ({cleanup!r}); it is retried "
+                             "as a deferred release")
+                release_later(f"close of a partly imported {vrange!r}", vrange.close, [])
         raise
     finally:
         for fd in fds:
@@ -219,6 +272,17 @@ class ImportedDeviceMemory:
         self.device = vrange.context.device
         self.meta = header["meta"]
 
+    def record_stream(self, stream: Any) -> None:
+        """Name a stream (of this memory's device) that uses the memory, as torch's ``record_stream``.
+
+        The unmap after the last holder is gone waits for its work (Note
+        [Imported memory is unmapped deferred]); the legacy default stream
+        and DLPack consumers' streams need not be named.
+        """
+        if self._mapping is None:
+            raise ValueError("record_stream() on closed ImportedDeviceMemory")
+        self._mapping.record_stream(stream)
+
     def array(self, shape: Any = None, dtype: Any = np.uint8, *, stream: Any = None) -> DeviceArray:
         """Return a :class:`DeviceArray` over the memory (all of it as bytes by default)."""
         if self._mapping is None:
@@ -250,18 +314,28 @@ class ImportedDeviceMemory:
 
 
 class _Mapping:
-    """Own the imported range; unmap it (after the context's work) when the last holder goes."""
+    """Own the imported range; unmap it, deferred, when the last holder goes (Note [Imported memory is
+    unmapped deferred])."""
 
     def __init__(self, vrange: VirtualRange) -> None:
         self.vrange: VirtualRange | None = vrange
+        self.streams: list[tuple[Context, int]] = [(vrange.context, 0)]  # fences of the unmap
+
+    def record_stream(self, stream: Any) -> None:
+        """Add a stream whose work the unmap waits for (DLPack consumers land here too)."""
+        vrange = self.vrange
+        if vrange is None:
+            return
+        pair = (Context.of_stream(stream, vrange.context), stream_handle(stream))
+        if pair not in self.streams:
+            self.streams.append(pair)
 
     def __del__(self) -> None:
         vrange, self.vrange = self.vrange, None
         if vrange is None:
             return
         try:
-            vrange.context.synchronize()  # kernels may still read it: cuMemUnmap does not wait
-            vrange.close()
+            release_later(f"unmap of imported {vrange!r}", vrange.close, self.streams)
         except Exception:  # noqa: BLE001, S110 - interpreter shutdown: the driver tears everything down anyway
             pass
 
@@ -314,12 +388,12 @@ def _import_batch(vrange: VirtualRange, index: int, fds: list[Fd]) -> None:
     """Import chunks ``index``... from ``fds``, close the fds, and map the chunks in ``vrange``; all or nothing."""
     handles: list[Any] = []
     try:
-        vrange.context.make_current()
         kind = posix_fd_handle_type()
-        for fd in fds:  # the driver takes what it needs from each fd: ours are closed below
-            handles.append(call("cuMemImportFromShareableHandle", fd.fileno(), kind))
+        with vrange.context.active():
+            for fd in fds:  # the driver takes what it needs from each fd: ours are closed below
+                handles.append(call("cuMemImportFromShareableHandle", fd.fileno(), kind))
     except BaseException:
-        _release_quietly(handles)
+        _release_quietly(vrange.context, handles)
         raise
     finally:
         for fd in fds:
@@ -327,13 +401,21 @@ def _import_batch(vrange: VirtualRange, index: int, fds: list[Fd]) -> None:
     vrange.map_imported(index * vrange.chunk_size, handles)  # owns every handle from here, mapped or not
 
 
-def _release_quietly(handles: list[Any]) -> None:
-    """Release imported handles on an error path: try every one; the error on its way out matters more."""
+def _release_quietly(context: Context, handles: list[Any]) -> None:
+    """Release imported handles on an error path; one the driver refuses is retried deferred."""
     for handle in handles:
         try:
+            with context.active():
+                call("cuMemRelease", handle)
+        except Exception:  # noqa: BLE001 - the error on its way out says what went wrong; this one is retried
+            release_later(f"release of an imported chunk handle {handle!r}", _releaser(context, handle), [])
+
+
+def _releaser(context: Context, handle: Any) -> Any:
+    def release() -> None:
+        with context.active():
             call("cuMemRelease", handle)
-        except Exception:  # noqa: BLE001, S110 - the error on its way out says what went wrong
-            pass
+    return release
 
 
 def _abort(conn: Connection, index: int, count: int, exc: BaseException) -> None:

@@ -14,13 +14,33 @@ pages that already exist. shmshare takes the memory from an anonymous
 ``CU_MEMHOSTREGISTER_PORTABLE``, as it does ``cuMemHostAlloc`` memory
 (``CU_MEMHOSTALLOC_PORTABLE``): pinned for every context, not just the one
 current at allocation, since pinned memory is process-wide while contexts
-are per device.
+are per device. The mmap is private, so it is advised ``MADV_DONTFORK``
+before it is pinned: otherwise a fork makes its pages copy-on-write, and
+the first write after the fork moves this process's page away from the one
+the DMA engine targets (what the driver does for ``cuMemHostAlloc`` memory).
+
+Note [Pinned ranges outlive their owners]
+~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+Each pinned range has one finalizer, which unpins before it unmaps: a
+provider or pool dropped without ``close()`` must not let the mmap's own
+finalizer unmap pages that are still registered (a stale DMA target, and
+``CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`` for the next mapping at that
+address), nor leak ``cuMemHostAlloc`` memory. The finalizer does not wait
+for the GPU: it queues a deferred release (Note [Deferred releases]) fenced
+on the legacy stream of every active context and on every stream the
+provider recorded events on.
+
+Events belong to a context and can be recorded only on its streams, so the
+provider keeps an event pool per context and picks it from the stream
+(Note [Current context]).
 """
 
 from __future__ import annotations
 
 import errno
+import mmap
 import threading
+import weakref
 from collections.abc import Hashable
 from typing import Any
 
@@ -30,12 +50,12 @@ from ..memory._host import CachingHostAllocator
 from ..memory._host_fallback import AnonymousMemory
 from ..memory._policy import format_size
 from ..memory._provider import ProviderOutOfMemory
-from ._context import Context, Event, EventPool, stream_handle
-from ._driver import call
+from ._context import Context, Event, EventPool, active_primaries, stream_handle
+from ._deferred import drain, release_later
+from ._driver import call, driver
 
 __all__ = ["CudaHostProvider", "host_allocator"]
 
-PORTABLE = 1  # CU_MEMHOSTALLOC_PORTABLE == CU_MEMHOSTREGISTER_PORTABLE == 1
 MAX_PREFAULT_THREADS = 64  # _native.prefault's limit
 
 
@@ -66,7 +86,9 @@ class CudaHostProvider:
             raise ValueError(f"register_threads must be an int from 1 to {MAX_PREFAULT_THREADS}, got {threads!r}")
         self.register_threads = threads
         self.context = context or Context.primary(0)
-        self.events = EventPool(self.context)
+        self.events = EventPool(self.context)  # this context's; others' in _pools
+        self._pools: dict[int, EventPool] = {self.context.handle: self.events}  # context handle -> pool
+        self._streams: list[tuple[Context, int]] = []  # streams events were recorded on: fences when dropped
         self._live: dict[int, _Pinned] = {}  # address -> memory handed out
         self._lock = threading.Lock()
 
@@ -76,8 +98,10 @@ class CudaHostProvider:
         """Return (address, handle) of ``nbytes`` of page-locked memory."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
-        self.context.make_current()
-        pinned = self._allocate_registered(nbytes) if self.register else self._allocate_host(nbytes)
+        drain()
+        with self.context.active():
+            pinned = self._allocate_registered(nbytes) if self.register else self._allocate_host(nbytes)
+        pinned.watch(self.context, self._streams)
         with self._lock:
             self._live[pinned.address] = pinned
         return pinned.address, pinned
@@ -88,14 +112,24 @@ class CudaHostProvider:
             if not isinstance(handle, _Pinned) or self._live.get(handle.address) is not handle:
                 raise ValueError(f"free of {handle!r}, which is not live memory of this provider")
             del self._live[handle.address]
-        self.context.make_current()
         handle.close()
 
     # --- streams and events ----------------------------------------------------------------
 
     def record_event(self, stream: Hashable) -> Event:
-        """Return a pooled event recorded on ``stream`` (any stream object or int handle)."""
-        return self.events.get().record(stream_handle(stream))
+        """Return a pooled event of ``stream``'s context recorded on it (any stream object or int handle).
+
+        The default streams (0, 1, 2) are taken as this provider's context's.
+        """
+        context = Context.of_stream(stream, self.context)
+        handle = stream_handle(stream)
+        with self._lock:
+            pool = self._pools.get(context.handle)
+            if pool is None:
+                pool = self._pools[context.handle] = EventPool(context)
+            if (context, handle) not in self._streams:
+                self._streams.append((context, handle))
+        return pool.get().record(handle)
 
     def event_done(self, event: object) -> bool:
         """Return whether ``event`` completed (``cuEventQuery``), without blocking."""
@@ -107,11 +141,11 @@ class CudaHostProvider:
         """Free what is still live and destroy pooled events. Idempotent."""
         with self._lock:
             live, self._live = list(self._live.values()), {}
-        if live:
-            self.context.make_current()
+            pools = list(self._pools.values())
         for pinned in live:
             pinned.close()
-        self.events.close()
+        for pool in pools:
+            pool.close()
 
     def __repr__(self) -> str:
         path = f"register on {self.register_threads} threads" if self.register else "cuMemHostAlloc"
@@ -120,17 +154,19 @@ class CudaHostProvider:
     # --- private ---------------------------------------------------------------------------------
 
     def _allocate_host(self, nbytes: int) -> _Pinned:
-        return _Pinned(int(call("cuMemHostAlloc", nbytes, PORTABLE)), nbytes, None)
+        flags = int(driver().CU_MEMHOSTALLOC_PORTABLE)
+        return _Pinned(int(call("cuMemHostAlloc", nbytes, flags)), nbytes, None, self.context)
 
     def _allocate_registered(self, nbytes: int) -> _Pinned:
         memory = AnonymousMemory(nbytes)  # an mmap failure is already ProviderOutOfMemory
         try:
             self._prefault(memory)
-            call("cuMemHostRegister", memory.address, memory.length, PORTABLE)
+            _native.madvise(memory.address, memory.length, mmap.MADV_DONTFORK)  # Note [Pinned register path]
+            call("cuMemHostRegister", memory.address, memory.length, int(driver().CU_MEMHOSTREGISTER_PORTABLE))
         except BaseException:
             memory.close()
             raise
-        return _Pinned(memory.address, nbytes, memory)
+        return _Pinned(memory.address, nbytes, memory, self.context)
 
     def _prefault(self, memory: AnonymousMemory) -> None:
         """Fault the pages in first, on several threads: the driver then only pins them.
@@ -153,29 +189,72 @@ class CudaHostProvider:
 
 
 class _Pinned:
-    """Own one page-locked range: ``cuMemHostAlloc``'d, or an mmap that ``cuMemHostRegister`` pinned."""
+    """Own one page-locked range: ``cuMemHostAlloc``'d, or an mmap that ``cuMemHostRegister`` pinned.
 
-    __slots__ = ("address", "size", "memory")
+    One finalizer per range unpins, then unmaps (Note [Pinned ranges outlive their owners]).
+    """
 
-    def __init__(self, address: int, size: int, memory: AnonymousMemory | None) -> None:
+    __slots__ = ("address", "size", "memory", "context", "_finalizer", "__weakref__")
+
+    def __init__(self, address: int, size: int, memory: AnonymousMemory | None, context: Context) -> None:
         self.address = address  # first byte
         self.size = size  # bytes asked for
         self.memory = memory  # the registered mmap; None for cuMemHostAlloc memory
+        self.context = context
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    def watch(self, context: Context, streams: list[tuple[Context, int]]) -> None:
+        """Arm the finalizer: when this object is collected unclosed, release the range deferred."""
+        self._finalizer = weakref.finalize(self, _release_dropped, self.address, self.size, self.memory,
+                                           context, streams)
 
     def close(self) -> None:
-        """Unpin and free (the caller made the context current). Idempotent."""
+        """Unpin and free now; the caller knows nothing uses it. Idempotent.
+
+        When the driver refuses, the range stays pinned and mapped and the
+        release is retried later (Note [Deferred releases]); the error is raised.
+        """
         address, self.address = self.address, 0
         if not address:
             return
-        if self.memory is None:
-            call("cuMemFreeHost", address)
-            return
-        call("cuMemHostUnregister", address)  # if this fails the memory stays mapped, on purpose
-        self.memory.close()
+        finalizer, self._finalizer = self._finalizer, None
+        if finalizer is not None:
+            finalizer.detach()
+        try:
+            _unpin(address, self.memory, self.context)
+        except BaseException:
+            release_later(_what(address, self.size, self.memory), lambda: _unpin(address, self.memory, self.context),
+                          [(self.context, 0)])
+            raise
 
     def __repr__(self) -> str:
         kind = "cuMemHostAlloc" if self.memory is None else "registered"
         return f"<pinned {kind} 0x{self.address:x}+{self.size}>"
+
+
+def _unpin(address: int, memory: AnonymousMemory | None, context: Context) -> None:
+    """Free ``cuMemHostAlloc`` memory, or unregister then unmap a registered mmap."""
+    with context.active():
+        if memory is None:
+            call("cuMemFreeHost", address)
+            return
+        call("cuMemHostUnregister", address)  # if this fails the memory stays mapped, on purpose
+    memory.close()
+
+
+def _release_dropped(address: int, size: int, memory: AnonymousMemory | None, context: Context,
+                     streams: list[tuple[Context, int]]) -> None:
+    """The finalizer of a range dropped unclosed: a deferred release, fenced, never a wait here."""
+    try:
+        fences = [(c, 0) for c in active_primaries()]
+    except Exception:  # noqa: BLE001 - no driver to ask: fence the context we know
+        fences = [(context, 0)]
+    release_later(_what(address, size, memory), lambda: _unpin(address, memory, context), fences + list(streams))
+
+
+def _what(address: int, size: int, memory: AnonymousMemory | None) -> str:
+    kind = "cuMemHostAlloc" if memory is None else "registered"
+    return f"release of pinned {kind} memory 0x{address:x}+{size}"
 
 
 _default_pool: CachingHostAllocator | None = None

@@ -18,12 +18,27 @@ its last other view does.
 
 Note [Unregister waits]
     ``cuMemHostUnregister`` does not promise to wait for copies in flight
-    from the range, and the range may be unmapped right after. So
-    :meth:`Registration.unregister` synchronizes the context first. It is
-    rare (once per segment lifetime), so the wait costs little.
+    from the range, and the range may be unmapped right after. Any stream
+    of any context may be copying from it (the registration is portable),
+    so :meth:`Registration.unregister` first synchronizes every primary
+    context that is active in this process, not just the one it was
+    registered in. It is rare (once per segment lifetime), so the wait
+    costs little. When the Segment object is collected instead, the
+    unregister is a deferred release (Note [Deferred releases]): fenced by
+    events on the legacy stream of each active context and on the streams
+    named with :meth:`Registration.record_stream`, never a wait in the
+    finalizer.
 
 A segment opened read-only is registered ``CU_MEMHOSTREGISTER_READ_ONLY``,
-which the driver needs for pages mapped without write permission.
+which the driver needs for pages mapped without write permission and which
+a device supports only when ``CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED``
+says so; without it registering a read-only segment is refused, naming that.
+
+Registered shm pages get no ``MADV_DONTFORK`` (the pinned pool's private
+anonymous pages do, Note [Pinned register path]): a shared mapping is not
+copied on write, so a fork cannot move its pages away from the DMA, and
+the advice would only make the mapping vanish from a forked child that
+inherited the Segment object.
 """
 
 from __future__ import annotations
@@ -34,13 +49,11 @@ from typing import Any
 
 from .. import _native
 from ..segment import Flags, Segment
-from ._context import Context
-from ._driver import call
+from ._context import Context, active_primaries, stream_handle
+from ._deferred import drain, release_later
+from ._driver import CudaError, call, driver
 
 __all__ = ["Registration", "register_segment", "registered", "unregister_segment"]
-
-PORTABLE = 1  # CU_MEMHOSTREGISTER_PORTABLE
-READ_ONLY = 8  # CU_MEMHOSTREGISTER_READ_ONLY
 
 _registrations: weakref.WeakKeyDictionary[Segment, Registration] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
@@ -76,14 +89,28 @@ class Registration:
         return self
 
     def _register(self, root: Any, address: int, size: int, readonly: bool, context: Context) -> None:
+        if address % _native.PAGE_SIZE:
+            raise ValueError(f"cannot register 0x{address:x}: the driver pins whole pages, and it is not "
+                             f"page aligned ({_native.PAGE_SIZE} bytes)")
         self.context = context
         self.address = address
         self.size = -(-size // _native.PAGE_SIZE) * _native.PAGE_SIZE
         self.readonly = readonly
+        self._streams: list[tuple[Context, int]] = []  # named with record_stream
+        drv = driver()
+        flags = int(drv.CU_MEMHOSTREGISTER_PORTABLE)
+        if readonly:
+            if not context.attribute("CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED"):
+                raise CudaError(f"device {context.device} cannot page-lock read-only memory "
+                                "(CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED is 0), and this mapping "
+                                "is read-only: open the segment writable to register it, or copy from it "
+                                "without registering (the driver stages pageable copies)")
+            flags |= int(drv.CU_MEMHOSTREGISTER_READ_ONLY)
+        drain()
         self._hold: Any = _native.Lease(root, address, size, readonly=readonly)
-        context.make_current()
         try:
-            call("cuMemHostRegister", self.address, self.size, PORTABLE | (READ_ONLY if self.readonly else 0))
+            with context.active():
+                call("cuMemHostRegister", self.address, self.size, flags)
         except BaseException:
             self._hold = None
             raise
@@ -93,27 +120,66 @@ class Registration:
         """Whether the range is still page-locked."""
         return self._hold is not None
 
+    def record_stream(self, stream: Any, context: Context | None = None) -> None:
+        """Name a non-blocking stream that copies from the range, as torch's ``record_stream`` does.
+
+        A release deferred from a finalizer waits for the work on it as well
+        as for each active context's legacy stream (Note [Unregister waits]);
+        an explicit :meth:`unregister` waits for everything anyway.
+        """
+        pair = ((context or Context.of_stream(stream, self.context)), stream_handle(stream))
+        if pair not in self._streams:
+            self._streams.append(pair)
+
     def unregister(self) -> None:
-        """Wait for the context's work, unpin the range and let the mapping go. Idempotent."""
+        """Wait for every active context's work, unpin the range and let the mapping go. Idempotent.
+
+        If the wait or the unpin fails, the range stays registered and
+        mapped (never unmap pinned pages) and the unregister is retried as
+        a deferred release (Note [Deferred releases]).
+        """
         hold, self._hold = self._hold, None
         if hold is None:
             return
         try:
-            self.context.synchronize()  # Note [Unregister waits]
-        finally:  # unpin even when the wait failed (a sticky error): never unmap pinned pages
-            try:
+            for context in _contexts(self.context):
+                context.synchronize()  # Note [Unregister waits]
+            with self.context.active():
                 call("cuMemHostUnregister", self.address)
-            except BaseException:
-                _leaked_holds.append(hold)  # still pinned: keeping the mapping beats unmapping it
-                raise
+        except BaseException:
+            self._defer(hold)
+            raise
         del hold  # unpinned: the mapping may go from here on
+
+    def _release_later(self) -> None:
+        """Unregister from a finalizer: fenced by events, never a wait here (Note [Deferred releases])."""
+        hold, self._hold = self._hold, None
+        if hold is not None:
+            self._defer(hold)
+
+    def _defer(self, hold: Any) -> None:
+        address, context = self.address, self.context
+
+        def unpin() -> None:
+            nonlocal hold
+            with context.active():
+                call("cuMemHostUnregister", address)
+            hold = None  # unpinned: the mapping may go
+
+        try:
+            streams = [(c, 0) for c in _contexts(context)] + self._streams
+        except Exception:  # noqa: BLE001 - no driver to ask which contexts are active: fence the one we know
+            streams = [(context, 0), *self._streams]
+        release_later(f"unregister of 0x{address:x}+{self.size}", unpin, streams)
 
     def __repr__(self) -> str:
         state = "registered" if self.registered else "unregistered"
         return f"<Registration 0x{self.address:x}+{self.size} {state}>"
 
 
-_leaked_holds: list[object] = []  # mappings whose unregister failed: kept mapped on purpose
+def _contexts(own: Context) -> list[Context]:
+    """Every active primary context, with ``own`` first (it is active: we retained it)."""
+    return [own, *(c for c in active_primaries() if c.handle != own.handle)]
 
 
 def register_segment(segment: Segment, context: Context | None = None) -> Registration:
@@ -157,8 +223,8 @@ def registered(segment: Segment) -> Registration | None:
 
 
 def _unregister_quietly(registration: Registration) -> None:
-    """Unregister when the segment object is collected; a dead driver (at exit) is not an error."""
+    """Unregister when the segment object is collected, as a deferred release; never waits here."""
     try:
-        registration.unregister()
+        registration._release_later()
     except Exception:  # noqa: BLE001, S110 - a finalizer has no caller; at exit the driver is gone first
         pass

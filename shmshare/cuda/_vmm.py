@@ -28,11 +28,21 @@ __all__ = ["VirtualRange", "allocation_granularity", "posix_fd_handle_type"]
 
 
 
-def allocation_granularity(context: Context, shareable: bool) -> int:
-    """Return the minimum chunk size of ``cuMemCreate`` on the context's device."""
+def allocation_granularity(context: Context, shareable: bool, small_page: int = 2 << 20) -> int:
+    """Return the chunk size for ``cuMemCreate`` on the context's device.
+
+    The driver's RECOMMENDED granularity (the size it maps best) when it
+    divides ``small_page`` (the allocator core's page for small pools), else
+    the MINIMUM one, which the driver requires every size to be a multiple of.
+    """
     drv = driver()
-    flag = drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-    return int(call("cuMemGetAllocationGranularity", _allocation_prop(context.device, shareable), flag))
+    flags = drv.CUmemAllocationGranularity_flags
+    prop = _allocation_prop(context.device, shareable)
+    recommended = int(call("cuMemGetAllocationGranularity", prop, flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
+    minimum = int(call("cuMemGetAllocationGranularity", prop, flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM))
+    if recommended > 0 and recommended % minimum == 0 and small_page % recommended == 0:
+        return recommended
+    return minimum
 
 
 class VirtualRange:
@@ -59,8 +69,9 @@ class VirtualRange:
         self.chunk_size = chunk_size
         self.shareable = shareable
         self.chunks: dict[int, Any] = {}  # offset -> CUmemGenericAllocationHandle mapped there
-        context.make_current()
-        self.address = int(call("cuMemAddressReserve", nbytes, chunk_size, 0, 0))  # first byte
+        self.unreleased: list[Any] = []  # handles unmapped whose cuMemRelease failed: retried at close()
+        with context.active():
+            self.address = int(call("cuMemAddressReserve", nbytes, chunk_size, 0, 0))  # first byte
         self._released = False
 
     # --- mapping --------------------------------------------------------------------------
@@ -70,24 +81,23 @@ class VirtualRange:
         self._check_range(offset, nbytes, "map")
         if any(o in self.chunks for o in range(offset, offset + nbytes, self.chunk_size)):
             raise ValueError(f"map of [{offset:#x}, +{nbytes:#x}) overlaps chunks already mapped")
-        self.context.make_current()
         prop = _allocation_prop(self.context.device, self.shareable)
         done: list[int] = []
-        try:
-            for chunk in range(offset, offset + nbytes, self.chunk_size):
-                handle = call("cuMemCreate", self.chunk_size, prop, 0)
-                try:
-                    call("cuMemMap", self.address + chunk, self.chunk_size, 0, handle, 0)
-                except BaseException:
-                    call("cuMemRelease", handle)
-                    raise
-                self.chunks[chunk] = handle
-                done.append(chunk)
-            self._set_access(offset, nbytes)
-        except BaseException:
-            for chunk in done:  # all or nothing: the core relies on it after an OOM
-                self._unmap_chunk(chunk)
-            raise
+        with self.context.active():
+            try:
+                for chunk in range(offset, offset + nbytes, self.chunk_size):
+                    handle = call("cuMemCreate", self.chunk_size, prop, 0)
+                    try:
+                        call("cuMemMap", self.address + chunk, self.chunk_size, 0, handle, 0)
+                    except BaseException:
+                        call("cuMemRelease", handle)
+                        raise
+                    self.chunks[chunk] = handle
+                    done.append(chunk)
+                self._set_access(offset, nbytes)
+            except BaseException as exc:
+                self._undo(done, exc)  # all or nothing: the core relies on it after an OOM
+                raise
 
     def map_imported(self, offset: int, handles: list[Any]) -> None:
         """Map chunks imported from another process at ``offset``, in order; all or nothing.
@@ -98,18 +108,22 @@ class VirtualRange:
         done: list[int] = []
         try:
             self._check_range(offset, nbytes, "map_imported")
-            self.context.make_current()
-            for i, handle in enumerate(handles):
-                chunk = offset + i * self.chunk_size
-                call("cuMemMap", self.address + chunk, self.chunk_size, 0, handle, 0)
-                self.chunks[chunk] = handle
-                done.append(chunk)
-            self._set_access(offset, nbytes)
-        except BaseException:
-            for chunk in done:
-                self._unmap_chunk(chunk)
-            for handle in handles[len(done):]:
-                call("cuMemRelease", handle)
+            with self.context.active():
+                for i, handle in enumerate(handles):
+                    chunk = offset + i * self.chunk_size
+                    call("cuMemMap", self.address + chunk, self.chunk_size, 0, handle, 0)
+                    self.chunks[chunk] = handle
+                    done.append(chunk)
+                self._set_access(offset, nbytes)
+        except BaseException as exc:
+            with self.context.active():
+                self._undo(done, exc)
+                for handle in handles[len(done):]:
+                    try:
+                        call("cuMemRelease", handle)
+                    except Exception as cleanup:  # noqa: BLE001 - kept for close(), noted on the first error
+                        self.unreleased.append(handle)
+                        exc.add_note(f"releasing an imported chunk failed too: {cleanup}")
             raise
 
     def unmap(self, offset: int, nbytes: int) -> None:
@@ -122,9 +136,9 @@ class VirtualRange:
         missing = [o for o in range(offset, offset + nbytes, self.chunk_size) if o not in self.chunks]
         if missing:
             raise ValueError(f"unmap of [{offset:#x}, +{nbytes:#x}): chunk at {missing[0]:#x} is not mapped")
-        self.context.make_current()
-        for chunk in range(offset, offset + nbytes, self.chunk_size):
-            self._unmap_chunk(chunk)
+        with self.context.active():
+            for chunk in range(offset, offset + nbytes, self.chunk_size):
+                self._unmap_chunk(chunk)
 
     def release(self) -> None:
         """Give the address range back; every chunk must be unmapped. Idempotent."""
@@ -132,17 +146,29 @@ class VirtualRange:
             return
         if self.chunks:
             raise ValueError(f"release of a virtual range with {len(self.chunks)} chunks still mapped")
-        self.context.make_current()
-        call("cuMemAddressFree", self.address, self.size)
+        with self.context.active():
+            self._release_unreleased()
+            call("cuMemAddressFree", self.address, self.size)
         self._released = True
 
     def close(self) -> None:
-        """Unmap every chunk and release the range (the caller synchronized). Idempotent."""
+        """Unmap every chunk and release the range (the caller synchronized). Idempotent.
+
+        A chunk whose unmap fails stays in ``chunks`` (still mapped: the
+        range is not freed under it) and the first error is raised after
+        every other chunk was tried; calling ``close()`` again retries.
+        """
         if self._released:
             return
-        self.context.make_current()
-        for chunk in sorted(self.chunks):
-            self._unmap_chunk(chunk)
+        error: BaseException | None = None
+        with self.context.active():
+            for chunk in sorted(self.chunks):
+                try:
+                    self._unmap_chunk(chunk)
+                except Exception as exc:  # noqa: BLE001 - raised below, once every chunk was tried
+                    error = error or exc
+        if error is not None:
+            raise error
         self.release()
 
     # --- export ---------------------------------------------------------------------------------
@@ -158,15 +184,15 @@ class VirtualRange:
             raise ValueError(f"export of [{offset:#x}, +{nbytes:#x}) lies outside a {self.size}-byte range")
         first = offset - offset % self.chunk_size
         stop = -(-(offset + nbytes) // self.chunk_size) * self.chunk_size
-        self.context.make_current()
         kind = posix_fd_handle_type()
         fds: list[int] = []
         try:
-            for chunk in range(first, stop, self.chunk_size):
-                handle = self.chunks.get(chunk)
-                if handle is None:
-                    raise ValueError(f"export: the chunk at offset {chunk:#x} is not mapped")
-                fds.append(int(call("cuMemExportToShareableHandle", handle, kind, 0)))
+            with self.context.active():
+                for chunk in range(first, stop, self.chunk_size):
+                    handle = self.chunks.get(chunk)
+                    if handle is None:
+                        raise ValueError(f"export: the chunk at offset {chunk:#x} is not mapped")
+                    fds.append(int(call("cuMemExportToShareableHandle", handle, kind, 0)))
         except BaseException:
             _close_fds(fds)
             raise
@@ -190,11 +216,33 @@ class VirtualRange:
         call("cuMemSetAccess", self.address + offset, nbytes, [_access_desc(self.context.device)], 1)
 
     def _unmap_chunk(self, chunk: int) -> None:
-        handle = self.chunks.pop(chunk)
+        """Unmap and release one chunk (the context is current).
+
+        It leaves the books only once ``cuMemUnmap`` succeeded: a failed
+        unmap keeps it in ``chunks``, still mapped, for a retry. A failed
+        release after a good unmap keeps the handle in ``unreleased``.
+        """
+        handle = self.chunks[chunk]
+        call("cuMemUnmap", self.address + chunk, self.chunk_size)
+        del self.chunks[chunk]
         try:
-            call("cuMemUnmap", self.address + chunk, self.chunk_size)
-        finally:
             call("cuMemRelease", handle)
+        except BaseException:
+            self.unreleased.append(handle)
+            raise
+
+    def _undo(self, done: list[int], exc: BaseException) -> None:
+        """Unmap the chunks of a failed map (the context is current); note failures on ``exc``."""
+        for chunk in done:
+            try:
+                self._unmap_chunk(chunk)
+            except Exception as cleanup:  # noqa: BLE001 - the first error says what went wrong
+                exc.add_note(f"undoing the map of the chunk at {chunk:#x} failed too: {cleanup}")
+
+    def _release_unreleased(self) -> None:
+        while self.unreleased:
+            call("cuMemRelease", self.unreleased[-1])
+            self.unreleased.pop()
 
 
 def posix_fd_handle_type() -> Any:

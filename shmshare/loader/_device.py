@@ -9,8 +9,9 @@ batch k. Device memory comes from a caching allocator over
 releases]) is held until an event after its copies has completed, and only
 then dropped, so its blocks go back to the worker once the device has read
 them. Each device array is made on the side stream (``stream=`` of the
-``DeviceArray``, so ``__cuda_array_interface__`` and DLPack consumers wait
-for it); torch gets tensors through DLPack.
+``DeviceArray``: a DLPack consumer's stream waits for it, and
+``__cuda_array_interface__`` synchronizes it first); torch gets tensors
+through DLPack.
 
 A device array dropped by the program gives its block back at the next
 batch (its finalizer only queues it: it may run at any bytecode), used on

@@ -42,7 +42,7 @@ class Pinner:
         return reg
 
     def on_unmap(self, token: Any) -> None:
-        token.unregister()  # waits for the context's work first (Note [Unregister waits])
+        token.unregister()  # waits for every active context's work first (Note [Unregister waits])
 
     def fence(self) -> Any:
         return self.events.get().record(self.current_stream())

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from shmshare import Segment, cuda, wire
-from shmshare.cuda import _array, _context, _driver, _pinned
+from shmshare.cuda import _array, _context, _deferred, _driver, _pinned
 
 from .driver_model import DriverModel
 
@@ -49,19 +49,33 @@ def driver_model(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 
     Parametrize it indirectly to build it otherwise:
     ``@pytest.mark.parametrize("driver_model", [{"devices": 2}], indirect=True)``.
-    The test fails at teardown if the model saw a race between streams, even
-    where the library swallowed the AssertionError.
+    The test fails at teardown if the model saw a race between streams (even
+    where the library swallowed the AssertionError) or if pinned memory was
+    munmapped while still registered.
     """
+    options: dict[str, Any] = getattr(request, "param", None) or {}
+    yield from _installed(monkeypatch, **options)
+
+
+@pytest.fixture
+def two_gpus(monkeypatch: pytest.MonkeyPatch) -> Iterator[DriverModel]:
+    """The driver model with two devices, installed as ``driver_model`` is: NOT a GPU."""
+    yield from _installed(monkeypatch, devices=2)
+
+
+def _installed(monkeypatch: pytest.MonkeyPatch, **options: Any) -> Iterator[DriverModel]:
     if cuda.available():
         pytest.skip("a real driver is present here; the model would shadow it (the cuda tests cover this)")
-    options: dict[str, Any] = getattr(request, "param", None) or {}
     model = DriverModel(_real_binding(), **options)
     monkeypatch.setattr(_driver, "_state", (model, None))
     monkeypatch.setattr(_driver, "_forked_after_init", False)
     monkeypatch.setattr(_context, "_primary", {})
     monkeypatch.setattr(_pinned, "_default_pool", None)
     monkeypatch.setattr(_array, "_pools", {})
+    monkeypatch.setattr(_deferred, "_pools", {})
+    monkeypatch.setattr(_deferred, "_tasks", [])
     yield model  # leaked fds (an exported chunk's, say) are the root conftest's leak check's to find
+    _deferred.drain(wait=True)  # what the test left deferred, before the leak check looks
     assert not model.violations, model.violations
     gc.collect()  # run the finalizers of what the test dropped, then look for pinned memory they unmapped
     stale = model.stale_registrations()
@@ -115,3 +129,21 @@ def _warm_up() -> None:
         cuda.register_segment(seg, ctx).unregister()
     stream.close()
     pool.close()
+    cuda.finish_releases()
+    _warm_up_torch()
+
+
+def _warm_up_torch() -> None:
+    """Initialize torch's CUDA too (its allocator, streams, cuBLAS handle), where torch has it."""
+    try:
+        import torch
+    except ImportError:
+        return
+    if not torch.cuda.is_available():
+        return
+    torch.cuda.init()
+    x = torch.ones(256, 256, device="cuda")
+    (x @ x).sum().item()
+    torch.from_dlpack(torch.utils.dlpack.to_dlpack(x))
+    x.cpu().pin_memory()
+    torch.cuda.synchronize()

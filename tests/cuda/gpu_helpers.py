@@ -1,4 +1,5 @@
-"""Helpers of the GPU tests: a stream held busy on demand, and the child that sends device memory."""
+"""Helpers of the GPU tests: a stream held busy on demand, the child that sends device memory,
+torch's CUDA warmed up before a leak check, and whether host memory is page-locked."""
 
 from __future__ import annotations
 
@@ -80,14 +81,63 @@ def read_device(address: int, nbytes: int) -> np.ndarray:
 
 
 def send_pattern_then_exit(conn: wire.Connection, nbytes: int, seed: int, config: str) -> None:
-    """Child (spawned): allocate device memory, fill it, send it by fd, wait for the ack, exit at once."""
+    """Child (spawned): fill device memory on a stream, send it by fd, wait for the ack, exit at once.
+
+    The copy is queued on a non-blocking stream and not waited for here:
+    ``send_device_memory(stream=)`` must order the send after it.
+    """
     from shmshare.memory import CachingAllocator
 
     provider = cuda.CudaDeviceProvider(ipc=True)
     allocator = CachingAllocator(provider, config)
-    block = allocator.malloc(nbytes)
+    stream = cuda.Stream(provider.context)
+    block = allocator.malloc(nbytes, stream=stream)
     data = pattern(nbytes, seed)
-    cuda.copy_host_to_device(block.address, data, nbytes)
-    cuda.send_device_memory(conn, provider, block, nbytes, meta={"seed": seed}, timeout=60)
+    cuda.copy_host_to_device(block.address, data, nbytes, stream=stream)
+    cuda.send_device_memory(conn, provider, block, nbytes, stream=stream, meta={"seed": seed}, timeout=60)
     reply: Any = conn.recv(timeout=120)[0]
     os._exit(0 if reply == {"imported": True} else 3)  # no cleanup: the receiver must not need us
+
+
+def torch_with_cuda() -> Any:
+    """Return torch when it is installed with a usable CUDA, else None."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch if torch.cuda.is_available() else None
+
+
+def warm_torch() -> None:
+    """Open what torch's CUDA keeps for the whole process (its context state, allocators, pinned
+    pool) before a test's first leak check, as tests/cuda/conftest.py's ``warm_driver`` does for
+    the driver: lazily opened fds are not a test's leak. Nothing without torch with CUDA."""
+    torch = torch_with_cuda()
+    if torch is None:
+        return
+    torch.cuda.init()
+    host = torch.ones(1 << 20, dtype=torch.uint8, pin_memory=True)  # torch's pinned host allocator
+    device = host.to("cuda", non_blocking=True)
+    torch.cuda.current_stream().synchronize()
+    assert int(device.sum().item()) == 1 << 20
+    del host, device
+
+
+def page_locked(address: int) -> bool:
+    """Return whether host ``address`` lies in page-locked memory (registered or cuMemHostAlloc'd).
+
+    On a GPU: ``cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_MEMORY_TYPE)`` is host memory (pageable
+    memory is CUDA_ERROR_INVALID_VALUE), what torch's ``is_pinned()`` asks the runtime. Over the
+    driver model (a smoke run): the model's books.
+    """
+    drv = _driver.driver()
+    registered = getattr(drv, "registered", None)
+    if isinstance(registered, dict):  # tests/cuda/driver_model.py: no pointer attributes there
+        host = getattr(drv, "host", {})
+        return any(start <= address < start + size for start, size in registered.items()) or address in host
+    try:
+        kind = _driver.call("cuPointerGetAttribute", drv.CUpointer_attribute.CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                            address)
+    except cuda.CudaError:
+        return False
+    return int(kind) == int(drv.CUmemorytype.CU_MEMORYTYPE_HOST)

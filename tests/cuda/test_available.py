@@ -121,13 +121,12 @@ def test_bad_streams_are_refused(bad: Any, error: type) -> None:
 
 
 def test_a_device_array_describes_itself_in_cuda_array_interface_v3() -> None:
-    arr = cuda.DeviceArray(0x7F00_0000_0000, (3, 4), np.float16, device=1, stream=0x99)
+    arr = cuda.DeviceArray(0x7F00_0000_0000, (3, 4), np.float16, device=1)
     cai = arr.__cuda_array_interface__
     assert cai["version"] == 3 and cai["shape"] == (3, 4) and cai["typestr"] == "<f2"
-    assert cai["data"] == (0x7F00_0000_0000, False) and cai["strides"] is None and cai["stream"] == 0x99
+    assert cai["data"] == (0x7F00_0000_0000, False) and cai["strides"] is None
+    assert "stream" not in cai  # ready on any stream (an array with a stream is synchronized first: the model tests)
     assert arr.__dlpack_device__() == (2, 1) and arr.nbytes == 24
-    assert "stream" not in cuda.DeviceArray(0x10, 4).__cuda_array_interface__
-    assert cuda.DeviceArray(0x10, 4, stream=0).__cuda_array_interface__["stream"] == 1  # 0 is ambiguous in v3
     for bad in ({"address": -1}, {"address": True}, {"shape": (-1,)}, {"strides": (1, 2)}):
         kw = {"address": 0x10, "shape": (4,), **bad}
         with pytest.raises(ValueError):
@@ -213,3 +212,47 @@ def test_copies_refuse_host_buffers_they_would_overrun():
     ro.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
         copy_device_to_host(ro, 0x1000, 8)
+
+
+class _VersionedHostDLPack(_HostDLPack):
+    """The same, as a DLPack 1.x capsule, read-only when asked."""
+
+    def __init__(self, arr: np.ndarray, readonly: bool) -> None:
+        super().__init__(arr)
+        self.readonly = readonly
+
+    def __dlpack__(self, **kw: Any) -> Any:
+        return _dlpack.make_capsule(self.arr.ctypes.data, self.shape, self.arr.dtype, None, _dlpack.CPU, 0,
+                                    self, versioned=True, readonly=self.readonly)
+
+
+def test_versioned_capsules_carry_read_only_into_numpy_and_are_deleted() -> None:
+    src = np.arange(8, dtype=np.int16)
+    before = _dlpack.live_count()
+    ro = np.from_dlpack(_VersionedHostDLPack(src, readonly=True))
+    assert ro.ctypes.data == src.ctypes.data and not ro.flags.writeable and (ro == src).all()
+    rw = np.from_dlpack(_VersionedHostDLPack(src, readonly=False))
+    assert rw.flags.writeable
+    del ro, rw
+    gc.collect()
+    assert _dlpack.live_count() == before
+    capsule = _VersionedHostDLPack(src, readonly=True).__dlpack__()
+    assert "dltensor_versioned" in repr(capsule)
+    del capsule  # never consumed: its destructor deletes the tensor
+    assert _dlpack.live_count() == before
+    with pytest.raises(ValueError, match="must be versioned"):
+        _dlpack.make_capsule(src.ctypes.data, (8,), src.dtype, None, _dlpack.CPU, 0, None, readonly=True)
+
+
+def test_a_read_only_device_array_goes_only_to_a_versioned_consumer() -> None:
+    arr = cuda.DeviceArray(0x10, 4, device=0, readonly=True)
+    with pytest.raises(BufferError, match="read-only"):
+        arr.__dlpack__()  # an unversioned capsule would be taken as writable
+    with pytest.raises(BufferError, match="read-only"):
+        arr.__dlpack__(max_version=(0, 8))
+    before = _dlpack.live_count()
+    capsule = arr.__dlpack__(max_version=(1, 0), stream=-1)
+    assert "dltensor_versioned" in repr(capsule)
+    del capsule
+    assert _dlpack.live_count() == before
+    assert "dltensor\"" in repr(cuda.DeviceArray(0x10, 4).__dlpack__(max_version=(1, 0), stream=-1))

@@ -19,11 +19,20 @@ from shmshare.memory import CachingAllocator
 from shmshare.memory._host import CachingHostAllocator
 from shmshare.testing import start_child
 
-from .gpu_helpers import BusyStream, pattern, read_device, send_pattern_then_exit
+from .gpu_helpers import BusyStream, pattern, read_device, send_pattern_then_exit, warm_torch
 
 pytestmark = pytest.mark.cuda
 MiB = 1 << 20
 WAIT = 30.0
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torch_warmed_up() -> Iterator[None]:
+    """torch's CUDA up before the first test's leak check (conftest's ``warm_driver`` did the driver):
+    what torch opens lazily for the whole process is not a test's leak."""
+    if cuda.available():
+        warm_torch()
+    yield
 
 
 @pytest.fixture

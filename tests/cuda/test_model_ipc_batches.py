@@ -32,7 +32,7 @@ ROOM = wire.MAX_FDS + 16  # new fds the receiving child may open: one batch and 
 
 @pytest.fixture
 def model(driver_model: DriverModel) -> DriverModel:
-    driver_model.granularity = CHUNK
+    driver_model.granularity = driver_model.recommended_granularity = CHUNK  # MINIMUM and RECOMMENDED
     return driver_model
 
 

@@ -117,7 +117,8 @@ def test_device_batches_hold_the_samples_and_their_host_blocks_go_after_the_copy
         host = np.frombuffer(driver_model.read(x.address, x.nbytes), np.float32).reshape(4, 8)
         assert (host == host[:, :1]).all()
         got += host[:, 0].astype(int).tolist()
-        assert x.__cuda_array_interface__["stream"] is not None  # consumers wait for the side stream
+        assert x.stream is not None  # made on the side stream: DLPack consumers wait for it...
+        assert "stream" not in x.__cuda_array_interface__  # ...and a CAI consumer gets it ready (synchronized)
         del b, x
     assert got == list(range(20))
     del it
