@@ -20,6 +20,17 @@ binding first. Without libcuda the binding can only fail for that reason,
 an argument that cuda-python does not accept, and the call fails the test.
 Types then come from the real binding too (``CUdeviceptr``, structs, enums).
 
+Test controls: ``DriverModel(real, capacity=, devices=)``; ``hold(stream)`` /
+``finish(stream)`` (a long kernel; 0, 1, 2 name the current context's default
+streams), ``settle()`` (complete everything), ``pending(stream)``,
+``read(address, n)`` (what has landed, forcing nothing), ``capturing()``,
+``live()``, ``stale_registrations()``, ``adopt_after_fork()``; settable
+``granularity`` (MINIMUM), ``recommended_granularity``, ``capacity``,
+``attributes`` (cuDeviceGetAttribute by name or value, 1 otherwise); books
+to assert on: ``calls``, ``violations``, ``devices``, ``contexts``,
+``streams``, ``events``, ``registered``, ``host``, ``mallocs``, ``mappings``,
+``handles``, ``reservations``, ``phys``, ``used``, ``retains``.
+
 The class is spread over three files only to keep each short: this one has
 the plumbing, the test controls, devices and contexts;
 driver_model_streams.py streams, events, the execution engine and capture
