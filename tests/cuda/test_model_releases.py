@@ -23,14 +23,14 @@ MiB = 1 << 20
 
 
 def _global_capture(model: DriverModel, stream: cuda.Stream) -> None:
-    with stream.context.active():
-        (err,) = model.cuStreamBeginCapture(stream.handle, model.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+    stream.context.make_current()
+    (err,) = model.cuStreamBeginCapture(stream.handle, model.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
     assert int(err) == 0
 
 
 def _end_capture(model: DriverModel, stream: cuda.Stream) -> int:
-    with stream.context.active():
-        return int(model.cuStreamEndCapture(stream.handle)[0])
+    stream.context.make_current()
+    return int(model.cuStreamEndCapture(stream.handle)[0])
 
 
 # --- 2. registered memory is unpinned before it is unmapped ------------------------------------------
