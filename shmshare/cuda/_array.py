@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from ._context import Context, EventPool, stream_handle
+from ._context import Context, EventPool, Stream, stream_handle
 from ._dlpack import CUDA, VERSION, make_capsule
 from ._driver import call
 
@@ -81,6 +81,7 @@ class DeviceArray:
         self.strides = None if strides is None else tuple(int(s) for s in strides)
         self.owner = owner
         self.stream = None if stream is None else stream_handle(stream)
+        self._stream_object = stream if isinstance(stream, Stream) else None  # kept open while the array lives
         self.readonly = readonly
 
     @property

@@ -46,7 +46,8 @@ from ._driver import call, driver, query
 __all__ = ["Context", "Event", "EventPool", "Stream", "active_primaries", "stream_handle"]
 
 _primary: dict[int, Context] = {}
-_primary_lock = threading.Lock()
+_primary_lock = threading.RLock()  # re-entrant: a finalizer run by a collection under it may ask for a context
+_last_events: dict[int, EventPool] = {}  # context handle -> pool of the events owned streams record as they close
 
 
 class Context:
@@ -91,16 +92,21 @@ class Context:
             return default or cls.primary(0)
         if isinstance(stream, Stream):
             return stream.context
-        raw = int(call("cuStreamGetCtx", handle))
+        raw = call("cuStreamGetCtx", handle)
         for ctx in list(_primary.values()):
-            if ctx.handle == raw and not ctx.closed:
+            if ctx.handle == int(raw) and not ctx.closed:
                 return ctx
-        for device in range(call("cuDeviceGetCount")):
-            ctx = cls.primary(device)
-            if ctx.handle == raw:
-                return ctx
-        raise ValueError(f"stream 0x{handle:x} belongs to context 0x{raw:x}, which is no device's primary "
-                         "context; shmshare works in primary contexts (the ones torch and CuPy use)")
+        call("cuCtxPushCurrent", raw)  # ask the context itself which device: retain no other device's
+        try:
+            device = int(call("cuCtxGetDevice"))
+        finally:
+            call("cuCtxPopCurrent")
+        ctx = cls.primary(device)
+        if ctx.handle != int(raw):
+            raise ValueError(f"stream 0x{handle:x} belongs to context 0x{int(raw):x}, which is not device "
+                             f"{device}'s primary context; shmshare works in primary contexts (the ones torch "
+                             "and CuPy use)")
+        return ctx
 
     @property
     def closed(self) -> bool:
@@ -207,7 +213,7 @@ class Stream:
         ``CU_STREAM_NON_BLOCKING``: do not synchronize with the legacy default stream.
     """
 
-    __slots__ = ("context", "handle", "_owned", "_raw")
+    __slots__ = ("context", "handle", "last_event", "_named", "_owned", "_raw")
 
     def __init__(self, context: Context | None = None, *, non_blocking: bool = True) -> None:
         self.context = context or Context.primary(0)
@@ -216,15 +222,23 @@ class Stream:
             self._raw = call("cuStreamCreate", flags)
         self.handle = int(self._raw)  # the CUstream, as an int
         self._owned = True
+        self._named = False  # a deferred release may name it: close() records last_event then
+        self.last_event: Event | None = None  # recorded by close(): the stream's work ends before it
 
     @classmethod
     def wrap(cls, stream: Any, context: Context | None = None) -> Stream:
-        """Return a non-owning Stream for any stream object or handle (see :func:`stream_handle`)."""
+        """Return a non-owning Stream for any stream object or handle (see :func:`stream_handle`).
+
+        Its context is ``context``, else the stream's own (``cuStreamGetCtx``;
+        device 0's for the default streams).
+        """
         self = object.__new__(cls)
-        self.context = context or Context.primary(0)
         self.handle = stream_handle(stream)
+        self.context = context or Context.of_stream(self.handle)
         self._raw = None
         self._owned = False
+        self._named = False
+        self.last_event = None
         return self
 
     def synchronize(self) -> None:
@@ -237,12 +251,32 @@ class Stream:
         with self.context.active():
             return query("cuStreamQuery", self.handle)
 
-    def close(self) -> None:
-        """Destroy the stream if this object created it. Idempotent."""
-        raw, self._raw = self._raw, None
-        if raw is not None and self._owned:
-            with self.context.active():
-                call("cuStreamDestroy", raw)
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` destroyed the stream (never, for a wrapped one)."""
+        return self._owned and self._raw is None
+
+    def name_for_release(self) -> None:
+        """Say that a deferred release waits for this stream: ``close()`` then records :attr:`last_event`."""
+        self._named = True
+
+    def close(self, *, last_event: bool = True) -> None:
+        """Destroy the stream if this object created it. Idempotent.
+
+        Its work still runs after the destroy, so when a deferred release
+        named it (:meth:`name_for_release`) an event is recorded last
+        (:attr:`last_event`), which that release waits for instead (Note
+        [Deferred releases]).
+        """
+        raw = self._raw
+        if raw is None or not self._owned:
+            self._raw = None
+            return
+        with self.context.active():
+            if last_event and self._named:
+                self.last_event = _last_event_pool(self.context).get().record(self.handle)
+            self._raw = None
+            call("cuStreamDestroy", raw)
 
     def __cuda_stream__(self) -> tuple[int, int]:
         """Return (0, handle): the CUDA stream protocol of cuda.core and CuPy."""
@@ -263,7 +297,7 @@ class Stream:
 
     def __del__(self) -> None:
         try:
-            self.close()
+            self.close(last_event=False)  # collected: no deferred release names it any more
         except Exception:  # noqa: BLE001, S110 - interpreter shutdown or a dead context: nothing left to free
             pass
 
@@ -474,8 +508,19 @@ def active_primaries() -> list[Context]:
     return contexts
 
 
+def _last_event_pool(context: Context) -> EventPool:
+    with _primary_lock:
+        pool = _last_events.get(context.handle)
+        if pool is None or pool.closed:
+            pool = _last_events[context.handle] = EventPool(context)
+        return pool
+
+
 def _forget_primary_after_fork() -> None:
+    global _primary_lock
     _primary.clear()  # a forked child's contexts are not usable (see Note [Lazy driver])
+    _last_events.clear()
+    _primary_lock = threading.RLock()  # a thread that held it is gone (Note [At fork])
 
 
 _fork.on_fork_in_child(3, _forget_primary_after_fork)

@@ -210,14 +210,25 @@ class CudaDeviceProvider:
         """Free every segment still held and the pooled events (the allocator freed them first). Idempotent."""
         if self._classic or self._ranges:
             self.context.synchronize()
+        error: Exception | None = None
         with self.context.active():
             for address in list(self._classic):
-                call("cuMemFree", address)
+                try:
+                    call("cuMemFree", address)
+                except Exception as exc:  # noqa: BLE001 - raised below, once every segment was tried
+                    error = error or exc
+                    continue
                 del self._classic[address]
         for vrange in list(self._ranges.values()):
-            vrange.close()  # a failed unmap raises and keeps the range in the books: close() again retries
+            try:
+                vrange.close()  # a failed unmap keeps the range in the books: close() again retries
+            except Exception as exc:  # noqa: BLE001 - raised below, once every segment was tried
+                error = error or exc
+                continue
             self._drop_range(vrange)
         self.events.close()
+        if error is not None:
+            raise error
 
     def __repr__(self) -> str:
         kind = "ipc" if self.ipc else "local"

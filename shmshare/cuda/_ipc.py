@@ -98,7 +98,7 @@ import numpy as np
 from .._errors import PeerDied, ProtocolError, ShmshareTimeout
 from ..wire import MAX_FDS, Connection, Fd
 from ._array import DeviceArray
-from ._context import Context, stream_handle
+from ._context import Context, Stream, stream_handle
 from ._deferred import drain, release_later
 from ._device import CudaDeviceProvider
 from ._driver import call
@@ -319,16 +319,18 @@ class _Mapping:
 
     def __init__(self, vrange: VirtualRange) -> None:
         self.vrange: VirtualRange | None = vrange
-        self.streams: list[tuple[Context, int]] = [(vrange.context, 0)]  # fences of the unmap
+        self.streams: list[tuple[Context, Any]] = [(vrange.context, 0)]  # fences of the unmap
 
     def record_stream(self, stream: Any) -> None:
         """Add a stream whose work the unmap waits for (DLPack consumers land here too)."""
         vrange = self.vrange
         if vrange is None:
             return
-        pair = (Context.of_stream(stream, vrange.context), stream_handle(stream))
-        if pair not in self.streams:
-            self.streams.append(pair)
+        owner, handle = Context.of_stream(stream, vrange.context), stream_handle(stream)
+        if not any(c is owner and stream_handle(s) == handle for c, s in self.streams):
+            self.streams.append((owner, stream))
+            if isinstance(stream, Stream):
+                stream.name_for_release()
 
     def __del__(self) -> None:
         vrange, self.vrange = self.vrange, None

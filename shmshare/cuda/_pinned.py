@@ -14,10 +14,13 @@ pages that already exist. shmshare takes the memory from an anonymous
 ``CU_MEMHOSTREGISTER_PORTABLE``, as it does ``cuMemHostAlloc`` memory
 (``CU_MEMHOSTALLOC_PORTABLE``): pinned for every context, not just the one
 current at allocation, since pinned memory is process-wide while contexts
-are per device. The mmap is private, so it is advised ``MADV_DONTFORK``
+are per device. The mmap is private, so it is advised ``MADV_WIPEONFORK``
 before it is pinned: otherwise a fork makes its pages copy-on-write, and
 the first write after the fork moves this process's page away from the one
-the DMA engine targets (what the driver does for ``cuMemHostAlloc`` memory).
+the DMA engine targets (``cuMemHostAlloc`` memory is the driver's to
+protect). Wiping rather than ``MADV_DONTFORK`` leaves the child a mapping
+of its own at the address, so the child's copy of the mmap object unmaps
+its own zero pages, never a mapping the child later placed there.
 
 Note [Pinned ranges outlive their owners]
 ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -50,7 +53,7 @@ from ..memory._host import CachingHostAllocator
 from ..memory._host_fallback import AnonymousMemory
 from ..memory._policy import format_size
 from ..memory._provider import ProviderOutOfMemory
-from ._context import Context, Event, EventPool, active_primaries, stream_handle
+from ._context import Context, Event, EventPool, stream_handle
 from ._deferred import drain, release_later
 from ._driver import call, driver
 
@@ -88,7 +91,7 @@ class CudaHostProvider:
         self.context = context or Context.primary(0)
         self.events = EventPool(self.context)  # this context's; others' in _pools
         self._pools: dict[int, EventPool] = {self.context.handle: self.events}  # context handle -> pool
-        self._streams: list[tuple[Context, int]] = []  # streams events were recorded on: fences when dropped
+        self._last: dict[tuple[int, int], Event] = {}  # (context, stream) -> the event recorded there last
         self._live: dict[int, _Pinned] = {}  # address -> memory handed out
         self._lock = threading.Lock()
 
@@ -101,7 +104,7 @@ class CudaHostProvider:
         drain()
         with self.context.active():
             pinned = self._allocate_registered(nbytes) if self.register else self._allocate_host(nbytes)
-        pinned.watch(self.context, self._streams)
+        pinned.watch(self.context, self._last)
         with self._lock:
             self._live[pinned.address] = pinned
         return pinned.address, pinned
@@ -127,9 +130,10 @@ class CudaHostProvider:
             pool = self._pools.get(context.handle)
             if pool is None:
                 pool = self._pools[context.handle] = EventPool(context)
-            if (context, handle) not in self._streams:
-                self._streams.append((context, handle))
-        return pool.get().record(handle)
+        event = pool.get().record(handle)
+        with self._lock:
+            self._last[(context.handle, handle)] = event  # fences a range dropped unclosed
+        return event
 
     def event_done(self, event: object) -> bool:
         """Return whether ``event`` completed (``cuEventQuery``), without blocking."""
@@ -142,10 +146,16 @@ class CudaHostProvider:
         with self._lock:
             live, self._live = list(self._live.values()), {}
             pools = list(self._pools.values())
-        for pinned in live:
-            pinned.close()
+        error: Exception | None = None
+        for pinned in live:  # each one, even after a failure: a failed one is retried deferred
+            try:
+                pinned.close()
+            except Exception as exc:  # noqa: BLE001 - raised below, once every range was tried
+                error = error or exc
         for pool in pools:
             pool.close()
+        if error is not None:
+            raise error
 
     def __repr__(self) -> str:
         path = f"register on {self.register_threads} threads" if self.register else "cuMemHostAlloc"
@@ -161,7 +171,7 @@ class CudaHostProvider:
         memory = AnonymousMemory(nbytes)  # an mmap failure is already ProviderOutOfMemory
         try:
             self._prefault(memory)
-            _native.madvise(memory.address, memory.length, mmap.MADV_DONTFORK)  # Note [Pinned register path]
+            _keep_out_of_forks(memory)  # Note [Pinned register path]
             call("cuMemHostRegister", memory.address, memory.length, int(driver().CU_MEMHOSTREGISTER_PORTABLE))
         except BaseException:
             memory.close()
@@ -203,10 +213,13 @@ class _Pinned:
         self.context = context
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
-    def watch(self, context: Context, streams: list[tuple[Context, int]]) -> None:
-        """Arm the finalizer: when this object is collected unclosed, release the range deferred."""
+    def watch(self, context: Context, last: dict[tuple[int, int], Event]) -> None:
+        """Arm the finalizer: when this object is collected unclosed, release the range deferred.
+
+        ``last`` is the provider's latest event per stream (read when the finalizer runs).
+        """
         self._finalizer = weakref.finalize(self, _release_dropped, self.address, self.size, self.memory,
-                                           context, streams)
+                                           context, last)
 
     def close(self) -> None:
         """Unpin and free now; the caller knows nothing uses it. Idempotent.
@@ -223,13 +236,32 @@ class _Pinned:
         try:
             _unpin(address, self.memory, self.context)
         except BaseException:
-            release_later(_what(address, self.size, self.memory), lambda: _unpin(address, self.memory, self.context),
-                          [(self.context, 0)])
+            memory = self.memory
+            release_later(_what(address, self.size, memory), lambda: _unpin(address, memory, self.context),
+                          every_context=True)
             raise
 
     def __repr__(self) -> str:
         kind = "cuMemHostAlloc" if self.memory is None else "registered"
         return f"<pinned {kind} 0x{self.address:x}+{self.size}>"
+
+
+MADV_WIPEONFORK = getattr(mmap, "MADV_WIPEONFORK", 18)  # linux/mman.h; Python names it on few builds
+
+
+def _keep_out_of_forks(memory: AnonymousMemory) -> None:
+    """Give a forked child zero pages here instead of the parent's, copy-on-write.
+
+    ``MADV_WIPEONFORK`` (Linux 4.14): the child still has a mapping at the
+    address, so its copy of the mmap object unmaps only its own pages.
+    ``MADV_DONTFORK`` where the kernel lacks it.
+    """
+    try:
+        _native.madvise(memory.address, memory.length, MADV_WIPEONFORK)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        _native.madvise(memory.address, memory.length, mmap.MADV_DONTFORK)
 
 
 def _unpin(address: int, memory: AnonymousMemory | None, context: Context) -> None:
@@ -243,13 +275,16 @@ def _unpin(address: int, memory: AnonymousMemory | None, context: Context) -> No
 
 
 def _release_dropped(address: int, size: int, memory: AnonymousMemory | None, context: Context,
-                     streams: list[tuple[Context, int]]) -> None:
-    """The finalizer of a range dropped unclosed: a deferred release, fenced, never a wait here."""
-    try:
-        fences = [(c, 0) for c in active_primaries()]
-    except Exception:  # noqa: BLE001 - no driver to ask: fence the context we know
-        fences = [(context, 0)]
-    release_later(_what(address, size, memory), lambda: _unpin(address, memory, context), fences + list(streams))
+                     last: dict[tuple[int, int], Event]) -> None:
+    """The finalizer of a range dropped unclosed: a deferred release, fenced; no driver call here.
+
+    It waits for the legacy stream of every active context and for the
+    last event the provider recorded on each stream (a copy from a block
+    of the range may be among them).
+    """
+    release_later(_what(address, size, memory), lambda: _unpin(address, memory, context), (),
+                  events=list(last.values()), every_context=True,
+                  in_forked_child=memory.close if memory is not None else None)
 
 
 def _what(address: int, size: int, memory: AnonymousMemory | None) -> str:

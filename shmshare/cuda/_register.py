@@ -34,11 +34,11 @@ which the driver needs for pages mapped without write permission and which
 a device supports only when ``CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED``
 says so; without it registering a read-only segment is refused, naming that.
 
-Registered shm pages get no ``MADV_DONTFORK`` (the pinned pool's private
-anonymous pages do, Note [Pinned register path]): a shared mapping is not
-copied on write, so a fork cannot move its pages away from the DMA, and
-the advice would only make the mapping vanish from a forked child that
-inherited the Segment object.
+Registered shm pages get no ``MADV_WIPEONFORK``/``MADV_DONTFORK`` (the
+pinned pool's private anonymous pages do, Note [Pinned register path]): a
+shared mapping is not copied on write, so a fork cannot move its pages away
+from the DMA, and the advice would only take the data (or the mapping) away
+from a forked child that inherited the Segment object.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from typing import Any
 
 from .. import _native
 from ..segment import Flags, Segment
-from ._context import Context, active_primaries, stream_handle
+from ._context import Context, Stream, active_primaries, stream_handle
 from ._deferred import drain, release_later
 from ._driver import CudaError, call, driver
 
@@ -96,7 +96,7 @@ class Registration:
         self.address = address
         self.size = -(-size // _native.PAGE_SIZE) * _native.PAGE_SIZE
         self.readonly = readonly
-        self._streams: list[tuple[Context, int]] = []  # named with record_stream
+        self._streams: list[tuple[Context, Any]] = []  # named with record_stream: (context, stream)
         drv = driver()
         flags = int(drv.CU_MEMHOSTREGISTER_PORTABLE)
         if readonly:
@@ -125,11 +125,15 @@ class Registration:
 
         A release deferred from a finalizer waits for the work on it as well
         as for each active context's legacy stream (Note [Unregister waits]);
-        an explicit :meth:`unregister` waits for everything anyway.
+        an explicit :meth:`unregister` waits for everything anyway. A
+        :class:`Stream` named here is kept alive until then.
         """
-        pair = ((context or Context.of_stream(stream, self.context)), stream_handle(stream))
-        if pair not in self._streams:
-            self._streams.append(pair)
+        owner = context or Context.of_stream(stream, self.context)
+        handle = stream_handle(stream)
+        if not any(c is owner and stream_handle(s) == handle for c, s in self._streams):
+            self._streams.append((owner, stream))
+            if isinstance(stream, Stream):
+                stream.name_for_release()
 
     def unregister(self) -> None:
         """Wait for every active context's work, unpin the range and let the mapping go. Idempotent.
@@ -158,6 +162,7 @@ class Registration:
             self._defer(hold)
 
     def _defer(self, hold: Any) -> None:
+        """Queue the unregister (no driver call here: this may be a finalizer)."""
         address, context = self.address, self.context
 
         def unpin() -> None:
@@ -166,11 +171,12 @@ class Registration:
                 call("cuMemHostUnregister", address)
             hold = None  # unpinned: the mapping may go
 
-        try:
-            streams = [(c, 0) for c in _contexts(context)] + self._streams
-        except Exception:  # noqa: BLE001 - no driver to ask which contexts are active: fence the one we know
-            streams = [(context, 0), *self._streams]
-        release_later(f"unregister of 0x{address:x}+{self.size}", unpin, streams)
+        def forget() -> None:  # a forked child: nothing is pinned here, only the view is the child's
+            nonlocal hold
+            hold = None
+
+        release_later(f"unregister of 0x{address:x}+{self.size}", unpin, [(context, 0), *self._streams],
+                      every_context=True, in_forked_child=forget)
 
     def __repr__(self) -> str:
         state = "registered" if self.registered else "unregistered"

@@ -70,6 +70,7 @@ def _installed(monkeypatch: pytest.MonkeyPatch, **options: Any) -> Iterator[Driv
     monkeypatch.setattr(_driver, "_state", (model, None))
     monkeypatch.setattr(_driver, "_forked_after_init", False)
     monkeypatch.setattr(_context, "_primary", {})
+    monkeypatch.setattr(_context, "_last_events", {})
     monkeypatch.setattr(_pinned, "_default_pool", None)
     monkeypatch.setattr(_array, "_pools", {})
     monkeypatch.setattr(_deferred, "_pools", {})

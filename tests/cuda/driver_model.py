@@ -69,7 +69,7 @@ _CONTEXT_FREE = {"cuInit", "cuDeviceGetCount", "cuDeviceGet", "cuDevicePrimaryCt
                  "cuDevicePrimaryCtxRelease", "cuDevicePrimaryCtxGetState", "cuCtxGetCurrent",
                  "cuCtxSetCurrent", "cuCtxPushCurrent", "cuCtxPopCurrent", "cuDeviceGetAttribute",
                  "cuDeviceTotalMem", "cuDeviceGetUuid", "cuDeviceGetName", "cuMemGetAllocationGranularity",
-                 "cuStreamGetCtx", "cuPointerGetAttribute"}
+                 "cuStreamGetCtx", "cuPointerGetAttribute", "cuThreadExchangeStreamCaptureMode"}
 # Calls whose only output is the CUresult: a refusal returns (code,), others (code, None).
 _NO_OUTPUT = {"cuInit", "cuDevicePrimaryCtxRelease", "cuCtxSetCurrent", "cuCtxPushCurrent", "cuCtxSynchronize",
               "cuStreamDestroy", "cuStreamSynchronize", "cuStreamQuery", "cuStreamWaitValue32",

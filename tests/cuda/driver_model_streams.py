@@ -87,9 +87,13 @@ IPC_EVENT_MAGIC = b"driver-model-event"  # then the exported event's handle: val
 # there): code that runs from finalizers or deleters must not make them during a capture.
 # The stream- and event-specific cases (synchronizing or querying a capturing stream, or an
 # event recorded in a capture) are checked in their calls, in every mode.
+# Event and stream queries are among them: torch's allocators defer theirs during a capture
+# because cudaEventQuery is illegal then in GLOBAL mode. A thread whose interaction mode is
+# RELAXED (cuThreadExchangeStreamCaptureMode) is not prohibited from any of them.
 UNSAFE_DURING_CAPTURE = frozenset({
     "cuCtxSynchronize", "cuMemAlloc", "cuMemFree", "cuMemHostAlloc", "cuMemFreeHost",
     "cuMemHostRegister", "cuMemHostUnregister", "cuMemcpyHtoD", "cuMemcpyDtoH", "cuMemsetD8",
+    "cuEventQuery", "cuEventSynchronize", "cuStreamQuery",
 })
 
 
@@ -317,7 +321,16 @@ class StreamsMixin:
     def _refuse_if_capturing(self, name: str) -> None:
         """Fail an unsafe call while a capture forbids it (UNSAFE_DURING_CAPTURE)."""
         me = threading.get_ident()
+        mode = getattr(self._tls, "capture_mode", CaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+        if mode == CaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED:
+            return  # this thread chose to make potentially unsafe calls during captures
         active = self._captures()
+        if mode == CaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL:
+            active_here = [c for c in active if c.thread == me and c.mode != CaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED]
+            if active_here:
+                self._invalidate(active)
+                raise Refused(CUresult.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)
+            return
         if any(c.mode == CaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL
                or (c.mode == CaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL and c.thread == me)
                for c in active):
@@ -351,6 +364,11 @@ class StreamsMixin:
         graph = next(self._ids)
         self.graphs[graph] = capture.ops
         return self._ok(self._wrap("CUgraph", graph))
+
+    def _cuThreadExchangeStreamCaptureMode(self, mode: Any) -> Any:
+        old = getattr(self._tls, "capture_mode", CaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+        self._tls.capture_mode = CaptureMode(int(mode))
+        return self._ok(self.types.CUstreamCaptureMode(int(old)))
 
     def _cuStreamIsCapturing(self, stream: Any) -> Any:
         target = self._stream(stream)

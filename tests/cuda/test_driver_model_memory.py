@@ -333,3 +333,20 @@ def test_the_legacy_stream_is_implicitly_in_a_blocking_stream_s_capture(driver_m
     ok(model.cuStreamBeginCapture(blocking, _global(model)))
     assert code(model.cuStreamIsCapturing(0)) == CAPTURE_IMPLICIT
     ok(model.cuStreamEndCapture(blocking))
+
+
+def test_a_thread_in_relaxed_interaction_mode_may_make_unsafe_calls_during_a_global_capture(
+        driver_model: DriverModel) -> None:
+    model = driver_model
+    enter(model)
+    s, before = stream(model, NON_BLOCKING), ok(model.cuEventCreate(0))
+    ok(model.cuEventRecord(before, 0))  # recorded before the capture, on another stream
+    ok(model.cuStreamBeginCapture(s, _global(model)))
+    relaxed = model.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+    previous = ok(model.cuThreadExchangeStreamCaptureMode(relaxed))
+    assert int(previous) == 0  # GLOBAL, every thread's default
+    ok(model.cuEventQuery(before))
+    ok(model.cuMemFree(device_buffer(model)))
+    ok(model.cuThreadExchangeStreamCaptureMode(previous))
+    assert code(model.cuEventQuery(before)) == CAPTURE_UNSUPPORTED  # global again: even an event from before
+    assert code(model.cuStreamEndCapture(s)) == CAPTURE_INVALIDATED

@@ -215,6 +215,7 @@ def test_device_memory_crosses_a_wire_by_fd_and_outlives_its_sender(
     assert arr.__cuda_array_interface__["data"][0] == imported.address
     del arr
     gc.collect()
+    cuda.finish_releases()  # the finalizer only queued the release (Note [Deferred releases])
     assert len(driver_model.mappings) == 0 and driver_model.live()["phys"] == 0
 
 
@@ -229,6 +230,7 @@ def test_received_memory_is_unmapped_after_the_last_dlpack_consumer(
     assert driver_model.mappings  # the capsule (like a consumer's tensor) keeps it mapped
     del capsule
     gc.collect()
+    cuda.finish_releases()  # the deleter only queued the unmap (Note [Deferred releases])
     allocator.free(block)
     allocator.empty_cache()
     provider.close()

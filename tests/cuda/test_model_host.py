@@ -276,6 +276,7 @@ def test_collecting_the_segment_unregisters_it(driver_model: DriverModel) -> Non
     assert driver_model.registered
     del seg
     gc.collect()
+    cuda.finish_releases()  # the finalizer only queued the release (Note [Deferred releases])
     assert not driver_model.registered
 
 
