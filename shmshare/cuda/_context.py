@@ -125,16 +125,18 @@ class Context:
         """Make this context current for the ``with`` block, then restore the caller's.
 
         Pushes only when another context (or none) is current, and pops what
-        it pushed (Note [Current context]).
+        it pushed (Note [Current context]). On an owner whose retain was
+        released (``close()``), the device's process-wide owner stands in: it
+        is the same primary context, and work queued on its streams (a
+        deferred release's fence) goes on after this object's close.
         """
-        if self._ctx is None:
-            raise ValueError(f"context of device {self.device} is closed")
-        if int(call("cuCtxGetCurrent")) == self.handle:
-            yield self
+        own = self if self._ctx is not None else Context.primary(self.device)  # a closed owner: the same
+        if int(call("cuCtxGetCurrent")) == own.handle:                       # primary context, retained anew
+            yield own
             return
-        call("cuCtxPushCurrent", self._ctx)
+        call("cuCtxPushCurrent", own._ctx)
         try:
-            yield self
+            yield own
         finally:
             call("cuCtxPopCurrent")
 
@@ -213,7 +215,7 @@ class Stream:
         ``CU_STREAM_NON_BLOCKING``: do not synchronize with the legacy default stream.
     """
 
-    __slots__ = ("context", "handle", "last_event", "_named", "_owned", "_raw")
+    __slots__ = ("context", "handle", "last_event", "_lock", "_named", "_owned", "_raw")
 
     def __init__(self, context: Context | None = None, *, non_blocking: bool = True) -> None:
         self.context = context or Context.primary(0)
@@ -222,6 +224,7 @@ class Stream:
             self._raw = call("cuStreamCreate", flags)
         self.handle = int(self._raw)  # the CUstream, as an int
         self._owned = True
+        self._lock = threading.Lock()  # close() against a drain fencing it
         self._named = False  # a deferred release may name it: close() records last_event then
         self.last_event: Event | None = None  # recorded by close(): the stream's work ends before it
 
@@ -237,6 +240,7 @@ class Stream:
         self.context = context or Context.of_stream(self.handle)
         self._raw = None
         self._owned = False
+        self._lock = threading.Lock()
         self._named = False
         self.last_event = None
         return self
@@ -257,8 +261,29 @@ class Stream:
         return self._owned and self._raw is None
 
     def name_for_release(self) -> None:
-        """Say that a deferred release waits for this stream: ``close()`` then records :attr:`last_event`."""
-        self._named = True
+        """Say that a deferred release waits for this stream: ``close()`` then records :attr:`last_event`.
+
+        Named once already closed with no last event, its work may still be
+        pending and nothing can be recorded on it any more: this waits for
+        its context instead (an explicit call, never a finalizer's).
+        """
+        with self._lock:
+            self._named = True
+            if not self.closed or self.last_event is not None:
+                return
+        self.context.synchronize()
+
+    def fence(self, new_event: Any) -> Event | None:
+        """Return an event after the work enqueued so far: ``new_event()`` recorded here, or the last one.
+
+        For a closed stream that is :attr:`last_event` (None: nothing left to
+        wait for); the check and the record hold the stream's lock, so a
+        concurrent ``close()`` cannot slip between them.
+        """
+        with self._lock:
+            if self.closed:
+                return self.last_event
+            return new_event().record(self.handle)  # type: ignore[no-any-return]
 
     def close(self, *, last_event: bool = True) -> None:
         """Destroy the stream if this object created it. Idempotent.
@@ -268,15 +293,16 @@ class Stream:
         (:attr:`last_event`), which that release waits for instead (Note
         [Deferred releases]).
         """
-        raw = self._raw
-        if raw is None or not self._owned:
-            self._raw = None
-            return
-        with self.context.active():
-            if last_event and self._named:
-                self.last_event = _last_event_pool(self.context).get().record(self.handle)
-            self._raw = None
-            call("cuStreamDestroy", raw)
+        with self._lock:
+            raw = self._raw
+            if raw is None or not self._owned:
+                self._raw = None
+                return
+            with self.context.active():
+                if last_event and self._named:
+                    self.last_event = _last_event_pool(self.context).get().record(self.handle)
+                self._raw = None
+                call("cuStreamDestroy", raw)
 
     def __cuda_stream__(self) -> tuple[int, int]:
         """Return (0, handle): the CUDA stream protocol of cuda.core and CuPy."""

@@ -119,8 +119,6 @@ def release_later(what: str, action: Callable[[], None], streams: Iterable[tuple
         handle = stream_handle(stream)
         if not any(f[0] is context and f[1] == handle for f in fences):
             fences.append((context, handle, stream if isinstance(stream, Stream) else None))
-            if isinstance(stream, Stream):
-                stream.name_for_release()
     task = _Task(what, action, fences, every_context)
     task.events.extend(events)
     with _lock:
@@ -137,24 +135,27 @@ def drain(wait: bool = False) -> int:
     """
     if getattr(_draining, "active", False) or not _tasks:
         return len(_tasks)
-    if not _drain_lock.acquire(blocking=wait):
-        return len(_tasks)  # another thread is draining, and goes round again for what was added
-    _draining.active = True
-    try:
-        with _relaxed():
-            while True:
-                with _lock:
-                    tasks, generation = list(_tasks), _generation
-                for task in tasks:
-                    if _advance(task, wait):
-                        with _lock:
-                            _tasks.remove(task)
-                if _generation == generation:
-                    break
-    finally:
-        _draining.active = False
-        _drain_lock.release()
-    return len(_tasks)
+    blocking = wait
+    while _drain_lock.acquire(blocking=blocking):
+        _draining.active = True
+        try:
+            with _relaxed():
+                while True:
+                    with _lock:
+                        tasks, generation = list(_tasks), _generation
+                    for task in tasks:
+                        if _advance(task, wait):
+                            with _lock:
+                                _tasks.remove(task)
+                    if _generation == generation:
+                        break
+        finally:
+            _draining.active = False
+            _drain_lock.release()
+        if _generation == generation:
+            break
+        blocking = False  # queued between the last pass and the release: go round unless another drain has it
+    return len(_tasks)  # when the lock was busy, the thread holding it goes round again for what was added
 def finish_releases() -> None:
     """Wait for every deferred release and run it; raise the first that failed (it stays queued).
 
@@ -212,19 +213,22 @@ def _fence(task: _Task) -> None:
     error: CudaError | None = None
     for fence in task.fences:
         context, handle, stream = fence
-        if context.closed:
-            continue  # its streams are gone, and their work with them
-        if isinstance(stream, Stream) and stream.closed:  # closed before this fence: its last event stands in
-            if stream.last_event is not None:
-                task.events.append(stream.last_event)
-            continue
         try:
+            if isinstance(stream, Stream) and stream.closed:  # closed before this fence: its last event stands in
+                if stream.last_event is not None:
+                    task.events.append(stream.last_event)
+                continue
             if context.is_capturing(handle):
                 left.append(fence)
                 continue
+            if isinstance(stream, Stream):  # the check and the record under its lock: a close cannot slip in
+                event = stream.fence(_pool(context).get)
+                if event is not None:
+                    task.events.append(event)
+                continue
             task.events.append(_pool(context).get().record(handle))
         except CudaError as exc:
-            if exc.result_name in ("CUDA_ERROR_INVALID_HANDLE", "CUDA_ERROR_CONTEXT_IS_DESTROYED"):
+            if stream is None and exc.result_name == "CUDA_ERROR_INVALID_HANDLE":
                 continue  # a foreign stream destroyed since: its owner vouched for its work (as for record_stream)
             left.append(fence)  # retried at the next drain
             error = error or exc

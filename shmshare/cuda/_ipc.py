@@ -289,6 +289,8 @@ class ImportedDeviceMemory:
             raise ValueError("array() on closed ImportedDeviceMemory")
         dt = np.dtype(dtype)
         shape = (self.nbytes // dt.itemsize,) if shape is None else shape
+        if stream is not None:
+            self._mapping.record_stream(stream)  # the unmap waits for the stream it is produced on
         arr = DeviceArray(self.address, shape, dt, device=self.device, owner=self._mapping, stream=stream)
         if arr.nbytes > self.nbytes:
             raise ValueError(f"an array of {arr.nbytes} bytes does not fit in {self.nbytes} imported bytes")

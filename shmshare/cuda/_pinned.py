@@ -30,8 +30,9 @@ finalizer unmap pages that are still registered (a stale DMA target, and
 ``CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED`` for the next mapping at that
 address), nor leak ``cuMemHostAlloc`` memory. The finalizer does not wait
 for the GPU: it queues a deferred release (Note [Deferred releases]) fenced
-on the legacy stream of every active context and on every stream the
-provider recorded events on.
+on the legacy stream of every active context and on the RECENT_STREAMS
+streams the provider recorded events on most recently (new events, and the
+last ones it recorded there, which stand in for a stream destroyed since).
 
 Events belong to a context and can be recorded only on its streams, so the
 provider keeps an event pool per context and picks it from the stream
@@ -60,6 +61,7 @@ from ._driver import call, driver
 __all__ = ["CudaHostProvider", "host_allocator"]
 
 MAX_PREFAULT_THREADS = 64  # _native.prefault's limit
+RECENT_STREAMS = 64  # streams a range dropped unclosed is fenced on: the most recently recorded ones
 
 
 class CudaHostProvider:
@@ -91,7 +93,9 @@ class CudaHostProvider:
         self.context = context or Context.primary(0)
         self.events = EventPool(self.context)  # this context's; others' in _pools
         self._pools: dict[int, EventPool] = {self.context.handle: self.events}  # context handle -> pool
-        self._last: dict[tuple[int, int], Event] = {}  # (context, stream) -> the event recorded there last
+        # (context handle, stream handle) -> (context, stream handle, the event recorded there last),
+        # the RECENT_STREAMS most recently used: what a range dropped unclosed is fenced on
+        self._recent: dict[tuple[int, int], tuple[Context, int, Event]] = {}
         self._live: dict[int, _Pinned] = {}  # address -> memory handed out
         self._lock = threading.Lock()
 
@@ -104,7 +108,7 @@ class CudaHostProvider:
         drain()
         with self.context.active():
             pinned = self._allocate_registered(nbytes) if self.register else self._allocate_host(nbytes)
-        pinned.watch(self.context, self._last)
+        pinned.watch(self.context, self._recent)
         with self._lock:
             self._live[pinned.address] = pinned
         return pinned.address, pinned
@@ -132,7 +136,10 @@ class CudaHostProvider:
                 pool = self._pools[context.handle] = EventPool(context)
         event = pool.get().record(handle)
         with self._lock:
-            self._last[(context.handle, handle)] = event  # fences a range dropped unclosed
+            self._recent.pop((context.handle, handle), None)  # most recent last
+            self._recent[(context.handle, handle)] = (context, handle, event)
+            if len(self._recent) > RECENT_STREAMS:
+                del self._recent[next(iter(self._recent))]
         return event
 
     def event_done(self, event: object) -> bool:
@@ -213,13 +220,13 @@ class _Pinned:
         self.context = context
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
-    def watch(self, context: Context, last: dict[tuple[int, int], Event]) -> None:
+    def watch(self, context: Context, recent: dict[tuple[int, int], tuple[Context, int, Event]]) -> None:
         """Arm the finalizer: when this object is collected unclosed, release the range deferred.
 
-        ``last`` is the provider's latest event per stream (read when the finalizer runs).
+        ``recent`` is the provider's streams with their latest events (read when the finalizer runs).
         """
         self._finalizer = weakref.finalize(self, _release_dropped, self.address, self.size, self.memory,
-                                           context, last)
+                                           context, recent)
 
     def close(self) -> None:
         """Unpin and free now; the caller knows nothing uses it. Idempotent.
@@ -275,15 +282,17 @@ def _unpin(address: int, memory: AnonymousMemory | None, context: Context) -> No
 
 
 def _release_dropped(address: int, size: int, memory: AnonymousMemory | None, context: Context,
-                     last: dict[tuple[int, int], Event]) -> None:
+                     recent: dict[tuple[int, int], tuple[Context, int, Event]]) -> None:
     """The finalizer of a range dropped unclosed: a deferred release, fenced; no driver call here.
 
-    It waits for the legacy stream of every active context and for the
-    last event the provider recorded on each stream (a copy from a block
-    of the range may be among them).
+    It waits for the legacy stream of every active context, for new events
+    on the streams the provider recorded on most recently (a copy from a
+    block of the range may be queued there after its last free), and for
+    the last event on each (which stands in for a stream gone since).
     """
-    release_later(_what(address, size, memory), lambda: _unpin(address, memory, context), (),
-                  events=list(last.values()), every_context=True,
+    entries = list(recent.values())
+    release_later(_what(address, size, memory), lambda: _unpin(address, memory, context),
+                  [(c, h) for c, h, _ in entries], events=[e for _, _, e in entries], every_context=True,
                   in_forked_child=memory.close if memory is not None else None)
 
 
