@@ -31,17 +31,19 @@ and its consumer would take the memory as writable.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
 
-from ._context import Context, EventPool, Stream, stream_handle
+from ._context import Context, EventPool, Stream, pool_of, stream_handle
 from ._dlpack import CUDA, VERSION, make_capsule
 from ._driver import call
 
 __all__ = ["DeviceArray"]
 
 _pools: dict[int, EventPool] = {}  # context handle -> event pool used for DLPack stream hand-offs
+_pools_lock = threading.Lock()
 
 
 class DeviceArray:
@@ -152,10 +154,7 @@ class DeviceArray:
         """Make the consumer's stream wait for the producer's: an event of the producer's context."""
         device = Context.primary(self.device)
         producer = Context.of_stream(self.stream, device)
-        pool = _pools.get(producer.handle)
-        if pool is None or pool.closed:
-            pool = _pools[producer.handle] = EventPool(producer)
-        event = pool.get().record(self.stream)
+        event = pool_of(_pools, producer, _pools_lock).get().record(self.stream)
         try:
             event.wait_on(stream_handle(consumer), Context.of_stream(consumer, device))
         finally:

@@ -534,12 +534,17 @@ def active_primaries() -> list[Context]:
     return contexts
 
 
-def _last_event_pool(context: Context) -> EventPool:
-    with _primary_lock:
-        pool = _last_events.get(context.handle)
+def pool_of(table: dict[int, EventPool], context: Context, lock: Any) -> EventPool:
+    """Return ``table``'s event pool for ``context`` (made, or made anew if closed, under ``lock``)."""
+    with lock:
+        pool = table.get(context.handle)
         if pool is None or pool.closed:
-            pool = _last_events[context.handle] = EventPool(context)
+            pool = table[context.handle] = EventPool(context)
         return pool
+
+
+def _last_event_pool(context: Context) -> EventPool:
+    return pool_of(_last_events, context, _primary_lock)
 
 
 def _forget_primary_after_fork() -> None:

@@ -64,7 +64,7 @@ from typing import Any
 
 from .. import _fork
 from . import _driver
-from ._context import Context, Event, EventPool, Stream, active_primaries, stream_handle
+from ._context import Context, Event, EventPool, Stream, active_primaries, pool_of, stream_handle
 from ._driver import CudaError, call, driver
 
 __all__ = ["drain", "finish_releases", "pending", "release_later"]
@@ -252,11 +252,7 @@ def _relaxed() -> Iterator[None]:
 
 
 def _pool(context: Context) -> EventPool:
-    with _lock:
-        pool = _pools.get(context.handle)
-        if pool is None or pool.closed:
-            pool = _pools[context.handle] = EventPool(context)
-        return pool
+    return pool_of(_pools, context, _lock)
 
 
 def _at_exit() -> None:

@@ -81,3 +81,16 @@ def map_anonymous(nbytes: int, prot: int = mmap.PROT_READ | mmap.PROT_WRITE) -> 
 
 def unmap(address: int, nbytes: int) -> None:
     assert _libc.munmap(address, nbytes) == 0, ctypes.get_errno()
+
+
+def begin_global_capture(model: DriverModel, stream: Any) -> None:
+    """Start a GLOBAL-mode capture on a shmshare Stream (its context made current)."""
+    stream.context.make_current()
+    (err,) = model.cuStreamBeginCapture(stream.handle, model.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+    assert int(err) == 0
+
+
+def end_capture(model: DriverModel, stream: Any) -> int:
+    """End the capture on a shmshare Stream; return the CUresult (901: it was invalidated)."""
+    stream.context.make_current()
+    return int(model.cuStreamEndCapture(stream.handle)[0])

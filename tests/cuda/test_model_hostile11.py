@@ -23,21 +23,14 @@ from shmshare.memory._host import CachingHostAllocator
 
 from . import driver_model as driver_model_module
 from .driver_model import DriverModel
+from .model_calls import begin_global_capture, end_capture
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
 CHILD_LIMIT = 12  # s: each child script must be done by then, or it hung
 
 
-def _global_capture(model: DriverModel, stream: cuda.Stream) -> None:
-    stream.context.make_current()
-    (err,) = model.cuStreamBeginCapture(stream.handle, model.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
-    assert int(err) == 0
-
-
-def _end_capture(model: DriverModel, stream: cuda.Stream) -> int:
-    stream.context.make_current()
-    return int(model.cuStreamEndCapture(stream.handle)[0])
+_global_capture, _end_capture = begin_global_capture, end_capture
 
 
 def _run_child(script: str) -> subprocess.CompletedProcess[str]:

@@ -19,19 +19,12 @@ from shmshare.memory._host import CachingHostAllocator
 from shmshare.segment import Flags
 
 from .driver_model import CUresult, DriverModel
+from .model_calls import begin_global_capture, end_capture
 
 MiB = 1 << 20
 
 
-def _global_capture(model: DriverModel, stream: cuda.Stream) -> None:
-    stream.context.make_current()
-    (err,) = model.cuStreamBeginCapture(stream.handle, model.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
-    assert int(err) == 0
-
-
-def _end_capture(model: DriverModel, stream: cuda.Stream) -> int:
-    stream.context.make_current()
-    return int(model.cuStreamEndCapture(stream.handle)[0])
+_global_capture, _end_capture = begin_global_capture, end_capture
 
 
 # --- 2. registered memory is unpinned before it is unmapped ------------------------------------------
