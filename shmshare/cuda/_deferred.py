@@ -156,6 +156,8 @@ def drain(wait: bool = False) -> int:
             break
         blocking = False  # queued between the last pass and the release: go round unless another drain has it
     return len(_tasks)  # when the lock was busy, the thread holding it goes round again for what was added
+
+
 def finish_releases() -> None:
     """Wait for every deferred release and run it; raise the first that failed (it stays queued).
 
