@@ -252,10 +252,11 @@ class StreamsMixin:
             if all(op.done for op in targets):
                 return
             words = [op for op in needed if not op.done and op.word is not None]
-            assert words and time.monotonic() < deadline, (
-                f"{what} never completed: it waits for "
-                + ", ".join(f"host word 0x{op.word[0]:x} >= {op.word[1]} on stream {self._name(op.stream)}"
-                            for op in words if op.word is not None))
+            waits = ", ".join(f"host word 0x{op.word[0]:x} >= {op.word[1]} on stream {self._name(op.stream)}"
+                              for op in words if op.word is not None)
+            assert words, f"{what} never completed, and it waits for no host word"
+            if time.monotonic() >= deadline:  # a bound on the wait (a hang guard), not a speed check
+                raise TimeoutError(f"{what} never completed: it waits for {waits}")
             self._lock.release()  # let other threads call the model (or write the word) meanwhile
             try:
                 time.sleep(0.001)
