@@ -12,7 +12,9 @@ Note [One audit hook, recording only while asked]
     ``MAX_RECORDS`` are kept: a test that opens a million files loses the
     oldest stacks, not memory. Not every fd has an event: ``os.pipe``,
     ``os.dup``, ``os.memfd_create`` and fds made in C have none, and are
-    reported without a stack.
+    reported without a stack. ``_busy`` is one flag for all threads: an
+    event of another thread that lands while this one records is dropped
+    (its leak is still reported, without a stack), never recorded twice.
 """
 
 from __future__ import annotations

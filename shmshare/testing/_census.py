@@ -84,7 +84,8 @@ def leaks_since(before: Census) -> list[Leak]:
         held = _held_elsewhere(new_names) if new_names else set()
         out += [_shm_leak(n) for n in sorted(new_names - held)]
         out += [leak for pid in sorted(now.children - before.children) if (leak := _child_leak(pid))]
-        out += [_thread_leak(t) for t in now.threads - before.threads if t.is_alive()]
+        new_threads = sorted(now.threads - before.threads, key=lambda t: t.ident or 0)
+        out += [_thread_leak(t) for t in new_threads if t.is_alive()]
     return out
 
 

@@ -7,6 +7,7 @@ project's own leak check of this process stays clean.
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 from pathlib import Path
@@ -144,3 +145,20 @@ def test_a_conftest_no_leaks_of_its_own_shadows_the_plugins(pytester: pytest.Pyt
 def test_the_entry_point_names_the_plugin_module() -> None:
     pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     assert pyproject["project"]["entry-points"]["pytest11"] == {"shmshare": "shmshare.testing.pytest_plugin"}
+
+
+def test_pytest_loads_the_plugin_by_its_entry_point(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    # What `pip install shmshare` leaves: a dist-info whose entry_points.txt names the module (here a stand-in
+    # on PYTHONPATH, so the test does not depend on how this checkout is installed); no -p anywhere.
+    site = pytester.mkdir("site")
+    info = site / "shmshare_entry_point_check-0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: shmshare-entry-point-check\nVersion: 0\n")
+    (info / "entry_points.txt").write_text("[pytest11]\nshmshare = shmshare.testing.pytest_plugin\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    pytester.makepyfile(test_sample=HEADER + leak_test("socket"))
+    quiet = pytester.runpytest_subprocess(timeout=TIMEOUT)
+    quiet.assert_outcomes(passed=1)
+    checked = pytester.runpytest_subprocess("--leaks", "--leaks-settle=0.2", timeout=TIMEOUT)
+    checked.assert_outcomes(passed=1, errors=1)
+    assert "socket fd" in checked.stdout.str()
