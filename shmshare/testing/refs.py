@@ -59,6 +59,8 @@ def _identify(obj: object) -> tuple[int, int, int]:
     if isinstance(obj, (str, bytes, os.PathLike)):
         st = os.stat(obj)
         return st.st_dev, st.st_ino, st.st_nlink
+    if getattr(obj, "closed", False) is True:  # a Segment, a file: its old fd or address may be another's now
+        raise ValueError(f"refs() of a closed object: {obj!r}")
     fd = obj if isinstance(obj, int) else getattr(obj, "fd", None)
     if fd is None and not hasattr(obj, "address"):
         fd = obj.fileno() if hasattr(obj, "fileno") else None
