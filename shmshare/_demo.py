@@ -173,7 +173,7 @@ class _Walk:
         self.step += 1
         sides, total, nlink = [], in_flight, None
         for role, pid in (("parent", self.parent), ("child", self.child)):
-            fds, maps, nl = _holders(pid, self.dev, self.ino, self.backend)
+            fds, maps, nl = _holders(pid, self.dev, self.ino)
             nlink = nl if nl is not None else nlink
             total += len(fds) + maps
             sides.append(f"{role} {pid} fds {fds} maps {maps}")
@@ -205,20 +205,10 @@ class _Walk:
         return f"; host Shmem {delta} vs start" if delta else ""
 
 
-def _holders(pid: int, dev: int, ino: int, backend: str) -> tuple[list[int], int, int | None]:
+def _holders(pid: int, dev: int, ino: int) -> tuple[list[int], int, int | None]:
     """Return (fds, mapping count, nlink) of the object (dev, ino) in process `pid`."""
-    fds, nlink = [], None
-    for n in sorted(_procfs.fds(pid)):
-        try:
-            st = os.stat(f"/proc/{pid}/fd/{n}")  # follows the link to the object itself
-        except OSError:
-            continue  # closed while we looked
-        if (st.st_dev, st.st_ino) == (dev, ino):
-            fds.append(n)
-            nlink = st.st_nlink
-    marker = "/memfd:" if backend == "memfd" else "/dev/shm/"
-    maps = sum(1 for m in _procfs.shm_mappings(pid) if m.inode == ino and m.path.startswith(marker))
-    return fds, maps, nlink
+    fds, maps, nlink = _procfs.holders(pid, dev, ino)
+    return fds, len(maps), nlink
 
 
 def _child_loop(ctl: wire.Connection, data: wire.Connection) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["Mapping", "fds", "shm_mappings", "shm_names", "meminfo_kb", "SHM_MARKERS"]
+__all__ = ["Mapping", "fds", "mappings", "shm_mappings", "dev_of", "holders", "shm_names", "meminfo_kb", "SHM_MARKERS"]
 
 # What a shared-memory mapping's path looks like in /proc/<pid>/maps.
 SHM_MARKERS = ("/memfd:", "/dev/shm/", "/SYSV")
@@ -18,18 +18,24 @@ SHM_MARKERS = ("/memfd:", "/dev/shm/", "/SYSV")
 
 @dataclass(frozen=True)
 class Mapping:
-    """One line of /proc/<pid>/maps that maps shared memory."""
+    """One line of /proc/<pid>/maps."""
 
     start: int
     end: int
     perms: str
     inode: int
-    path: str  # "/memfd:shmshare_1_ab (deleted)", "/dev/shm/shmshare_1_cd (deleted)", ...
+    path: str  # "/memfd:shmshare_1_ab (deleted)", "/dev/shm/shmshare_1_cd (deleted)", "" if anonymous ...
+    dev: str = ""  # "00:01": the object's device as maps prints it (hex major:minor), see dev_of()
 
     @property
     def size(self) -> int:
         """Bytes mapped."""
         return self.end - self.start
+
+    @property
+    def shared(self) -> bool:
+        """Whether it is a MAP_SHARED mapping (writes reach the object and every other mapping of it)."""
+        return self.perms[3:4] == "s"
 
     @property
     def deleted(self) -> bool:
@@ -53,8 +59,8 @@ def fds(pid: int | str = "self") -> dict[int, str]:
     return out
 
 
-def shm_mappings(pid: int | str = "self", contains: str = "") -> list[Mapping]:
-    """Return the shared-memory mappings of `pid` whose path contains `contains`."""
+def mappings(pid: int | str = "self") -> list[Mapping]:
+    """Return every mapping of `pid`, anonymous ones included (path "")."""
     out: list[Mapping] = []
     try:
         with open(f"/proc/{pid}/maps") as f:
@@ -63,14 +69,42 @@ def shm_mappings(pid: int | str = "self", contains: str = "") -> list[Mapping]:
         return out
     for line in lines:
         parts = line.split(maxsplit=5)
-        if len(parts) < 6:
+        if len(parts) < 5:
             continue
-        path = parts[5].rstrip("\n")
-        if not any(m in path for m in SHM_MARKERS) or contains not in path:
-            continue
+        path = parts[5].rstrip("\n") if len(parts) == 6 else ""
         lo, hi = parts[0].split("-")
-        out.append(Mapping(int(lo, 16), int(hi, 16), parts[1], int(parts[4]), path))
+        out.append(Mapping(int(lo, 16), int(hi, 16), parts[1], int(parts[4]), path, parts[3]))
     return out
+
+
+def shm_mappings(pid: int | str = "self", contains: str = "") -> list[Mapping]:
+    """Return the shared-memory mappings of `pid` whose path contains `contains`."""
+    return [m for m in mappings(pid) if any(k in m.path for k in SHM_MARKERS) and contains in m.path]
+
+
+def dev_of(st_dev: int) -> str:
+    """Return a device number as /proc/<pid>/maps prints it ("00:1b")."""
+    return f"{os.major(st_dev):02x}:{os.minor(st_dev):02x}"
+
+
+def holders(pid: int | str, dev: int, ino: int) -> tuple[list[int], list[Mapping], int | None]:
+    """Return (fds, mappings, nlink) by which process `pid` holds the object (dev, ino).
+
+    The fds are matched by ``stat`` through ``/proc/<pid>/fd`` (the object itself, not the link's
+    text), the mappings by the device and inode that maps shows; nlink is None if no fd was seen.
+    """
+    found, nlink = [], None
+    for n in sorted(fds(pid)):
+        try:
+            st = os.stat(f"/proc/{pid}/fd/{n}")  # follows the link to the object itself
+        except OSError:
+            continue  # closed while we looked
+        if (st.st_dev, st.st_ino) == (dev, ino):
+            found.append(n)
+            nlink = st.st_nlink
+    key = dev_of(dev)
+    maps = [m for m in mappings(pid) if m.inode == ino and m.dev == key]
+    return found, maps, nlink
 
 
 def shm_names(prefix: str = "", directory: str = "/dev/shm") -> set[str]:
