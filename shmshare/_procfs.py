@@ -49,8 +49,8 @@ def fds(pid: int | str = "self") -> dict[int, str]:
     out: dict[int, str] = {}
     try:
         names = os.listdir(base)
-    except (FileNotFoundError, ProcessLookupError):
-        return out
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return out  # gone, or another user's: nothing we can see
     for name in names:
         try:
             out[int(name)] = os.readlink(f"{base}/{name}")
@@ -65,8 +65,8 @@ def mappings(pid: int | str = "self") -> list[Mapping]:
     try:
         with open(f"/proc/{pid}/maps") as f:
             lines = f.readlines()
-    except (FileNotFoundError, ProcessLookupError):
-        return out
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return out  # gone, or another user's: nothing we can see
     for line in lines:
         parts = line.split(maxsplit=5)
         if len(parts) < 5:

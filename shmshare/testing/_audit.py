@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -40,8 +41,9 @@ Stack = tuple[tuple[str, int, str], ...]  # (file, line, function), outermost fi
 
 _installed = False
 _active = 0  # how many recording() blocks are open
-_busy = False  # the hook's own calls (sys._getframe, stat) raise events too
-_records: deque[tuple[Any, Stack]] = deque(maxlen=MAX_RECORDS)
+_busy = threading.local()  # .on: this thread is inside the hook or paused() (their own calls raise events too)
+_records: deque[tuple[Any, Stack]] = deque(maxlen=MAX_RECORDS)  # sockets: found by scanning for the live object
+_index: dict[Any, Stack] = {}  # path, inode and anonymous keys -> the latest stack (oldest first, MAX_RECORDS)
 
 
 @contextlib.contextmanager
@@ -53,6 +55,7 @@ def recording() -> Iterator[None]:
         _installed = True
     if not _active:
         _records.clear()
+        _index.clear()
     _active += 1
     try:
         yield
@@ -62,19 +65,18 @@ def recording() -> Iterator[None]:
 
 @contextlib.contextmanager
 def paused() -> Iterator[None]:
-    """Record nothing inside the block (the checker's own reads of /proc)."""
-    global _busy
-    was, _busy = _busy, True
+    """Record nothing on this thread inside the block (the checker's own reads of /proc)."""
+    was = getattr(_busy, "on", False)
+    _busy.on = True
     try:
         yield
     finally:
-        _busy = was
+        _busy.on = was
 
 
 def stack_for_path(path: str) -> Stack | None:
     """Return the stack of the latest ``open`` of `path` (as /proc shows it, " (deleted)" allowed)."""
-    path = path.removesuffix(" (deleted)")
-    return _latest(lambda key: key == ("path", path))
+    return _index.get(("path", path.removesuffix(" (deleted)")))
 
 
 def stack_for_socket_fd(fd: int) -> Stack | None:
@@ -90,9 +92,7 @@ def stack_for_socket_fd(fd: int) -> Stack | None:
 
 def stack_for_mapping(dev: str, inode: int, size: int, anonymous: bool) -> Stack | None:
     """Return the stack of the ``mmap.mmap`` that made a mapping (by its object, or its size if anonymous)."""
-    if anonymous:
-        return _latest(lambda key: key == ("anon", size))
-    return _latest(lambda key: key == ("inode", dev, inode))
+    return _index.get(("anon", size) if anonymous else ("inode", dev, inode))
 
 
 def _latest(match: Callable[[Any], bool]) -> Stack | None:
@@ -101,18 +101,25 @@ def _latest(match: Callable[[Any], bool]) -> Stack | None:
 
 
 def _hook(event: str, args: tuple[Any, ...]) -> None:
-    global _busy
-    if not _active or _busy or event not in _KEYS:
+    if not _active or event not in _KEYS or getattr(_busy, "on", False):
         return
-    _busy = True
+    _busy.on = True  # per thread: the hook's own calls raise events too
     try:
         key = _KEYS[event](args)
-        if key is not None:
-            _records.append((key, _stack(sys._getframe(1))))
+        if key is None:
+            return
+        stack = _stack(sys._getframe(1))
+        if key[0] == "socket":
+            _records.append((key, stack))
+        else:
+            _index.pop(key, None)  # the latest last
+            _index[key] = stack
+            if len(_index) > MAX_RECORDS:
+                del _index[next(iter(_index))]
     except Exception:  # noqa: BLE001, S110 - an audit hook that raises would fail the user's own open()
         pass
     finally:
-        _busy = False
+        _busy.on = False
 
 
 def _stack(frame: FrameType | None) -> Stack:

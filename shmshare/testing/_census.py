@@ -200,10 +200,15 @@ def _owner(name: str) -> int:
 
 def _held_elsewhere(names: set[str]) -> set[str]:
     """Return which of these /dev/shm names another process holds open (then it is that process's)."""
-    me, held = os.getpid(), set()
+    me, uid, held = os.getpid(), os.getuid(), set()
     for pid in psutil.pids():
         if pid == me:
             continue
+        try:
+            if os.stat(f"/proc/{pid}").st_uid != uid:
+                continue  # another user's: its fds are not ours to read, and a name of ours it holds is rare
+        except OSError:
+            continue  # gone while we looked
         for target in fds(pid).values():
             if target.startswith("/dev/shm/"):
                 name = target.removeprefix("/dev/shm/").removesuffix(" (deleted)")

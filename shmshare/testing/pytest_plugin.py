@@ -84,6 +84,7 @@ def _check(request: pytest.FixtureRequest) -> Iterator[None]:
     from . import _audit, _census  # only when asked: an inert plugin imports nothing of its own
 
     settle: Any = request.config.getoption("leaks_settle")
+    _start_process_wide_helpers()
     before = _census.Census.take()
     with _audit.recording():
         yield
@@ -91,3 +92,17 @@ def _check(request: pytest.FixtureRequest) -> Iterator[None]:
     if leaks:
         pytest.fail(f"LeakError: {len(leaks)} resource(s) left behind by {request.node.nodeid} "
                     f"(after {settle:g} s of retries):\n{_census.table(leaks)}", pytrace=False)
+
+
+def _start_process_wide_helpers() -> None:
+    """Start multiprocessing's resource tracker before the first census: it lives as long as the process.
+
+    The first test to use a spawn or forkserver context starts it (a child
+    process and a pipe), and it would be blamed for them.
+    """
+    from multiprocessing import resource_tracker
+
+    try:
+        resource_tracker.ensure_running()
+    except Exception:  # noqa: BLE001, S110 - no tracker here (a platform without one): nothing to blame on tests
+        pass
