@@ -10,7 +10,8 @@ import pytest
 pytest_plugins = ["pytester"]
 
 DOC = Path(__file__).parents[2] / "docs" / "leaks.md"
-PLUGIN = ("-p", "no:shmshare", "-p", "shmshare.testing.pytest_plugin", "--leaks-settle=0.2")
+# -rN: no short summary, whose lines repeat a leak's message as far as the terminal's width lets them
+PLUGIN = ("-p", "no:shmshare", "-p", "shmshare.testing.pytest_plugin", "--leaks-settle=0.2", "-rN")
 TIMEOUT = 60  # s: one run of the example
 
 

@@ -17,7 +17,8 @@ import pytest
 pytest_plugins = ["pytester"]
 
 # The entry point may or may not be installed here: block it and load the module by name, either way.
-PLUGIN = ("-p", "no:shmshare", "-p", "shmshare.testing.pytest_plugin", "--leaks-settle=0.2")
+# -rN: no short summary, whose lines repeat a leak's message as far as the terminal's width lets them
+PLUGIN = ("-p", "no:shmshare", "-p", "shmshare.testing.pytest_plugin", "--leaks-settle=0.2", "-rN")
 TIMEOUT = 60  # s: one sample run
 
 LEAKY = {
