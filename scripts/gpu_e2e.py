@@ -37,7 +37,6 @@ import argparse
 import ctypes
 import faulthandler
 import gc
-import inspect
 import os
 import statistics
 import sys
@@ -136,12 +135,11 @@ def pattern(nbytes: int, seed: int) -> np.ndarray:
 
 
 def check_device_ipc(checks: Checks, timeout: float, model: bool) -> None:
-    ordered = "stream" in inspect.signature(cuda.send_device_memory).parameters
     mine, theirs = wire.pipe()
     try:
         # Over the driver model the producer is a thread: the model lives in this process only.
-        with (_ThreadChild(produce_all, theirs, SIZES, ordered, timeout) if model
-              else start_child(produce, theirs, SIZES, ordered, timeout, method="spawn")) as child:
+        with (_ThreadChild(produce_all, theirs, SIZES, timeout) if model
+              else start_child(produce, theirs, SIZES, timeout, method="spawn")) as child:
             if not model:
                 theirs.close()  # the child has its own copy
             for k, nbytes in enumerate(SIZES):
@@ -154,12 +152,11 @@ def check_device_ipc(checks: Checks, timeout: float, model: bool) -> None:
                 same = imported.nbytes == nbytes and np.array_equal(out, pattern(nbytes, k))
                 bad = "" if same else f", first differing byte at {int(np.argmax(out != pattern(nbytes, k)))}"
                 chunks = -(-nbytes // (2 * MiB))
-                checks.result(f"(i) {nbytes} B", same and ordered,
+                checks.result(f"(i) {nbytes} B", same,
                               f"{'every byte as sent' if same else 'BYTES DIFFER'}{bad}; ~{chunks} chunk(s); "
                               f"received+imported in {received * 1e3:.1f} ms after the producer's "
                               f"{meta.get('hold_s', 0):.1f} s hold; send ordered by "
-                              f"{meta.get('ordered_by')}"
-                              + ("" if ordered else " (FAIL: send_device_memory has no stream= keyword)"))
+                              f"{meta.get('ordered_by')}")
                 if nbytes >= 64 * MiB:
                     checks.figure(f"e2e_ipc_recv_ms_{nbytes // MiB}MiB", received * 1e3, "ms")
                 del out
@@ -171,17 +168,14 @@ def check_device_ipc(checks: Checks, timeout: float, model: bool) -> None:
     finally:
         mine.close()
         theirs.close()
-    if not ordered:
-        print("  NOTE: cuda.send_device_memory has no stream= keyword here: the producer synchronized its "
-              "stream itself, and (i) is marked FAIL until the keyword exists")
 
 
-def produce(conn: wire.Connection, sizes: tuple[int, ...], ordered: bool, timeout: float) -> None:
+def produce(conn: wire.Connection, sizes: tuple[int, ...], timeout: float) -> None:
     """Child (spawned): run the producer, then exit at once (the receiver must not need us)."""
-    os._exit(produce_all(conn, sizes, ordered, timeout))
+    os._exit(produce_all(conn, sizes, timeout))
 
 
-def produce_all(conn: wire.Connection, sizes: tuple[int, ...], ordered: bool, timeout: float) -> int:
+def produce_all(conn: wire.Connection, sizes: tuple[int, ...], timeout: float) -> int:
     """Fill device memory on a held stream and send it without waiting, one size at a time; return 0."""
     provider = cuda.CudaDeviceProvider(ipc=True)
     host = cuda.CudaHostProvider(provider.context)
@@ -195,12 +189,8 @@ def produce_all(conn: wire.Connection, sizes: tuple[int, ...], ordered: bool, ti
         hold = HeldStream(stream, HOLD_S)
         cuda.memset_device(block.address, 0xAA, nbytes, stream=stream)  # what an early reader would see
         cuda.copy_host_to_device(block.address, address, nbytes, stream=stream)
-        meta = {"hold_s": hold.delay, "ordered_by": "stream=" if ordered else "the producer's own synchronize"}
-        if ordered:
-            cuda.send_device_memory(conn, provider, block, nbytes, stream=stream, meta=meta, timeout=timeout)
-        else:
-            stream.synchronize()
-            cuda.send_device_memory(conn, provider, block, nbytes, meta=meta, timeout=timeout)
+        meta = {"hold_s": hold.delay, "ordered_by": "stream="}
+        cuda.send_device_memory(conn, provider, block, nbytes, stream=stream, meta=meta, timeout=timeout)
         reply = conn.recv(timeout=timeout)[0]
         stream.synchronize()
         hold.close()
