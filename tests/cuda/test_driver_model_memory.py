@@ -10,8 +10,6 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-import signal
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +40,7 @@ from .model_calls import (
     pinned,
     stream,
     unmap,
+    wait_forked,
 )
 
 TWO = pytest.mark.parametrize("driver_model", [{"devices": 2}], indirect=True)
@@ -227,18 +226,7 @@ def test_a_forked_child_gets_not_initialized(driver_model: DriverModel) -> None:
             os._exit(10 if code(driver_model.cuDeviceGetCount()) == NOT_INITIALIZED else 11)
         finally:
             os._exit(12)
-    deadline = time.monotonic() + 30
-    status = 0
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.01)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child did not exit")
-    assert os.waitstatus_to_exitcode(status) == 10
+    assert wait_forked(pid) == 10
     ok(driver_model.cuDeviceGetCount())  # the parent still may
 
 

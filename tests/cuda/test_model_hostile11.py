@@ -23,7 +23,7 @@ from shmshare.memory._host import CachingHostAllocator
 
 from . import driver_model as driver_model_module
 from .driver_model import DriverModel
-from .model_calls import begin_global_capture, end_capture
+from .model_calls import begin_global_capture, end_capture, wait_forked
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
@@ -378,18 +378,7 @@ def test_a_registered_segment_dropped_in_a_forked_child_leaves_no_mapping_there(
             code = 2 if mapped else 3 if _deferred.pending() else 0
         finally:
             os._exit(code)
-    deadline_polls = 200
-    while deadline_polls:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        deadline_polls -= 1
-        threading.Event().wait(0.05)
-    else:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        pytest.fail("the child hung")
-    code = os.waitstatus_to_exitcode(status)
+    code = wait_forked(pid, 10)
     cuda.unregister_segment(segment)
     segment.close()
     assert code == 0, {1: "the child failed", 2: "the child still maps the dropped segment",
