@@ -125,7 +125,7 @@ class _Link:
             self.dead = True
             raise self.gone() from exc
 
-    def segment(self, seg_id: int, size: int) -> _native.Lease:
+    def segment(self, seg_id: int, size: int, external: bool) -> _native.Lease:
         root = self.segments.get(seg_id)
         if root is not None:
             return root
@@ -137,7 +137,10 @@ class _Link:
                     or header.get("n") != size:
                 raise ShmshareError(f"pid {self.pid}'s fd server answered {header!r} for "
                                     f"segment {seg_id} of {size} bytes")
-            check_fd(fds[0].fileno(), size, trust_unsealed=False, writable=True)
+            # torch's own shm (share_memory_()) is neither sealed nor always backed: trusted as
+            # torch trusts it -- the peer that pickled it could run any code in us anyway
+            check_fd(fds[0].fileno(), size, trust_unsealed=external, writable=True,
+                     backed=0 if external else None)
             seg = locally(Segment.from_fd, fds.pop(), size, Flags.FROMFD)
         finally:
             for f in fds:
@@ -207,7 +210,7 @@ class Client:
 
     def rebuild(self, pid: int, token: int, path: str, seg_id: int, size: int, offset: int,
                 slot: int, gen: int, dtype: np.dtype, shape: tuple[int, ...],
-                strides: tuple[int, ...]) -> np.ndarray:
+                strides: tuple[int, ...], external: bool) -> np.ndarray:
         lo, nbytes = tensors.span(dtype.itemsize, shape, strides)
         start = offset + lo
         if not (start >= 0 and start + nbytes <= size) or slot < 0 or nbytes == 0:
@@ -216,7 +219,7 @@ class Client:
         link = self.link(pid, token, path)
         with link.lock:
             link.check()
-            root = link.segment(seg_id, size)
+            root = link.segment(seg_id, size, external)
             buf = link.table_buf
             if slot >= len(buf) // 8:
                 raise HandleError(f"a malformed handle: slot {slot} of pid {pid}'s lease table")
@@ -322,13 +325,13 @@ def close_client() -> None:
 
 def rebuild_array(pid: int, token: int, path: str, seg_id: int, size: int, offset: int,
                   slot: int, gen: int, dtype: str, shape: tuple[int, ...],
-                  strides: tuple[int, ...]) -> np.ndarray:
+                  strides: tuple[int, ...], external: bool = False) -> np.ndarray:
     """Unpickle a handle (Note [Unpickling a handle])."""
     dt = tensors.decode_dtype(dtype)
     if dt.hasobject:
         raise HandleError(f"a handle of dtype {dt} (object references) is refused")
     return client().rebuild(pid, token, path, seg_id, size, offset, slot, gen, dt, tuple(shape),
-                            tuple(strides))
+                            tuple(strides), bool(external))
 
 
 def _after_fork_in_child() -> None:

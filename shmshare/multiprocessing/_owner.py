@@ -42,6 +42,7 @@ from .._errors import ShmshareError
 from ..channel._announce import SegmentBook
 from ..channel._blocks import SPARE_BYTES, BlockBook, _Held
 from ..memory import CachingAllocator, ShmProvider, ShmSegment
+from ..memory._shm import _new_id
 from ._table import CLAIMED, PENDING, LeaseTable
 
 __all__ = ["Owner", "owner", "current_owner", "OwnerStatistics", "exit_linger", "set_exit_linger"]
@@ -112,6 +113,17 @@ class _LocalDied:
         self.done.append(self.held)
 
 
+class _External:
+    """A segment torch made (``share_memory_()``): its fd, kept while handles to it are out."""
+
+    __slots__ = ("id", "fd", "size", "address", "nbytes", "leases")
+
+    def __init__(self, fd: int, size: int, address: int, nbytes: int) -> None:
+        self.id = _new_id()
+        self.fd, self.size, self.address, self.nbytes = fd, size, address, nbytes
+        self.leases = 0
+
+
 class Owner(BlockBook):
     """This process's pool and the leases of its handles (Note [One owner per process])."""
 
@@ -125,7 +137,9 @@ class Owner(BlockBook):
         self._provider.listeners.append(self._on_segment_event)
         self._alloc = CachingAllocator(self._provider)
         self._new_book(SPARE_BYTES)
-        self._leases: dict[int, _Held] = {}  # slot -> the block its handle names
+        self._slots: dict[int, _Held | _External] = {}  # slot -> the block its handle names
+        self._leases: dict[int, _Held] = {}  # BlockBook's (a channel's leases): none here
+        self._externals: dict[int, _External] = {}  # torch's shared storages, by data address
         self._peer_dead = False
         self._sent = 0
         self._local_done: collections.deque[_Held] = collections.deque()
@@ -170,11 +184,56 @@ class Owner(BlockBook):
                 self._counts["by_value"] += 1
                 return None
             slot, gen = got
-            self._leases[slot] = held
+            self._slots[slot] = held
             held.leases += 1
             self._counts["in_place" if in_place else "copied"] += 1
             seg = held.seg
             return seg.id, seg.size, ptr - seg.address, strides, slot, gen
+
+    def place_shared(self, arr: np.ndarray, storage: Any) -> tuple[int, int, int, tuple[int, ...],
+                                                                   int, int] | None:
+        """Lease a view of a storage torch shared (``share_memory_()``) with no copy; None: the
+        storage has no fd to give (torch's file_system strategy) or no slot is free."""
+        ptr, lo, span = _native.extent(arr)
+        base = storage.data_ptr()
+        with self._lock:
+            if self.closed:
+                return None
+            if self.server is None:
+                self._serve()
+            ext = self._externals.get(base)
+            if ext is None:
+                try:
+                    fd, _ = storage._share_fd_cpu_()
+                except (RuntimeError, AttributeError):
+                    return None
+                if not isinstance(fd, int) or fd < 0:
+                    return None
+                own = os.dup(fd)  # ours: torch closes its own when the storage goes
+                ext = _External(own, os.fstat(own).st_size, base, storage.nbytes())
+                self._externals[base] = ext
+            if not (base <= ptr + lo and ptr + lo + span <= base + min(ext.nbytes, ext.size)):
+                self._drop_external(ext)
+                return None
+            got = self.table.take()
+            if got is None:
+                self._drop_external(ext)
+                self._counts["by_value"] += 1
+                return None
+            slot, gen = got
+            self._slots[slot] = ext
+            ext.leases += 1
+            self._counts["in_place"] += 1
+            return ext.id, ext.size, ptr - base, arr.strides, slot, gen
+
+    def _drop_external(self, ext: _External) -> None:
+        if ext.leases:
+            return
+        if self._externals.get(ext.address) is ext:
+            del self._externals[ext.address]
+        os.close(ext.fd)
+        if self.server is not None:
+            self.server.dropped(ext.id)
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """An uninitialized array in the pool: pickled, it goes with no copy."""
@@ -230,7 +289,7 @@ class Owner(BlockBook):
             table = self.table
             for i in range(0, len(pairs) - 1, 2):
                 slot, gen = pairs[i], pairs[i + 1]
-                if not isinstance(slot, int) or not isinstance(gen, int) or slot not in self._leases:
+                if not isinstance(slot, int) or not isinstance(gen, int) or slot not in self._slots:
                     continue
                 g, state, claimer = table.state(slot)
                 if g != gen or state != CLAIMED or claimer != pid:
@@ -245,7 +304,7 @@ class Owner(BlockBook):
         """The process `pid` went: take back every lease it claimed."""
         n = 0
         with self._lock:
-            for slot in list(self._leases):
+            for slot in list(self._slots):
                 gen, state, claimer = self.table.state(slot)
                 if state == CLAIMED and claimer == pid:
                     self._give_back(slot, gen)
@@ -254,17 +313,25 @@ class Owner(BlockBook):
         return n
 
     def _give_back(self, slot: int, gen: int) -> None:
-        held = self._leases.pop(slot)
+        held = self._slots.pop(slot)
         self.table.give_back(slot, gen)
         held.leases -= 1
-        self._maybe_free(held)
+        if isinstance(held, _External):
+            self._drop_external(held)
+        else:
+            self._maybe_free(held)
 
-    def segment(self, seg_id: int) -> ShmSegment | None:
+    def segment(self, seg_id: int) -> tuple[int, int] | None:
+        """(a dup of its fd, size) of a pool segment or of a torch segment with handles out; None
+        if gone. A dup, made under the lock: the pool may close its own fd while this one is sent."""
         with self._lock:
             seg = self._provider.segments.get(seg_id)
-            if seg is not None:
-                self._counts["segments_sent"] += 1
-            return seg
+            got = (seg.fd, seg.size) if seg is not None else next(
+                ((e.fd, e.size) for e in self._externals.values() if e.id == seg_id), None)
+            if got is None:
+                return None
+            self._counts["segments_sent"] += 1
+            return os.dup(got[0]), got[1]
 
     def _on_segment_event(self, kind: str, seg: ShmSegment, offset: int, nbytes: int) -> None:
         if kind == "segment_free" and self.server is not None:
@@ -272,20 +339,21 @@ class Owner(BlockBook):
 
     def unclaimed(self) -> int:
         with self._lock:
-            return sum(1 for slot in self._leases if self.table.state(slot)[1] == PENDING)
+            return sum(1 for slot in self._slots if self.table.state(slot)[1] == PENDING)
 
     def statistics(self) -> OwnerStatistics:
         with self._lock:
             if self._local_done:
                 self._drain_local()
-            states = [self.table.state(slot)[1] for slot in self._leases]
+            states = [self.table.state(slot)[1] for slot in self._slots]
             stats = self._alloc.memory_stats()
             c = self._counts
             return OwnerStatistics(
                 pid=self.pid, handles_pickled=c["copied"] + c["in_place"],
                 arrays_copied=c["copied"], arrays_in_place=c["in_place"], by_value=c["by_value"],
                 handles_unclaimed=states.count(PENDING), handles_claimed=states.count(CLAIMED),
-                bytes_leased=sum(h.block.size for h in set(self._leases.values())),
+                bytes_leased=sum(h.nbytes if isinstance(h, _External) else h.block.size
+                                 for h in set(self._slots.values())),
                 reclaimed=c["reclaimed"], peers=0 if self.server is None else self.server.peers(),
                 segments_sent=c["segments_sent"],
                 reserved_bytes=stats.get("reserved_bytes.all.current", 0),
@@ -311,12 +379,15 @@ class Owner(BlockBook):
         if server is not None:
             server.close()
         with self._lock:
-            for slot in list(self._leases):  # every peer is gone from our books: void them all
+            for slot in list(self._slots):  # every peer is gone from our books: void them all
                 self._give_back(slot, self.table.state(slot)[0])
             self._drain_local()
             self._free_spares()
             self._alloc.empty_cache()
             self.table.close()
+            for ext in list(self._externals.values()):
+                ext.leases = 0
+                self._drop_external(ext)
 
 
 _owner: Owner | None = None

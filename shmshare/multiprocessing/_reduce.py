@@ -49,10 +49,21 @@ __all__ = ["init_reductions", "reduce_ndarray", "reduce_tensor", "BY_VALUE_BELOW
 BY_VALUE_BELOW = 1024  # bytes: smaller arrays not in the pool pickle by value
 
 
-def _handle(arr: np.ndarray) -> tuple[Any, ...] | None:
+def _handle(arr: np.ndarray, storage: Any = None) -> tuple[Any, ...] | None:
     if arr.dtype.hasobject:
         return None
     ow = owner()
+    if storage is not None:  # torch shared it: no copy (Note [What goes as a handle])
+        try:
+            dt = tensors.encode_dtype(arr.dtype)
+            got = ow.place_shared(arr, storage)
+        except (OSError, ShmshareError, TypeError, ValueError) as exc:
+            _warn_by_value(exc)
+            got = None
+        if got is not None:
+            seg_id, size, offset, strides, slot, gen = got
+            return (ow.pid, ow.token, ow.path, seg_id, size, offset, slot, gen, dt, arr.shape,
+                    strides, True)
     if arr.nbytes < BY_VALUE_BELOW:
         if arr.nbytes == 0:
             return None
@@ -113,7 +124,8 @@ def reduce_tensor(t: Any) -> Any:
     if not _plain_cpu(t, torch):
         return torch_reductions.reduce_tensor(t)  # type: ignore[no-untyped-call]
     arr, name = tensors.as_numpy(t.detach())
-    h = _handle(arr)
+    storage = t.untyped_storage()
+    h = _handle(arr, storage if storage.is_shared() else None)
     if h is None:
         return torch_reductions.reduce_tensor(t)  # type: ignore[no-untyped-call]
     return rebuild_tensor, (h, name, bool(t.requires_grad), type(t) is torch.nn.Parameter)

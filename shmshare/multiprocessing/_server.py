@@ -156,15 +156,19 @@ class Server:
             self._owner.release(peer.pid, pairs)
         elif kind == SEGMENT:
             seg_id = header.get("i")
-            seg = self._owner.segment(seg_id) if isinstance(seg_id, int) else None
-            if seg is None:
+            got = self._owner.segment(seg_id) if isinstance(seg_id, int) else None
+            if got is None:
                 peer.conn.send({KIND: ERROR, "w": f"no segment {seg_id!r} in pid {os.getpid()}'s "
                                 "pool (given back already: the handle is stale)"},
                                timeout=_REPLY_WAIT)
                 return
-            peer.segments.add(seg.id)
-            peer.conn.send({KIND: SEGMENT, "i": seg.id, "n": seg.size}, [seg.fd],
-                           timeout=_REPLY_WAIT)
+            fd, size = got
+            assert isinstance(seg_id, int)
+            try:
+                peer.segments.add(seg_id)
+                peer.conn.send({KIND: SEGMENT, "i": seg_id, "n": size}, [fd], timeout=_REPLY_WAIT)
+            finally:
+                os.close(fd)
         elif kind == TABLE:
             table = self._owner.table
             peer.conn.send({KIND: TABLE, "n": table.slots, "pid": os.getpid()}, [table.fd],
