@@ -31,7 +31,7 @@ from ._owner import OwnerStatistics as OwnerStatistics
 from ._owner import close_owner as _close_owner
 from ._owner import current_owner as _current_owner
 from ._owner import exit_linger as exit_linger
-from ._owner import owner as _owner
+from ._owner import owner as _get_owner
 from ._owner import set_exit_linger as set_exit_linger
 from ._reduce import BY_VALUE_BELOW as BY_VALUE_BELOW
 from ._reduce import init_reductions as init_reductions
@@ -71,7 +71,7 @@ def empty(shape: Any, dtype: Any = _np.float64) -> Any:
     shp = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
     if any(n < 0 for n in shp):
         raise ValueError(f"negative dimensions are not allowed: {shp}")
-    arr = _owner().empty(shp, np_dtype)
+    arr = _get_owner().empty(shp, np_dtype)
     if torch_dtype is None:
         return arr
     import torch

@@ -6,12 +6,12 @@ import gc
 import os
 import signal
 import time
+from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import pytest
 
 import shmshare.multiprocessing as smp
-from multiprocessing.reduction import ForkingPickler
 
 WAIT = 30.0
 
@@ -28,13 +28,6 @@ def _put_then(q, how: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif how == "_exit":
         os._exit(0)
-
-
-def _serve_until_told(q, done, n: int) -> None:
-    for i in range(n):
-        q.put(np.full(1 << 16, i, np.float64))
-    done.get(timeout=WAIT)
-    done.get(timeout=WAIT) if False else None
 
 
 def _join(p, timeout: float = WAIT) -> int | None:
