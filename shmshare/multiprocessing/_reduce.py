@@ -39,8 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import tensors
-from .._errors import ShmshareError
+from .. import _native, tensors
 from ._client import rebuild_array
 from ._owner import owner
 
@@ -50,16 +49,26 @@ BY_VALUE_BELOW = 1024  # bytes: smaller arrays not in the pool pickle by value
 
 
 def _handle(arr: np.ndarray, storage: Any = None) -> tuple[Any, ...] | None:
+    """A handle's arguments for `arr`, or None: pickle it by value.
+
+    Never raises: an array that cannot go as a handle (a host out of fds or
+    memory, this library's own bug) goes by value with a warning -- raising
+    here would drop it, in a Queue's feeder thread, with a traceback only.
+    """
     if arr.dtype.hasobject:
         return None
+    try:
+        return _make_handle(arr, storage)
+    except Exception as exc:  # noqa: BLE001  (see above: bytes, not lost)
+        _warn_by_value(exc)
+        return None
+
+
+def _make_handle(arr: np.ndarray, storage: Any) -> tuple[Any, ...] | None:
     ow = owner()
+    dt = tensors.encode_dtype(arr.dtype)
     if storage is not None:  # torch shared it: no copy (Note [What goes as a handle])
-        try:
-            dt = tensors.encode_dtype(arr.dtype)
-            got = ow.place_shared(arr, storage)
-        except (OSError, ShmshareError, TypeError, ValueError) as exc:
-            _warn_by_value(exc)
-            got = None
+        got = ow.place_shared(arr, storage)
         if got is not None:
             seg_id, size, offset, strides, slot, gen = got
             return (ow.pid, ow.token, ow.path, seg_id, size, offset, slot, gen, dt, arr.shape,
@@ -67,19 +76,11 @@ def _handle(arr: np.ndarray, storage: Any = None) -> tuple[Any, ...] | None:
     if arr.nbytes < BY_VALUE_BELOW:
         if arr.nbytes == 0:
             return None
-        ptr, lo, span = _native_extent(arr)
+        ptr, lo, span = _native.extent(arr)
         with ow._lock:
             if ow._find(ptr + lo, span) is None:
                 return None
-    try:
-        dt = tensors.encode_dtype(arr.dtype)
-    except (TypeError, ValueError):
-        return None
-    try:
-        got = ow.place(arr)
-    except (OSError, ShmshareError) as exc:  # the host said no (fds, memory): bytes, not lost
-        _warn_by_value(exc)
-        return None
+    got = ow.place(arr)
     if got is None:
         return None
     seg_id, size, offset, strides, slot, gen = got
@@ -94,13 +95,8 @@ def _warn_by_value(exc: BaseException) -> None:
     if not _warned:
         _warned = True
         warnings.warn(f"shmshare.multiprocessing: an array goes by value (pickled bytes), not as "
-                      f"a handle: {exc}", ResourceWarning, stacklevel=3)
-
-
-def _native_extent(arr: np.ndarray) -> tuple[int, int, int]:
-    from .. import _native
-
-    return _native.extent(arr)
+                      f"a handle: {type(exc).__name__}: {exc} (said once per process)",
+                      ResourceWarning, stacklevel=4)
 
 
 def reduce_ndarray(arr: np.ndarray) -> Any:
