@@ -1,16 +1,56 @@
-"""Each test of shmshare.multiprocessing ends with this process's pool server and links shut
-down (before the leak checker looks), with no linger: what a test left unclaimed is its own."""
+"""Fixtures of the shmshare.multiprocessing tests.
+
+Importing the module registers its reducers on multiprocessing's
+ForkingPickler, for the whole process: what a user asks for, and what
+would change every later test of this suite that pickles an array or a
+tensor for multiprocessing (torch's DataLoader, the channel's tests). So
+the reducers (and the import hook of Note [Reducers against import
+order]) are in place only during the tests here, and each test ends with
+this process's pool server and links shut down, with no linger, before
+the leak checker looks: what a test left unclaimed is its own.
+"""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from typing import Any
+from multiprocessing.reduction import ForkingPickler
 
 import pytest
 
+_PRISTINE = dict(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
+_META_PATH = list(sys.meta_path)
+
+import shmshare.multiprocessing as smp  # noqa: E402  (after the snapshot: it registers)
+
+
+def _restore(before: dict[Any, Any]) -> None:
+    """Put back what ours replaced, and only that: multiprocessing and torch register reducers of
+    their own on first import (multiprocessing.connection's, torch's tensors'), which must stay."""
+    from shmshare.multiprocessing import _reduce
+
+    reducers = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+    for key, fn in list(reducers.items()):
+        if fn in (_reduce.reduce_ndarray, _reduce.reduce_tensor):
+            if key in before:
+                reducers[key] = before[key]
+            else:
+                del reducers[key]
+    sys.meta_path[:] = [f for f in sys.meta_path if f in _META_PATH]
+
+
+_restore(_PRISTINE)
+
 
 @pytest.fixture(autouse=True)
-def mp_shutdown() -> Iterator[None]:
-    import shmshare.multiprocessing as smp
+def mp_reducers() -> Iterator[None]:
+    from shmshare.multiprocessing import _reduce
 
-    yield
-    smp.shutdown()
+    before = dict(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
+    _reduce.install()
+    try:
+        yield
+    finally:
+        smp.shutdown()
+        _restore(before)
