@@ -71,13 +71,18 @@ else:
     NO_TORCH = ""
 SMP_API = ("get_context", "Queue", "Pool", "empty", "shutdown")
 try:
+    import shmshare
     import shmshare.multiprocessing as smp
 
-    # An editable install's finder may resolve the name to another checkout's half-written folder: check the API.
+    # An editable install's finder may resolve the name to another checkout's folder when this one has none:
+    # take it only from the shmshare package imported above, and only with the API used here.
+    _where = getattr(smp, "__file__", None) or ", ".join(getattr(smp, "__path__", []))
+    if not _where.startswith(os.path.dirname(shmshare.__file__) + os.sep):
+        raise ImportError(f"this shmshare ({os.path.dirname(shmshare.__file__)}) has none; "
+                          f"the name resolved to {_where}")
     _lacks = [name for name in SMP_API if not hasattr(smp, name)]
     if _lacks:
-        _where = getattr(smp, "__file__", None) or ", ".join(getattr(smp, "__path__", []))
-        raise ImportError(f"the module found at {_where} lacks {', '.join(_lacks)}")
+        raise ImportError(f"the module at {_where} lacks {', '.join(_lacks)}")
 except Exception as exc:  # noqa: BLE001 - any failure to import leaves shmshare's columns out, with the reason
     smp = None  # type: ignore[assignment]
     NO_SMP = f"shmshare.multiprocessing is not importable ({type(exc).__name__}: {exc})"
