@@ -381,6 +381,39 @@ static PyObject *py_extent(PyObject *mod, PyObject *obj) {
 /* module                                                                    */
 /* ------------------------------------------------------------------------ */
 
+/* cas64(buffer, index, expected, desired) -> the value found.
+ *
+ * One atomic compare-and-swap of the index-th 8-byte word of a writable
+ * buffer (shared memory that other processes CAS too): the word becomes
+ * `desired` only if it held `expected`; the value found is returned either
+ * way, so the swap happened iff it equals `expected`. Sequentially
+ * consistent. The buffer must be 8-byte aligned and the index in range. */
+static PyObject *py_cas64(PyObject *mod, PyObject *args) {
+    PyObject *obj;
+    Py_ssize_t index;
+    unsigned long long expected, desired;
+    (void)mod;
+    if (!PyArg_ParseTuple(args, "OnKK:cas64", &obj, &index, &expected, &desired)) return NULL;
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if ((uintptr_t)view.buf % 8 != 0) {
+        PyBuffer_Release(&view);
+        return PyErr_Format(PyExc_ValueError, "cas64: the buffer is not 8-byte aligned");
+    }
+    if (index < 0 || index >= view.len / 8) {
+        Py_ssize_t words = view.len / 8;
+        PyBuffer_Release(&view);
+        return PyErr_Format(PyExc_IndexError, "cas64: word %zd is outside the buffer's %zd words",
+                            index, words);
+    }
+    uint64_t *word = (uint64_t *)view.buf + index;
+    uint64_t found = (uint64_t)expected;
+    __atomic_compare_exchange_n(word, &found, (uint64_t)desired, 0, __ATOMIC_SEQ_CST,
+                                __ATOMIC_SEQ_CST);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong((unsigned long long)found);
+}
+
 static PyMethodDef native_methods[] = {
     {"reserve", py_reserve, METH_VARARGS,
      "reserve(nbytes) -> address\n\nReserve address space: PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE."},
@@ -402,6 +435,10 @@ static PyMethodDef native_methods[] = {
      "extent(obj) -> (address, lo, span)\n\n"
      "Where element 0 of a strided buffer lies, and the bytes its elements cover:\n"
      "[address + lo, address + lo + span). An empty buffer gives lo = span = 0."},
+    {"cas64", py_cas64, METH_VARARGS,
+     "cas64(buffer, index, expected, desired) -> found\n\n"
+     "Atomically set the index-th 8-byte word of a writable buffer to `desired` if it holds\n"
+     "`expected`; return the value found (the swap happened iff it equals `expected`)."},
     {NULL, NULL, 0, NULL},
 };
 

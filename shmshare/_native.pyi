@@ -57,6 +57,10 @@ def extent(obj: Buffer | np.ndarray[Any, Any], /) -> tuple[int, int, int]:
     """(address, lo, span): where element 0 of a strided buffer lies, and the bytes its elements
     cover, [address + lo, address + lo + span); an empty buffer gives lo = span = 0."""
 
+def cas64(buffer: Buffer, index: int, expected: int, desired: int, /) -> int:
+    """Atomically set the `index`-th 8-byte word of a writable, 8-byte aligned buffer to
+    `desired` if it holds `expected`; return the value found (swapped iff it equals `expected`)."""
+
 # No Py_TPFLAGS_BASETYPE: the type cannot be subclassed.
 @final
 class Lease:

@@ -1,0 +1,121 @@
+"""``import shmshare.multiprocessing as mp``: multiprocessing, with arrays and tensors pooled.
+
+A drop-in for ``torch.multiprocessing`` and ``multiprocessing``: everything
+they export is here (torch's extras, such as ``set_sharing_strategy`` and
+``spawn``, when torch is installed). Importing it registers reducers on
+multiprocessing's ``ForkingPickler`` (``_reduce.py``), so that whatever
+multiprocessing pickles -- ``Queue.put``, ``Pipe.send``, ``Pool.map``
+arguments and results, ``Process`` arguments under spawn,
+``concurrent.futures.ProcessPoolExecutor(mp_context=mp.get_context(...))``
+-- carries numpy arrays and CPU torch tensors as small handles to this
+process's shared pool instead of copies or fresh segments. See
+docs/multiprocessing.md for the lifetimes a user can rely on, and where
+this differs from torch.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as _mp
+import multiprocessing.util as _util
+from multiprocessing import *  # noqa: F403  (the drop-in: everything multiprocessing exports)
+from typing import Any
+
+import numpy as _np
+
+from .. import _fork
+from .. import tensors as _tensors
+from ._client import close_client as _close_client
+from ._common import HandleError as HandleError
+from ._common import OwnerGone as OwnerGone
+from ._owner import OwnerStatistics as OwnerStatistics
+from ._owner import close_owner as _close_owner
+from ._owner import current_owner as _current_owner
+from ._owner import exit_linger as exit_linger
+from ._owner import owner as _get_owner
+from ._owner import set_exit_linger as set_exit_linger
+from ._reduce import BY_VALUE_BELOW as BY_VALUE_BELOW
+from ._reduce import init_reductions as init_reductions
+from ._reduce import install as _install
+
+_OURS = ["init_reductions", "empty", "zeros", "statistics", "shutdown", "exit_linger",
+         "set_exit_linger", "OwnerGone", "HandleError", "OwnerStatistics", "BY_VALUE_BELOW"]
+# torch.multiprocessing's own names, served from it when torch is installed (__getattr__)
+_TORCH = ["set_sharing_strategy", "get_sharing_strategy", "get_all_sharing_strategies", "spawn",
+          "start_processes", "ProcessContext", "SpawnContext", "ProcessRaisedException",
+          "ProcessExitedException"]
+__all__ = list(_mp.__all__) + _OURS  # torch's names are not in it: `import *` must not need torch
+
+
+def __getattr__(name: str) -> Any:
+    if name in _TORCH:
+        try:
+            import torch.multiprocessing as tmp
+        except ImportError as exc:
+            raise AttributeError(f"shmshare.multiprocessing.{name} is torch.multiprocessing's, "
+                                 "and torch is not installed") from exc
+        return getattr(tmp, name)
+    raise AttributeError(f"module 'shmshare.multiprocessing' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_TORCH))
+
+
+def empty(shape: Any, dtype: Any = _np.float64) -> Any:
+    """An uninitialized array in this process's pool (a torch tensor for a torch dtype).
+
+    Put on a Queue (or pickled by multiprocessing any other way), it goes
+    with no copy at all: fill it in place, then send it.
+    """
+    np_dtype, torch_dtype = _tensors.alloc_dtypes(dtype)
+    shp = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
+    if any(n < 0 for n in shp):
+        raise ValueError(f"negative dimensions are not allowed: {shp}")
+    arr = _get_owner().empty(shp, np_dtype)
+    if torch_dtype is None:
+        return arr
+    import torch
+
+    t = torch.from_numpy(arr)
+    return t if t.dtype == torch_dtype else t.view(torch_dtype)
+
+
+def zeros(shape: Any, dtype: Any = _np.float64) -> Any:
+    """A zero-filled array in this process's pool (see :func:`empty`)."""
+    out = empty(shape, dtype)
+    out.fill(0) if isinstance(out, _np.ndarray) else out.zero_()
+    return out
+
+
+def statistics() -> OwnerStatistics:
+    """What this process's pool holds for the handles it pickled (all zero before the first)."""
+    ow = _current_owner()
+    if ow is None or ow.closed:
+        return OwnerStatistics(**{k: 0 for k in OwnerStatistics.__dataclass_fields__})
+    return ow.statistics()
+
+
+def shutdown(linger: float = 0.0) -> None:
+    """Stop this process's fd server and links now, after serving unclaimed handles for up to
+    `linger` s; give its pool back. Arrays received stay valid. Done at exit on its own
+    (with :func:`exit_linger`); a later pickle starts a fresh pool."""
+    _close_client()
+    _close_owner(linger)
+
+
+def _at_exit() -> None:
+    _close_client()
+    _close_owner(exit_linger())
+
+
+def _register_exit() -> None:
+    # after the Queues' feeder threads are joined (their exitpriority is -5): Note [Exit linger]
+    _util.Finalize(None, _at_exit, exitpriority=-20)
+
+
+_register_exit()
+_fork.on_fork_in_child(6, _register_exit)  # a plain os.fork() keeps the registry, with our pid
+_util.register_after_fork(_register_exit, lambda _: _register_exit())  # multiprocessing clears it
+_install()
+
+del annotations

@@ -1,0 +1,349 @@
+"""The unpickling side: one connection per owner, segments mapped once, releases batched.
+
+Note [Unpickling a handle]
+    1. The link to the handle's owner: made on first use (connect to its fd
+       server, fetch and map its lease table), reused after. A link whose
+       owner hung up is dead, and so is its handle: :class:`OwnerGone`.
+    2. The segment: mapped once per owner and segment (its fd fetched over
+       the link, checked as a channel receiver checks one: a memfd sealed
+       against shrinking, with every page backed), kept until the owner
+       says the pool gave it back or the link dies.
+    3. The claim: one compare-and-swap in the table (Note [Claims without a
+       round trip]); after it, the owner may exit and the data stays valid.
+       The segment comes first: a claim made before the mapping could let
+       an exiting owner go before we had its fd.
+    4. The view: a ``_native.Lease`` over the bytes, whose callback queues
+       the release when the last view dies; a flusher thread sends the
+       releases to each owner in batches within ``_MAX_AGE``.
+    A forked child starts with no links and never sends a release for an
+    array it inherited: those leases are its parent's.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import os
+import select
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from .. import _fork, _native, tensors, wire
+from .._errors import PeerDied, ShmshareError, ShmshareTimeout
+from ..channel._releases import WakePipe
+from ..channel._trust import check_fd, locally
+from ..segment import Flags, Segment
+from ._common import DROP, ERROR, KIND, MAX_RELEASES, RELEASE, SEGMENT, TABLE, HandleError, OwnerGone
+from ._table import CLAIMED, PENDING, claim, describe, word
+
+__all__ = ["client", "rebuild_array", "close_client"]
+
+_MAX_AGE = 0.002  # s a release may wait before it is sent
+_REQUEST_WAIT = 30.0  # s an fd request waits for the owner (its GIL may be busy)
+_CONNECT_WAIT = 10.0
+
+
+class _Link:
+    """This process's connection to one owner, and what it mapped of it."""
+
+    __slots__ = ("pid", "token", "conn", "lock", "table_buf", "segments", "dead", "claims")
+
+    def __init__(self, pid: int, token: int, path: str) -> None:
+        self.pid, self.token = pid, token
+        self.lock = threading.Lock()
+        self.dead = False
+        self.claims = 0  # leases claimed through this link and not yet released
+        self.segments: dict[int, _native.Lease] = {}  # id -> root lease of our mapping
+        try:
+            self.conn = wire.connect(path, timeout=_CONNECT_WAIT, role="mp-peer")
+        except (OSError, ShmshareTimeout) as exc:
+            gone = exc.errno in (errno.ENOENT, errno.ECONNREFUSED) if isinstance(exc, OSError) else False
+            if gone or not _alive(pid):
+                raise OwnerGone(f"the array's owner, pid {pid}, has exited (or was killed) and no "
+                                "longer serves its handles: an array must be unpickled while its "
+                                "owner lives, or within its exit linger (SHMSHARE_MP_LINGER)") from exc
+            raise
+        try:
+            header, fds = self._request({KIND: TABLE})
+            if header.get(KIND) != TABLE or len(fds) != 1 or header.get("pid") != pid:
+                raise ShmshareError(f"pid {pid}'s fd server sent {header!r} for the lease table")
+            n = header.get("n")
+            if type(n) is not int or n <= 0:
+                raise ShmshareError(f"pid {pid}'s fd server sent a table of {n!r} slots")
+            check_fd(fds[0].fileno(), n * 8, trust_unsealed=False, writable=True)
+            table = locally(Segment.from_fd, fds.pop(), n * 8, Flags.FROMFD)
+            self.table_buf = table.buffer
+            table.close()  # the buffer keeps the mapping; no fd kept
+        except BaseException:
+            self.conn.close()
+            raise
+
+    def _request(self, header: dict[str, Any]) -> tuple[dict[Any, Any], list[wire.Fd]]:
+        """Send a request and wait for its answer (a drop notice on the way is taken in)."""
+        try:
+            self.conn.send(header, timeout=_REQUEST_WAIT)
+            deadline = time.monotonic() + _REQUEST_WAIT
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ShmshareTimeout(f"pid {self.pid}'s fd server did not answer within "
+                                          f"{_REQUEST_WAIT} s")
+                got, fds = self.conn.recv(timeout=left)
+                if got.get(KIND) == DROP:
+                    self._drop(got)
+                    continue
+                return got, fds
+        except PeerDied as exc:
+            self.dead = True
+            raise self.gone() from exc
+
+    def gone(self) -> OwnerGone:
+        return OwnerGone(f"the array's owner, pid {self.pid}, has exited (or was killed): its "
+                         "handles not yet unpickled are void; arrays already received stay valid")
+
+    def _drop(self, header: dict[Any, Any]) -> None:
+        self.segments.pop(header.get("i"), None)  # type: ignore[arg-type]  # views keep their pages
+
+    def check(self) -> None:
+        """Take in what the owner sent meanwhile; raise OwnerGone if it hung up."""
+        if self.dead:
+            raise self.gone()
+        try:
+            while self.conn.poll(0):
+                got = self.conn.recv_nowait()
+                if got is None:
+                    break
+                header, fds = got
+                for f in fds:
+                    f.close()
+                if header.get(KIND) == DROP:
+                    self._drop(header)
+        except PeerDied as exc:
+            self.dead = True
+            raise self.gone() from exc
+
+    def segment(self, seg_id: int, size: int, external: bool) -> _native.Lease:
+        root = self.segments.get(seg_id)
+        if root is not None:
+            return root
+        header, fds = self._request({KIND: SEGMENT, "i": seg_id})
+        try:
+            if header.get(KIND) == ERROR:
+                raise HandleError(f"pid {self.pid} says: {header.get('w')}")
+            if header.get(KIND) != SEGMENT or header.get("i") != seg_id or len(fds) != 1 \
+                    or header.get("n") != size:
+                raise ShmshareError(f"pid {self.pid}'s fd server answered {header!r} for "
+                                    f"segment {seg_id} of {size} bytes")
+            # torch's own shm (share_memory_()) is neither sealed nor always backed: trusted as
+            # torch trusts it -- the peer that pickled it could run any code in us anyway
+            check_fd(fds[0].fileno(), size, trust_unsealed=external, writable=True,
+                     backed=0 if external else None)
+            seg = locally(Segment.from_fd, fds.pop(), size, Flags.FROMFD)
+        finally:
+            for f in fds:
+                f.close()
+        mapped: _native.Lease = seg.lease
+        self.segments[seg_id] = mapped
+        seg.close()  # no fd kept: the root lease keeps the mapping while views of it live
+        return mapped
+
+    def close(self) -> None:
+        self.segments.clear()
+        self.conn.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class _Released:
+    """on_release of a received array: queue its lease (no lock: any bytecode, any thread)."""
+
+    __slots__ = ("client", "link", "slot", "gen", "pid")
+
+    def __init__(self, client: Client, link: _Link, slot: int, gen: int) -> None:
+        self.client, self.link, self.slot, self.gen, self.pid = client, link, slot, gen, os.getpid()
+
+    def __call__(self) -> None:
+        if self.pid != _pid:
+            return  # inherited by a forked child: the lease is its parent's
+        c = self.client
+        c.released.append((self.link, self.slot, self.gen))
+        if not c.armed:
+            c.armed = True
+            c.wake.poke()
+
+
+class Client:
+    """This process's links to owners, and the flusher that sends their releases."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.links: dict[tuple[int, int], _Link] = {}
+        self.lock = threading.Lock()
+        self.released: collections.deque[tuple[_Link, int, int]] = collections.deque()
+        self.wake = WakePipe()
+        self.armed = False
+        self.closed = False
+        self._flusher = threading.Thread(target=self._flush_main, name="shmshare-mp-releases",
+                                         daemon=True)
+        self._flusher.start()
+
+    def link(self, pid: int, token: int, path: str) -> _Link:
+        key = (pid, token)
+        got = self.links.get(key)
+        if got is None:
+            with self.lock:
+                got = self.links.get(key)
+                if got is None:
+                    got = self.links[key] = _Link(pid, token, path)
+        return got
+
+    def rebuild(self, pid: int, token: int, path: str, seg_id: int, size: int, offset: int,
+                slot: int, gen: int, dtype: np.dtype, shape: tuple[int, ...],
+                strides: tuple[int, ...], external: bool) -> np.ndarray:
+        lo, nbytes = tensors.span(dtype.itemsize, shape, strides)
+        start = offset + lo
+        if not (start >= 0 and start + nbytes <= size) or slot < 0 or nbytes == 0:
+            raise HandleError(f"a malformed handle: {nbytes} bytes at offset {start} of a "
+                              f"{size}-byte segment of pid {pid}")
+        link = self.link(pid, token, path)
+        with link.lock:
+            link.check()
+            root = link.segment(seg_id, size, external)
+            buf = link.table_buf
+            if slot >= len(buf) // 8:
+                raise HandleError(f"a malformed handle: slot {slot} of pid {pid}'s lease table")
+            found = claim(buf, slot, gen, _pid)
+            if found != word(gen, PENDING):
+                raise _not_claimed(pid, slot, gen, found)
+            link.claims += 1
+        lease = _native.Lease(root, root.address + start, nbytes, False,
+                              _Released(self, link, slot, gen))
+        return np.ndarray(shape, dtype, buffer=lease, offset=-lo,  # type: ignore[arg-type]
+                          strides=strides)
+
+    # -- releases ----------------------------------------------------------------
+
+    def flush(self) -> None:
+        """Send every queued release now (what the flusher does every _MAX_AGE)."""
+        batches: dict[_Link, list[int]] = {}
+        released = self.released
+        while released:
+            link, slot, gen = released.popleft()
+            batches.setdefault(link, []).extend((slot, gen))
+        for link, pairs in batches.items():
+            link.claims -= len(pairs) // 2
+            if link.dead:
+                continue
+            for i in range(0, len(pairs), 2 * MAX_RELEASES):
+                try:
+                    link.conn.send({KIND: RELEASE, "l": pairs[i:i + 2 * MAX_RELEASES]},
+                                   timeout=5.0)
+                except (PeerDied, ShmshareTimeout, OSError, ValueError):
+                    link.dead = True  # it went: its pool went with it
+                    break
+
+    def _flush_main(self) -> None:
+        wake = self.wake
+        poller = select.poll()
+        poller.register(wake.r, select.POLLIN)
+        while not self.closed:
+            poller.poll(1000)
+            try:
+                os.read(wake.r, 4096)
+            except (BlockingIOError, OSError):
+                pass
+            while not self.closed:
+                time.sleep(_MAX_AGE)
+                self.armed = False  # disarm first, then look: a release racing with us re-arms
+                if not self.released:
+                    break
+                self.flush()
+
+    def close(self) -> None:
+        """Send what is queued; close links with no claim out (the rest stay till exit)."""
+        self.flush()
+        with self.lock:
+            for key, link in list(self.links.items()):
+                if link.claims <= 0 or link.dead:
+                    del self.links[key]
+                    link.close()
+            if not self.links:
+                self.closed = True
+                self.wake.poke()
+        if self.closed:
+            self._flusher.join(5.0)
+            self.wake.close()
+
+
+def _not_claimed(pid: int, slot: int, gen: int, found: int) -> HandleError:
+    g, state, claimer = describe(found)
+    if g == gen and state == CLAIMED:
+        who = "this process" if claimer == _pid else f"pid {claimer}"
+        return HandleError(f"this handle (an array of pid {pid}, lease {slot}.{gen}) was already "
+                           f"unpickled by {who}: a handle is good for one unpickle; pickle the "
+                           "array again (put it on the queue again) for each receiver")
+    return HandleError(f"this handle (an array of pid {pid}, lease {slot}.{gen}) is stale: its "
+                       "array was already unpickled and released, or pid {pid} gave it back")
+
+
+_client: Client | None = None
+_client_lock = threading.Lock()
+_pid = os.getpid()
+
+
+def client() -> Client:
+    global _client
+    got = _client
+    if got is not None and not got.closed:
+        return got
+    with _client_lock:
+        if _client is None or _client.closed:
+            _client = Client()
+        return _client
+
+
+def close_client() -> None:
+    global _client
+    with _client_lock:
+        got = _client
+        if got is not None:
+            got.close()
+            if got.closed:
+                _client = None
+
+
+def rebuild_array(pid: int, token: int, path: str, seg_id: int, size: int, offset: int,
+                  slot: int, gen: int, dtype: str, shape: tuple[int, ...],
+                  strides: tuple[int, ...], external: bool = False) -> np.ndarray:
+    """Unpickle a handle (Note [Unpickling a handle])."""
+    dt = tensors.decode_dtype(dtype)
+    if dt.hasobject:
+        raise HandleError(f"a handle of dtype {dt} (object references) is refused")
+    return client().rebuild(pid, token, path, seg_id, size, offset, slot, gen, dt, tuple(shape),
+                            tuple(strides), bool(external))
+
+
+def _after_fork_in_child() -> None:
+    global _client, _client_lock, _pid
+    _pid = os.getpid()
+    _client_lock = threading.Lock()
+    got, _client = _client, None
+    if got is not None:
+        got.closed = True  # its flusher thread is not here; nothing of it is sent from here
+        for link in got.links.values():
+            link.conn.close()  # our copy only: the parent's connection stays open
+        got.released.clear()
+
+
+_fork.on_fork_in_child(6, _after_fork_in_child)

@@ -1,0 +1,430 @@
+"""The owning side: this process's pool, the leases its handles hold, and its fd server.
+
+Note [One owner per process]
+    Every process that pickles an array for multiprocessing has one owner,
+    made on first use: a caching allocator over sealed memfds (the channel's
+    pool, ``memory.ShmProvider``), the books of its blocks (the channel's
+    ``BlockBook``: held blocks, spares), a lease table (``_table.py``) and a
+    small fd server (``_server.py``) on a socket of its own. A handle names
+    a block of this pool by segment id and offset, and a slot of the table.
+    A block is reused only when every handle on it has come back released,
+    or the process that claimed it has gone (its connection ended), or the
+    owner is closing. A forked child gets a fresh owner on its first pickle:
+    it never hands out its parent's blocks (Note [At fork] in ``_fork.py``).
+
+Note [Exit linger]
+    A process that puts an array on a Queue and returns must not take the
+    array with it: the Queue's feeder thread flushes the pickled handle at
+    exit, and the reader unpickles it later. So at exit (multiprocessing's
+    finalizers, after the Queues' feeders are joined; ``atexit`` in the main
+    process) the owner keeps serving until no handle it pickled is still
+    unclaimed, or ``exit_linger`` seconds (``SHMSHARE_MP_LINGER``, default
+    10) have passed. Handles claimed by then stay valid however long the
+    owner is gone: the claimer maps the memfd itself. A handle unpickled
+    later raises :class:`OwnerGone` naming the owner's pid.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import secrets
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import _fork, _native
+from .._errors import ShmshareError
+from ..channel._announce import SegmentBook
+from ..channel._blocks import SPARE_BYTES, BlockBook, _Held
+from ..memory import CachingAllocator, ShmProvider, ShmSegment
+from ..memory._shm import _new_id
+from ._table import CLAIMED, PENDING, LeaseTable
+
+__all__ = ["Owner", "owner", "current_owner", "OwnerStatistics", "exit_linger", "set_exit_linger"]
+
+_DEFAULT_LINGER = 10.0
+
+
+def _env_linger() -> float:
+    raw = os.environ.get("SHMSHARE_MP_LINGER")
+    if raw is None:
+        return _DEFAULT_LINGER
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"SHMSHARE_MP_LINGER must be a number of seconds, got {raw!r}") from None
+    if not value >= 0:
+        raise ValueError(f"SHMSHARE_MP_LINGER must be >= 0 seconds, got {raw!r}")
+    return value
+
+
+_linger: float | None = None
+
+
+def exit_linger() -> float:
+    """Seconds an exiting process keeps serving handles not yet unpickled (Note [Exit linger])."""
+    return _env_linger() if _linger is None else _linger
+
+
+def set_exit_linger(seconds: float) -> None:
+    """Set :func:`exit_linger` for this process (children made later inherit it through
+    ``SHMSHARE_MP_LINGER``, which this sets too)."""
+    global _linger
+    value = float(seconds)
+    if not value >= 0:
+        raise ValueError(f"exit linger must be >= 0 seconds, got {seconds!r}")
+    _linger = value
+    os.environ["SHMSHARE_MP_LINGER"] = repr(value)
+
+
+@dataclass(frozen=True)
+class OwnerStatistics:
+    """What this process's pool holds for handles it pickled (``statistics()``)."""
+
+    pid: int
+    handles_pickled: int  # handles made so far
+    arrays_copied: int  # of which copied into the pool
+    arrays_in_place: int  # of which sent from the pool as they were (empty(), share_memory_())
+    by_value: int  # arrays pickled as bytes instead (no room in the pool or the table)
+    handles_unclaimed: int  # pickled, not unpickled yet: each pins its block until claimed or exit
+    handles_claimed: int  # unpickled by a live process, not released yet
+    bytes_leased: int  # pool bytes those handles pin
+    reclaimed: int  # handles given back because the process that claimed them went
+    peers: int  # processes connected to the fd server now
+    segments_sent: int  # segment fds the server handed out
+    reserved_bytes: int  # shared memory the pool holds
+    allocated_bytes: int  # of which in use (spare blocks included)
+
+
+class _LocalDied:
+    """on_release of an array from :func:`empty`: queue its block (no lock: any bytecode)."""
+
+    __slots__ = ("done", "held")
+
+    def __init__(self, done: collections.deque[_Held], held: _Held) -> None:
+        self.done, self.held = done, held
+
+    def __call__(self) -> None:
+        self.done.append(self.held)
+
+
+class _External:
+    """A segment torch made (``share_memory_()``): its fd, kept while handles to it are out."""
+
+    __slots__ = ("id", "fd", "size", "address", "nbytes", "leases")
+
+    def __init__(self, fd: int, size: int, address: int, nbytes: int) -> None:
+        self.id = _new_id()
+        self.fd, self.size, self.address, self.nbytes = fd, size, address, nbytes
+        self.leases = 0
+
+
+class Owner(BlockBook):
+    """This process's pool and the leases of its handles (Note [One owner per process])."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.token = secrets.randbits(62)
+        self._lock = threading.RLock()
+        self._provider = ShmProvider(None, "memfd")
+        self._ann = SegmentBook()
+        self._provider.listeners.append(self._ann.on_segment_event)
+        self._provider.listeners.append(self._on_segment_event)
+        self._alloc = CachingAllocator(self._provider)
+        self._new_book(SPARE_BYTES)
+        self._slots: dict[int, _Held | _External] = {}  # slot -> the block its handle names
+        self._leases: dict[int, _Held] = {}  # BlockBook's (a channel's leases): none here
+        self._externals: dict[int, _External] = {}  # torch's shared storages, by data address
+        self._peer_dead = False
+        self._sent = 0
+        self._local_done: collections.deque[_Held] = collections.deque()
+        self.table = LeaseTable()
+        self._counts = collections.Counter[str]()
+        self.server: Any = None  # _server.Server, started by the first handle
+        self.path = os.path.join(tempfile.gettempdir(), f"shmshare-mp-{self.pid}-{self.token:x}", "fd")
+        self.closed = False
+
+    # -- the pickling side ----------------------------------------------------
+
+    def place(self, arr: np.ndarray) -> tuple[int, int, int, tuple[int, ...], int, int] | None:
+        """Lease `arr` to a handle: (segment id, size, offset, strides, slot, gen); None: by value.
+
+        An array whose bytes lie in a block of this pool goes as it is; any
+        other is copied into a new block once.
+        """
+        ptr, lo, span = _native.extent(arr)
+        with self._lock:
+            if self.closed:
+                return None
+            if self.server is None:
+                self._serve()
+            if self._local_done:
+                self._drain_local()
+            self._sent += 1
+            held = self._find(ptr + lo, span)
+            if held is None:
+                try:
+                    held, strides = self._copy_in(arr)
+                except MemoryError:
+                    self._counts["by_value"] += 1
+                    return None
+                ptr = held.block.address
+                in_place = False
+            else:
+                strides = arr.strides
+                in_place = True
+            got = self.table.take()
+            if got is None:
+                self._maybe_free(held)
+                self._counts["by_value"] += 1
+                return None
+            slot, gen = got
+            self._slots[slot] = held
+            held.leases += 1
+            self._counts["in_place" if in_place else "copied"] += 1
+            seg = held.seg
+            return seg.id, seg.size, ptr - seg.address, strides, slot, gen
+
+    def place_shared(self, arr: np.ndarray, storage: Any) -> tuple[int, int, int, tuple[int, ...],
+                                                                   int, int] | None:
+        """Lease a view of a storage torch shared (``share_memory_()``) with no copy; None: the
+        storage has no fd to give (torch's file_system strategy) or no slot is free."""
+        ptr, lo, span = _native.extent(arr)
+        base = storage.data_ptr()
+        with self._lock:
+            if self.closed:
+                return None
+            if self.server is None:
+                self._serve()
+            ext = self._externals.get(base)
+            if ext is None:
+                try:
+                    fd, _ = storage._share_fd_cpu_()
+                except (RuntimeError, AttributeError):
+                    return None
+                if not isinstance(fd, int) or fd < 0:
+                    return None
+                own = os.dup(fd)  # ours: torch closes its own when the storage goes
+                ext = _External(own, os.fstat(own).st_size, base, storage.nbytes())
+                self._externals[base] = ext
+            if not (base <= ptr + lo and ptr + lo + span <= base + min(ext.nbytes, ext.size)):
+                self._drop_external(ext)
+                return None
+            got = self.table.take()
+            if got is None:
+                self._drop_external(ext)
+                self._counts["by_value"] += 1
+                return None
+            slot, gen = got
+            self._slots[slot] = ext
+            ext.leases += 1
+            self._counts["in_place"] += 1
+            return ext.id, ext.size, ptr - base, arr.strides, slot, gen
+
+    def _drop_external(self, ext: _External) -> None:
+        if ext.leases:
+            return
+        if self._externals.get(ext.address) is ext:
+            del self._externals[ext.address]
+        os.close(ext.fd)
+        if self.server is not None:
+            self.server.dropped(ext.id)
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """An uninitialized array in the pool: pickled, it goes with no copy."""
+        nbytes = dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        with self._lock:
+            if self.closed:
+                raise ShmshareError("shmshare.multiprocessing was shut down in this process")
+            if self._local_done:
+                self._drain_local()
+            held = self._spare(nbytes or 1)
+            if held is None:
+                held = self._new_held(nbytes or 1, None, local=True)
+            else:
+                held.local = True
+        lease = _native.Lease(self._alloc, held.block.address, nbytes, False,
+                              _LocalDied(self._local_done, held))
+        return np.ndarray(shape, dtype, buffer=lease)  # type: ignore[arg-type]
+
+    def _copy_in(self, arr: np.ndarray) -> tuple[_Held, tuple[int, ...]]:
+        want = arr.nbytes
+        held = self._spare(want)
+        if held is None:
+            held = self._new_held(want, None, local=False)
+        try:
+            raw = _native.Lease(None, held.block.address, want)
+            dst = np.ndarray(arr.shape, arr.dtype, buffer=raw)  # type: ignore[arg-type]
+            np.copyto(dst, arr, casting="no")
+        except BaseException:
+            self._maybe_free(held)
+            raise
+        return held, dst.strides
+
+    # BlockBook's hooks
+    def _malloc(self, nbytes: int, deadline: float | None) -> Any:
+        return self._alloc.malloc(nbytes)
+
+    def _drain(self) -> None:
+        self._drain_local()
+
+    def _drain_local(self) -> None:
+        done = self._local_done
+        while done:
+            held = done.popleft()
+            held.local = False
+            self._maybe_free(held)
+
+    # -- the serving side (the server thread calls these) ----------------------
+
+    def release(self, pid: int, pairs: list[int]) -> int:
+        """Take back the leases (slot, gen, ...) that `pid` claimed; return how many."""
+        n = 0
+        with self._lock:
+            table = self.table
+            for i in range(0, len(pairs) - 1, 2):
+                slot, gen = pairs[i], pairs[i + 1]
+                if not isinstance(slot, int) or not isinstance(gen, int) or slot not in self._slots:
+                    continue
+                g, state, claimer = table.state(slot)
+                if g != gen or state != CLAIMED or claimer != pid:
+                    continue  # not its to give back (a stale or a forged release)
+                self._give_back(slot, gen)
+                n += 1
+            if self._local_done:
+                self._drain_local()
+        return n
+
+    def reclaim(self, pid: int) -> int:
+        """The process `pid` went: take back every lease it claimed."""
+        n = 0
+        with self._lock:
+            for slot in list(self._slots):
+                gen, state, claimer = self.table.state(slot)
+                if state == CLAIMED and claimer == pid:
+                    self._give_back(slot, gen)
+                    n += 1
+            self._counts["reclaimed"] += n
+        return n
+
+    def _give_back(self, slot: int, gen: int) -> None:
+        held = self._slots.pop(slot)
+        self.table.give_back(slot, gen)
+        held.leases -= 1
+        if isinstance(held, _External):
+            self._drop_external(held)
+        else:
+            self._maybe_free(held)
+
+    def segment(self, seg_id: int) -> tuple[int, int] | None:
+        """(a dup of its fd, size) of a pool segment or of a torch segment with handles out; None
+        if gone. A dup, made under the lock: the pool may close its own fd while this one is sent."""
+        with self._lock:
+            seg = self._provider.segments.get(seg_id)
+            got = (seg.fd, seg.size) if seg is not None else next(
+                ((e.fd, e.size) for e in self._externals.values() if e.id == seg_id), None)
+            if got is None:
+                return None
+            self._counts["segments_sent"] += 1
+            return os.dup(got[0]), got[1]
+
+    def _on_segment_event(self, kind: str, seg: ShmSegment, offset: int, nbytes: int) -> None:
+        if kind == "segment_free" and self.server is not None:
+            self.server.dropped(seg.id)
+
+    def unclaimed(self) -> int:
+        with self._lock:
+            return sum(1 for slot in self._slots if self.table.state(slot)[1] == PENDING)
+
+    def statistics(self) -> OwnerStatistics:
+        with self._lock:
+            if self._local_done:
+                self._drain_local()
+            states = [self.table.state(slot)[1] for slot in self._slots]
+            stats = self._alloc.memory_stats()
+            c = self._counts
+            return OwnerStatistics(
+                pid=self.pid, handles_pickled=c["copied"] + c["in_place"],
+                arrays_copied=c["copied"], arrays_in_place=c["in_place"], by_value=c["by_value"],
+                handles_unclaimed=states.count(PENDING), handles_claimed=states.count(CLAIMED),
+                bytes_leased=sum(h.nbytes if isinstance(h, _External) else h.block.size
+                                 for h in set(self._slots.values())),
+                reclaimed=c["reclaimed"], peers=0 if self.server is None else self.server.peers(),
+                segments_sent=c["segments_sent"],
+                reserved_bytes=stats.get("reserved_bytes.all.current", 0),
+                allocated_bytes=stats.get("allocated_bytes.all.current", 0))
+
+    # -- life ------------------------------------------------------------------
+
+    def _serve(self) -> None:
+        from ._server import Server
+
+        self.server = Server(self, self.path)
+
+    def close(self, linger: float = 0.0) -> None:
+        """Serve handles not yet unpickled for up to `linger` s, then stop and give memory back."""
+        deadline = time.monotonic() + linger
+        while self.server is not None and self.unclaimed() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            server, self.server = self.server, None
+        if server is not None:
+            server.close()
+        with self._lock:
+            for slot in list(self._slots):  # every peer is gone from our books: void them all
+                self._give_back(slot, self.table.state(slot)[0])
+            self._drain_local()
+            self._free_spares()
+            self._alloc.empty_cache()
+            self.table.close()
+            for ext in list(self._externals.values()):
+                ext.leases = 0
+                self._drop_external(ext)
+
+
+_owner: Owner | None = None
+_owner_lock = threading.Lock()
+
+
+def owner() -> Owner:
+    """This process's owner, made on first use."""
+    global _owner
+    got = _owner
+    if got is not None and got.pid == os.getpid() and not got.closed:
+        return got
+    with _owner_lock:
+        if _owner is None or _owner.pid != os.getpid() or _owner.closed:
+            _owner = Owner()
+        return _owner
+
+
+def current_owner() -> Owner | None:
+    got = _owner
+    return got if got is not None and got.pid == os.getpid() else None
+
+
+def close_owner(linger: float) -> None:
+    global _owner
+    with _owner_lock:
+        got, _owner = current_owner(), None
+    if got is not None:
+        got.close(linger)
+
+
+def _after_fork_in_child() -> None:
+    global _owner, _owner_lock
+    _owner_lock = threading.Lock()
+    got, _owner = _owner, None
+    if got is not None and got.server is not None:
+        got.server.forget_in_child()  # the parent's sockets: closed here, served there
+
+
+_fork.on_fork_in_child(6, _after_fork_in_child)

@@ -1,0 +1,218 @@
+"""Reductions on multiprocessing's ForkingPickler: arrays and CPU tensors as handles.
+
+Note [What goes as a handle]
+    ``ForkingPickler`` looks reducers up by exact type, so these cover
+    ``numpy.ndarray``, ``torch.Tensor`` and ``torch.nn.Parameter`` (not
+    subclasses such as ``np.memmap``, which pickle as they always did).
+    An array goes as a handle to its block in this process's pool when:
+    its dtype holds no object references, it has at least ``BY_VALUE_BELOW``
+    bytes (smaller ones are cheaper as bytes: a handle costs a slot, a
+    release and ~100 bytes of pickle) or it is in the pool already, and the
+    pool and the lease table have room. Otherwise it pickles as before: an
+    ndarray by value, a tensor by torch's own reducer (which also handles
+    CUDA, sparse, quantized, nested and other tensors, unchanged). A tensor
+    whose storage torch has put in shared memory (``share_memory_()``) goes
+    with no copy: the handle names torch's own segment, whose fd the owner
+    keeps while handles to it are out.
+
+Note [Reducers against import order]
+    ``import torch`` imports ``torch.multiprocessing``, which registers
+    torch's reducers and would replace ours if torch is imported after this
+    module. So ours are registered when torch is already imported, and
+    otherwise a one-shot import hook registers them right after
+    ``torch.multiprocessing`` has run. :func:`init_reductions` registers
+    them again, for code that wants to be explicit.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+import threading
+import warnings
+from collections.abc import Sequence
+from multiprocessing.reduction import ForkingPickler
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from .. import _native, tensors
+from ._client import rebuild_array
+from ._owner import owner
+
+__all__ = ["init_reductions", "reduce_ndarray", "reduce_tensor", "BY_VALUE_BELOW"]
+
+BY_VALUE_BELOW = 1024  # bytes: smaller arrays not in the pool pickle by value
+
+
+def _handle(arr: np.ndarray, storage: Any = None) -> tuple[Any, ...] | None:
+    """A handle's arguments for `arr`, or None: pickle it by value.
+
+    Never raises: an array that cannot go as a handle (a host out of fds or
+    memory, this library's own bug) goes by value with a warning -- raising
+    here would drop it, in a Queue's feeder thread, with a traceback only.
+    """
+    if arr.dtype.hasobject:
+        return None
+    try:
+        return _make_handle(arr, storage)
+    except Exception as exc:  # noqa: BLE001  (see above: bytes, not lost)
+        _warn_by_value(exc)
+        return None
+
+
+def _make_handle(arr: np.ndarray, storage: Any) -> tuple[Any, ...] | None:
+    ow = owner()
+    dt = tensors.encode_dtype(arr.dtype)
+    if storage is not None:  # torch shared it: no copy (Note [What goes as a handle])
+        got = ow.place_shared(arr, storage)
+        if got is not None:
+            seg_id, size, offset, strides, slot, gen = got
+            return (ow.pid, ow.token, ow.path, seg_id, size, offset, slot, gen, dt, arr.shape,
+                    strides, True)
+    if arr.nbytes < BY_VALUE_BELOW:
+        if arr.nbytes == 0:
+            return None
+        ptr, lo, span = _native.extent(arr)
+        with ow._lock:
+            if ow._find(ptr + lo, span) is None:
+                return None
+    got = ow.place(arr)
+    if got is None:
+        return None
+    seg_id, size, offset, strides, slot, gen = got
+    return (ow.pid, ow.token, ow.path, seg_id, size, offset, slot, gen, dt, arr.shape, strides)
+
+
+_warned = False
+
+
+def _warn_by_value(exc: BaseException) -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(f"shmshare.multiprocessing: an array goes by value (pickled bytes), not as "
+                      f"a handle: {type(exc).__name__}: {exc} (said once per process)",
+                      ResourceWarning, stacklevel=4)
+
+
+def reduce_ndarray(arr: np.ndarray) -> Any:
+    """ForkingPickler's reducer for ``numpy.ndarray``."""
+    h = _handle(arr) if type(arr) is np.ndarray else None
+    if h is None:
+        return arr.__reduce__()
+    return rebuild_array, h
+
+
+def reduce_tensor(t: Any) -> Any:
+    """ForkingPickler's reducer for ``torch.Tensor`` and ``torch.nn.Parameter``."""
+    import torch
+    from torch.multiprocessing import reductions as torch_reductions
+
+    if t.requires_grad and not t.is_leaf:
+        raise RuntimeError(
+            "Cowardly refusing to serialize non-leaf tensor which requires_grad, since autograd "
+            "does not support crossing process boundaries.  If you just want to transfer the "
+            "data, call detach() on the tensor before serializing (e.g., putting it on the queue).")
+    if not _plain_cpu(t, torch):
+        return torch_reductions.reduce_tensor(t)  # type: ignore[no-untyped-call]
+    arr, name = tensors.as_numpy(t.detach())
+    storage = t.untyped_storage()
+    h = _handle(arr, storage if storage.is_shared() else None)
+    if h is None:
+        return torch_reductions.reduce_tensor(t)  # type: ignore[no-untyped-call]
+    return rebuild_tensor, (h, name, bool(t.requires_grad), type(t) is torch.nn.Parameter)
+
+
+def _plain_cpu(t: Any, torch: Any) -> bool:
+    return bool(t.device.type == "cpu" and t.layout is torch.strided and not t.is_quantized
+                and not t.is_nested and not t.is_conj() and not t.is_neg()
+                and type(t) in (torch.Tensor, torch.nn.Parameter))
+
+
+def rebuild_tensor(handle: tuple[Any, ...], name: str, requires_grad: bool, parameter: bool) -> Any:
+    """Unpickle a tensor's handle: a tensor over the owner's block."""
+    t = tensors.as_torch(rebuild_array(*handle), name)
+    if parameter:
+        import torch
+
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+_registered_lock = threading.Lock()
+
+
+def init_reductions() -> None:
+    """Register the reducers on ForkingPickler (again): numpy arrays, and torch's CPU tensors
+    if torch is imported (Note [Reducers against import order])."""
+    with _registered_lock:
+        ForkingPickler.register(np.ndarray, reduce_ndarray)
+        torch = sys.modules.get("torch")
+        if torch is not None and hasattr(torch, "Tensor"):
+            from torch.nn.parameter import Parameter  # as torch's own init_reductions does
+
+            ForkingPickler.register(torch.Tensor, reduce_tensor)
+            ForkingPickler.register(Parameter, reduce_tensor)
+
+
+class _AfterTorchMultiprocessing(importlib.abc.MetaPathFinder):
+    """Register ours again once ``torch.multiprocessing`` has registered torch's."""
+
+    def find_spec(self, name: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if name != "torch.multiprocessing":
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find is not None else None
+            if isinstance(spec, importlib.machinery.ModuleSpec) and spec.loader is not None:
+                spec.loader = _Then(spec.loader)
+                return spec
+        return None
+
+
+class _Then(importlib.abc.Loader):
+    def __init__(self, loader: Any) -> None:
+        self._loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        create = getattr(self._loader, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module: ModuleType) -> None:
+        try:
+            self._loader.exec_module(module)
+        finally:
+            _remove_hook()
+        init_reductions()
+
+    def __getattr__(self, name: str) -> Any:  # get_resource_reader, get_source, ... of the real one
+        return getattr(self._loader, name)
+
+
+_hook = _AfterTorchMultiprocessing()
+
+
+def _remove_hook() -> None:
+    try:
+        sys.meta_path.remove(_hook)
+    except ValueError:
+        pass
+
+
+def install() -> None:
+    """At import: register now, and again after torch's own if torch comes later."""
+    init_reductions()
+    if "torch.multiprocessing" not in sys.modules and _hook not in sys.meta_path:
+        sys.meta_path.insert(0, _hook)
+
+
+del os

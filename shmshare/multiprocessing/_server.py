@@ -1,0 +1,177 @@
+"""The owner's fd server: one thread, one socket, connections kept open and reused.
+
+Note [The fd server]
+    torch's ``resource_sharer`` opens a connection per tensor to fetch its
+    fd. Here a peer connects once per owner and keeps the connection: it
+    asks for the lease table's fd once and for each segment's fd once, and
+    sends its releases on it. The socket is 0600 in a 0700 directory of its
+    own (``wire.Listener``), and every connection's peer uid is checked
+    (``wire.Connection``). Frames are msgpack headers (``_common.py``):
+    nothing a peer sends is unpickled. A peer that sends anything else, or
+    more than a frame can hold, is dropped; its claims are reclaimed, as
+    when it exits. Replies wait at most ``_REPLY_WAIT`` for room, so a peer
+    that stops reading cannot stall the others.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import threading
+from typing import TYPE_CHECKING, Any
+
+from .. import wire
+from .._errors import PeerDied, ProtocolError, ShmshareError, ShmshareTimeout
+from ..channel._releases import WakePipe
+from ._common import DROP, ERROR, KIND, RELEASE, SEGMENT, TABLE
+
+if TYPE_CHECKING:
+    from ._owner import Owner
+
+__all__ = ["Server"]
+
+_REPLY_WAIT = 1.0  # s a reply waits for room on a peer's socket before the peer is dropped
+
+
+class _Peer:
+    __slots__ = ("conn", "pid", "segments")
+
+    def __init__(self, conn: wire.Connection) -> None:
+        self.conn = conn
+        self.pid = conn.peer_cred.pid
+        self.segments: set[int] = set()  # ids whose fds it was sent
+
+
+class Server:
+    """Serve the lease table's and the pool segments' fds, and take releases in."""
+
+    def __init__(self, owner: Owner, path: str) -> None:
+        self._owner = owner
+        self._listener = wire.Listener(path, role="mp-owner")
+        self.path = path
+        self._peers: dict[int, _Peer] = {}  # fd -> peer
+        self._lock = threading.Lock()  # _peers, against dropped() from other threads
+        self._wake = WakePipe()
+        self._stop = False
+        self._pid = os.getpid()
+        self._thread = threading.Thread(target=self._main, name="shmshare-mp-server", daemon=True)
+        self._thread.start()
+
+    def peers(self) -> int:
+        with self._lock:
+            return len(self._peers)
+
+    def dropped(self, seg_id: int) -> None:
+        """The pool gave a segment back: tell the peers that mapped it (without waiting)."""
+        with self._lock:
+            peers = [p for p in self._peers.values() if seg_id in p.segments]
+        for p in peers:
+            p.segments.discard(seg_id)
+            try:
+                p.conn.send({KIND: DROP, "i": seg_id}, timeout=0)
+            except (ShmshareError, OSError, ValueError):
+                pass  # full or gone: it keeps a mapping a little longer, nothing worse
+
+    def close(self) -> None:
+        """Stop the thread, close every connection and the socket (removing its directory)."""
+        self._stop = True
+        self._wake.poke()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(10.0)
+        with self._lock:
+            peers, self._peers = list(self._peers.values()), {}
+        for p in peers:
+            p.conn.close()
+        self._listener.close()
+        self._wake.close()
+
+    def forget_in_child(self) -> None:
+        """In a forked child: close this process's copies; the parent keeps serving."""
+        self._stop = True
+        for p in self._peers.values():
+            p.conn.close()
+        self._peers = {}
+        self._listener.close()  # only the process that made it removes the socket file
+        self._wake.close()
+
+    # -- the thread ------------------------------------------------------------
+
+    def _main(self) -> None:
+        poller = select.poll()
+        poller.register(self._listener.fileno(), select.POLLIN)
+        poller.register(self._wake.r, select.POLLIN)
+        listen_fd, wake_fd = self._listener.fileno(), self._wake.r
+        while not self._stop:
+            for fd, _ in poller.poll(1000):
+                if self._stop:
+                    return
+                if fd == wake_fd:
+                    try:
+                        os.read(wake_fd, 4096)
+                    except BlockingIOError:
+                        pass
+                elif fd == listen_fd:
+                    self._accept(poller)
+                else:
+                    peer = self._peers.get(fd)
+                    if peer is not None:
+                        self._serve(poller, fd, peer)
+
+    def _accept(self, poller: Any) -> None:
+        try:
+            conn = self._listener.accept(timeout=0)
+        except ShmshareTimeout:
+            return  # another process took it, or it gave up
+        except (ShmshareError, OSError):
+            return  # a peer of another uid (refused), or no fd free: it sees the socket close
+        peer = _Peer(conn)
+        with self._lock:
+            self._peers[conn.fileno()] = peer
+        poller.register(conn.fileno(), select.POLLIN)
+
+    def _serve(self, poller: Any, fd: int, peer: _Peer) -> None:
+        try:
+            while True:
+                got = peer.conn.recv_nowait()
+                if got is None:
+                    return
+                header, fds = got
+                for f in fds:
+                    f.close()  # a peer sends none
+                self._answer(peer, header)
+        except (PeerDied, ProtocolError, ShmshareError, OSError, ValueError, TypeError):
+            pass  # gone, or broken: drop it below
+        poller.unregister(fd)
+        with self._lock:
+            self._peers.pop(fd, None)
+        peer.conn.close()
+        self._owner.reclaim(peer.pid)
+
+    def _answer(self, peer: _Peer, header: dict[Any, Any]) -> None:
+        kind = header.get(KIND)
+        if kind == RELEASE:
+            pairs = header.get("l")
+            if not isinstance(pairs, list):
+                raise ProtocolError("a release frame without a list")
+            self._owner.release(peer.pid, pairs)
+        elif kind == SEGMENT:
+            seg_id = header.get("i")
+            got = self._owner.segment(seg_id) if isinstance(seg_id, int) else None
+            if got is None:
+                peer.conn.send({KIND: ERROR, "w": f"no segment {seg_id!r} in pid {os.getpid()}'s "
+                                "pool (given back already: the handle is stale)"},
+                               timeout=_REPLY_WAIT)
+                return
+            fd, size = got
+            assert isinstance(seg_id, int)
+            try:
+                peer.segments.add(seg_id)
+                peer.conn.send({KIND: SEGMENT, "i": seg_id, "n": size}, [fd], timeout=_REPLY_WAIT)
+            finally:
+                os.close(fd)
+        elif kind == TABLE:
+            table = self._owner.table
+            peer.conn.send({KIND: TABLE, "n": table.slots, "pid": os.getpid()}, [table.fd],
+                           timeout=_REPLY_WAIT)
+        else:
+            raise ProtocolError(f"unknown frame kind {kind!r}")
