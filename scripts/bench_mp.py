@@ -29,6 +29,12 @@
     then maps/s over several maps.
 
 Everything uses the fork start method (``get_context('fork')`` of each module).
+Importing ``shmshare.multiprocessing`` registers its reducers on
+multiprocessing's ``ForkingPickler`` for the whole process, so the anchors'
+cells run with the reducers as they were before that import (torch's; none
+for ndarray) and shmshare's cells with its own, set before each cell forks.
+shmshare's cells print the sender's ``smp.statistics()`` (handles copied, in
+place, by value), to show which way the arrays went.
 The last block, between ``=== bench_mp ratios ===`` and ``=== end ===``, has
 one ``RATIO name value target verdict`` line per figure the issue asks for.
 Verdicts are informational: times are never asserted. Without
@@ -41,6 +47,7 @@ Run: ``.venv/bin/python scripts/bench_mp.py [--quick] [--sizes 4K,64M]``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing as mp
 import os
 import platform
@@ -51,6 +58,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +77,10 @@ except ImportError as exc:
     NO_TORCH = f"torch is not importable ({exc})"
 else:
     NO_TORCH = ""
-SMP_API = ("get_context", "Queue", "Pool", "empty", "shutdown")
+# Importing shmshare.multiprocessing registers its reducers on ForkingPickler, for every multiprocessing user in
+# the process: the anchors' cells run with the reducers as they were before that import (see use_reducers()).
+ANCHOR_REDUCERS = dict(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
+SMP_API = ("get_context", "Queue", "Pool", "empty", "shutdown", "statistics")
 try:
     import shmshare
     import shmshare.multiprocessing as smp
@@ -88,6 +99,7 @@ except Exception as exc:  # noqa: BLE001 - any failure to import leaves shmshare
     NO_SMP = f"shmshare.multiprocessing is not importable ({type(exc).__name__}: {exc})"
 else:
     NO_SMP = ""
+SMP_REDUCERS = dict(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 1 * MiB, 64 * MiB]
@@ -99,10 +111,10 @@ TARGETS = {"queue_4K": 20.0, "queue_64M": 5.0, "pool_map": 5.0}
 
 def plan(size: int, quick: bool, slow: bool) -> tuple[int, int]:
     """Return (warm-up, total) message counts for a size; fewer for slow paths and large sizes."""
-    budget = (1024 * MiB if quick else 12288 * MiB) // (4 if slow else 1)
+    budget = (1024 * MiB if quick else 8192 * MiB) // (4 if slow else 1)
     n = max(24, min(4000 if quick else 20000, budget // size))
     if slow:
-        n = min(n, 2000 if quick else 8000)
+        n = min(n, 2000 if quick else 6000)
     return max(5, n // 10), n
 
 
@@ -113,6 +125,29 @@ def consume(arr: np.ndarray) -> int:
 
 def as_numpy(x: Any) -> np.ndarray:
     return x if isinstance(x, np.ndarray) else x.numpy()
+
+
+def use_reducers(ours: bool) -> None:
+    """Make multiprocessing pickle arrays and tensors shmshare's way (`ours`) or as it did before the import.
+
+    Set in this process before a cell forks its children, which inherit it. Unpickling does not depend on it
+    (a pickle names its own rebuild function).
+    """
+    table_ = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
+    table_.clear()
+    table_.update(SMP_REDUCERS if ours else ANCHOR_REDUCERS)
+
+
+def smp_stats() -> dict[str, int]:
+    got = smp.statistics()
+    return dataclasses.asdict(got) if dataclasses.is_dataclass(got) else dict(got)
+
+
+def stats_note(st: dict[str, int] | None) -> str:
+    if not st:
+        return ""
+    return (f"; {st.get('handles_pickled')} handles: {st.get('arrays_copied')} copied, "
+            f"{st.get('arrays_in_place')} in place, {st.get('by_value')} by value")
 
 
 # -- Queue: producers (run in a forked child) ----------------------------------------
@@ -127,7 +162,8 @@ def make_buffer(kind: str, size: int) -> Any:
     return smp.empty((size,), torch.uint8 if torch is not None else np.uint8)
 
 
-def produce(q: Any, done: Any, kind: str, strategy: str | None, size: int, count: int, uses_smp: bool) -> None:
+def produce(q: Any, done: Any, stats: Any, kind: str, strategy: str | None, size: int, count: int,
+            uses_smp: bool) -> None:
     if strategy is not None:
         tmp.set_sharing_strategy(strategy)
     try:
@@ -142,6 +178,7 @@ def produce(q: Any, done: Any, kind: str, strategy: str | None, size: int, count
         q.put(None)
         # torch's fd sharing (and a pool's server) needs the producer alive until the consumer took them all
         done.wait(WAIT)
+        stats.send(smp_stats() if uses_smp else None)  # now that the Queue's feeder has pickled them all
     finally:
         if uses_smp:
             smp.shutdown()  # this child's pool server
@@ -151,11 +188,17 @@ def produce(q: Any, done: Any, kind: str, strategy: str | None, size: int, count
 
 
 def run_queue(ctx: Any, kind: str, strategy: str | None, size: int, warm: int, count: int,
-              uses_smp: bool = False) -> float:
-    """Run one cell: a forked producer of `count` messages; return seconds for the ones after `warm`."""
+              uses_smp: bool = False) -> tuple[float, dict[str, int] | None]:
+    """Run one cell: a forked producer of `count` messages.
+
+    Return seconds for the ones after `warm`, and the producer's ``smp.statistics()`` at the end (if it used smp).
+    """
+    use_reducers(uses_smp)
     q = ctx.Queue(maxsize=8 if size <= MiB else 4)
     done = mp.get_context("fork").Event()
-    child = start(ctx, produce, q, done, kind, strategy, size, count, uses_smp)
+    stats_rx, stats_tx = mp.get_context("fork").Pipe(duplex=False)
+    child = start(ctx, produce, q, done, stats_tx, kind, strategy, size, count, uses_smp)
+    stats_tx.close()
 
     def one() -> int:
         item = q.get(timeout=WAIT)
@@ -175,19 +218,26 @@ def run_queue(ctx: Any, kind: str, strategy: str | None, size: int, warm: int, c
         secs = time.perf_counter() - t0
         if q.get(timeout=WAIT) is not None:
             raise RuntimeError("more messages than sent")
-        return secs
+        done.set()
+        if not stats_rx.poll(WAIT / 4):
+            raise TimeoutError("the producer sent no statistics")
+        return secs, stats_rx.recv()
     finally:
         done.set()
         finish(child)
         q.close()
+        stats_rx.close()
 
 
-def queue_paths() -> list[tuple[str, Callable[[int, int, int], float], bool, str]]:
+Cell = Callable[[int, int, int], tuple[float, dict[str, int] | None]]
+
+
+def queue_paths() -> list[tuple[str, Cell, bool, str]]:
     """(name, cell runner, slow, why it is left out or '') per Queue path."""
     fork = mp.get_context("fork")
-    paths: list[tuple[str, Callable[[int, int, int], float], bool, str]] = []
+    paths: list[tuple[str, Cell, bool, str]] = []
 
-    def torch_fs(size: int, warm: int, count: int) -> float:
+    def torch_fs(size: int, warm: int, count: int) -> tuple[float, dict[str, int] | None]:
         before = tmp.get_sharing_strategy()
         tmp.set_sharing_strategy("file_system")  # here (the consumer) and in the forked producer
         try:
@@ -227,7 +277,7 @@ def bench_queue(sizes: list[int], quick: bool, rounds: int) -> tuple[dict[int, d
                 warm, count = plan(size, quick, slow)
                 t0 = time.perf_counter()
                 try:
-                    secs = fn(size, warm, count)
+                    secs, st = fn(size, warm, count)
                 except Exception as exc:  # noqa: BLE001 - one broken cell must not lose the others
                     failed += 1
                     runs[size][name].append(None)
@@ -237,7 +287,8 @@ def bench_queue(sizes: list[int], quick: bool, rounds: int) -> tuple[dict[int, d
                     continue
                 runs[size][name].append((count - warm) / secs)
                 print(f"  round {k + 1} {fmt(size):>4} {name:<12} {(count - warm) / secs:>10,.0f} msg/s  "
-                      f"({count - warm} timed of {count}, cell {time.perf_counter() - t0:.1f} s)", flush=True)
+                      f"({count - warm} timed of {count}, cell {time.perf_counter() - t0:.1f} s{stats_note(st)})",
+                      flush=True)
     results = {s: {n: (None if None in v or not v else statistics.median(v)) for n, v in r.items()}  # type: ignore[type-var]
                for s, r in runs.items()}
     print("\nQueue: messages/s (GB/s)")
@@ -274,8 +325,9 @@ def pool_inputs(kind: str) -> list[Any]:
     return out
 
 
-def run_pool(ctx: Any, kind: str, reps: int) -> float:
+def run_pool(ctx: Any, kind: str, reps: int, ours: bool = False) -> float:
     """Make a Pool(2), warm it with one map, time `reps` maps; return maps/s."""
+    use_reducers(ours)  # before the fork: the workers inherit it
     pool = ctx.Pool(2)
     procs = list(getattr(pool, "_pool", []))  # the workers, to kill by pid should the pool not end them
     try:
@@ -313,8 +365,8 @@ def bench_pool(quick: bool) -> tuple[dict[str, float | None], int]:
     cols: list[tuple[str, Callable[[], float], str]] = [
         ("stdlib", lambda: run_pool(mp.get_context("fork"), "numpy", reps), ""),
         ("torch", lambda: run_pool(tmp.get_context("fork"), "torch", reps), NO_TORCH),
-        ("shmshare", lambda: run_pool(smp.get_context("fork"), "numpy", reps), NO_SMP),
-        ("shm in-place", lambda: run_pool(smp.get_context("fork"), "pool", reps), NO_SMP),
+        ("shmshare", lambda: run_pool(smp.get_context("fork"), "numpy", reps, True), NO_SMP),
+        ("shm in-place", lambda: run_pool(smp.get_context("fork"), "pool", reps, True), NO_SMP),
     ]
     print(f"\n(2) Pool(2).map(plus_one, {POOL_ITEMS} arrays of {fmt(POOL_ITEM)}), one warm-up map, "
           f"then {reps} maps; this process reads one byte per page of every result")
@@ -325,6 +377,7 @@ def bench_pool(quick: bool) -> tuple[dict[str, float | None], int]:
             print(f"Pool: the {name} column is left out: {why}")
             continue
         t0 = time.perf_counter()
+        before = smp_stats() if smp is not None else {}
         try:
             res[name] = fn()
         except Exception as exc:  # noqa: BLE001 - one broken column must not lose the others
@@ -334,7 +387,11 @@ def bench_pool(quick: bool) -> tuple[dict[str, float | None], int]:
             traceback.print_exc()
             sys.stdout.flush()
             continue
-        print(f"  {name:<12} {res[name]:>8.2f} maps/s  (column {time.perf_counter() - t0:.1f} s)", flush=True)
+        st = None
+        if name.startswith("shm"):  # this process's handles for this column's arguments
+            st = {k: v - before.get(k, 0) for k, v in smp_stats().items()}
+        print(f"  {name:<12} {res[name]:>8.2f} maps/s  (column {time.perf_counter() - t0:.1f} s{stats_note(st)})",
+              flush=True)
     moved = 2 * POOL_ITEMS * POOL_ITEM  # in and out
     print("\nPool.map: maps/s (GB/s of arguments and results), and shmshare's multiple of each")
     rows = [[n, f"{v:.2f}" if v else "failed", f"{v * moved / 1e9:.2f}" if v else "-",
@@ -413,6 +470,10 @@ def finish(p: Any) -> None:
         p.join(10)
 
 
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def rate(v: float | None, size: int) -> str:
     return "failed" if v is None else f"{v:,.0f} ({v * size / 1e9:.2f})"
 
@@ -450,6 +511,7 @@ def main(argv: list[str] | None = None) -> int:
           f"numpy {np.__version__}, {tver}, fork start method{', --quick' if args.quick else ''}")
     if NO_SMP:
         print(f"shmshare's columns are left out: {NO_SMP}")
+    print(f"load average before: {load()} (other work on the machine shows in every figure)")
     failed = 0
     try:
         queue, f1 = bench_queue(sizes, args.quick, args.rounds or (1 if args.quick else 3))
@@ -459,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if smp is not None:
             smp.shutdown()
+    print(f"load average after: {load()}")
     print(f"bench_mp: {time.perf_counter() - started:.0f} s in all" + (f", {failed} cell(s) failed" if failed else ""))
     return 1 if failed else 0
 
