@@ -349,9 +349,15 @@ def run_pool(ctx: Any, kind: str, reps: int, ours: bool = False) -> float:
         secs = [one() for _ in range(reps)]
         return reps / sum(secs)
     finally:
-        ender = threading.Thread(target=lambda: (pool.terminate(), pool.join()), daemon=True)
+        # close(), not terminate(): the workers exit by themselves and run their exit hooks (shmshare's removes
+        # each worker's fd server directory; a SIGTERM would leave it behind). terminate() if they do not.
+        ender = threading.Thread(target=lambda: (pool.close(), pool.join()), daemon=True)
         ender.start()
-        ender.join(WAIT / 2)
+        ender.join(WAIT / 4)
+        if ender.is_alive():
+            ender = threading.Thread(target=lambda: (pool.terminate(), pool.join()), daemon=True)
+            ender.start()
+            ender.join(WAIT / 4)
         if ender.is_alive():  # the pool did not end its workers: kill them by pid, only what it started
             for p in procs:
                 if p.exitcode is None:
