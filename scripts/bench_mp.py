@@ -41,7 +41,10 @@ Verdicts are informational: times are never asserted. Without
 ``shmshare.multiprocessing`` (or torch) those columns are left out, with a line
 saying why. A cell that fails prints its traceback; the others still run (exit 1).
 
-Run: ``.venv/bin/python scripts/bench_mp.py [--quick] [--sizes 4K,64M]``.
+The Queue cells run in 3 rounds (1 with ``--quick``), the paths interleaved so
+that other work on the machine spreads over all of them; the tables show the
+median. About 4 minutes on 2 CPUs (``--quick``: under a minute). Run:
+``.venv/bin/python scripts/bench_mp.py [--quick] [--sizes 4K,64M] [--rounds N] [--no-pool]``.
 """
 
 from __future__ import annotations
