@@ -43,8 +43,9 @@ def _restore(before: dict[Any, Any]) -> None:
 _restore(_PRISTINE)
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="package", autouse=True)
 def mp_reducers() -> Iterator[None]:
+    """Ours while the tests of this directory run (module-scoped children fork under them too)."""
     from shmshare.multiprocessing import _reduce
 
     before = dict(ForkingPickler._extra_reducers)  # type: ignore[attr-defined]
@@ -52,5 +53,15 @@ def mp_reducers() -> Iterator[None]:
     try:
         yield
     finally:
-        smp.shutdown()
         _restore(before)
+
+
+@pytest.fixture(autouse=True)
+def mp_shutdown() -> Iterator[None]:
+    from shmshare.multiprocessing import _reduce
+
+    _reduce.install()  # again: a test may have put torch's back
+    try:
+        yield
+    finally:
+        smp.shutdown()
