@@ -105,7 +105,7 @@ def shutdown(linger: float = 0.0) -> None:
 
 def _at_exit() -> None:
     _close_client()
-    _close_owner(exit_linger())
+    _close_owner(exit_linger(), exiting=True)
 
 
 def _register_exit() -> None:

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from .. import _fork, _native, tensors, wire
-from .._errors import PeerDied, ShmshareError, ShmshareTimeout
+from .._errors import FdLimitError, PeerDied, ShmshareError, ShmshareTimeout
 from ..channel._releases import WakePipe
 from ..channel._trust import check_fd, locally
 from ..segment import Flags, Segment
@@ -42,6 +42,8 @@ from ._table import CLAIMED, PENDING, claim, describe, word
 __all__ = ["client", "rebuild_array", "close_client"]
 
 _MAX_AGE = 0.002  # s a release may wait before it is sent
+_STUCK_PAUSE = 0.1  # s: the flusher's longest pause while an owner's socket stays full
+_SEND_WAIT = 0.05  # s a release frame waits for room before it is left for the next round
 _REQUEST_WAIT = 30.0  # s an fd request waits for the owner (its GIL may be busy)
 _CONNECT_WAIT = 10.0
 
@@ -49,13 +51,12 @@ _CONNECT_WAIT = 10.0
 class _Link:
     """This process's connection to one owner, and what it mapped of it."""
 
-    __slots__ = ("pid", "token", "conn", "lock", "table_buf", "segments", "dead", "claims")
+    __slots__ = ("pid", "token", "conn", "lock", "table_buf", "segments", "dead")
 
     def __init__(self, pid: int, token: int, path: str) -> None:
         self.pid, self.token = pid, token
         self.lock = threading.Lock()
         self.dead = False
-        self.claims = 0  # leases claimed through this link and not yet released
         self.segments: dict[int, _native.Lease] = {}  # id -> root lease of our mapping
         try:
             self.conn = wire.connect(path, timeout=_CONNECT_WAIT, role="mp-peer")
@@ -132,6 +133,10 @@ class _Link:
         header, fds = self._request({KIND: SEGMENT, "i": seg_id})
         try:
             if header.get(KIND) == ERROR:
+                code = header.get("c")
+                if code in (errno.EMFILE, errno.ENFILE):
+                    raise FdLimitError(code, f"{header.get('w')} (its fd table is full: the "
+                                       "handle is still good while it lives; raise its ulimit -n)")
                 raise HandleError(f"pid {self.pid} says: {header.get('w')}")
             if header.get(KIND) != SEGMENT or header.get("i") != seg_id or len(fds) != 1 \
                     or header.get("n") != size:
@@ -154,6 +159,12 @@ class _Link:
         self.segments.clear()
         self.conn.close()
 
+    def forget_in_child(self) -> None:
+        """In a forked child: let go of the parent's connection and mappings (views keep theirs)."""
+        self.close()
+        self.table_buf.release()
+        self.table_buf = memoryview(b"")
+
 
 def _alive(pid: int) -> bool:
     try:
@@ -168,29 +179,41 @@ def _alive(pid: int) -> bool:
 class _Released:
     """on_release of a received array: queue its lease (no lock: any bytecode, any thread)."""
 
-    __slots__ = ("client", "link", "slot", "gen", "pid")
+    __slots__ = ("client", "key", "slot", "gen", "pid")
 
-    def __init__(self, client: Client, link: _Link, slot: int, gen: int) -> None:
-        self.client, self.link, self.slot, self.gen, self.pid = client, link, slot, gen, os.getpid()
+    def __init__(self, client: Client, key: tuple[int, int], slot: int, gen: int) -> None:
+        self.client, self.key, self.slot, self.gen, self.pid = client, key, slot, gen, os.getpid()
 
     def __call__(self) -> None:
         if self.pid != _pid:
             return  # inherited by a forked child: the lease is its parent's
         c = self.client
-        c.released.append((self.link, self.slot, self.gen))
+        c.released.append((self.key, self.slot, self.gen))
         if not c.armed:
             c.armed = True
             c.wake.poke()
 
 
 class Client:
-    """This process's links to owners, and the flusher that sends their releases."""
+    """This process's links to owners, and the flusher that sends their releases.
+
+    Releases are kept per owner, not per connection: the owner takes a release
+    from any connection of the process that claimed it, so a link that died
+    while its owner lives (the owner dropped a peer that did not read) is made
+    again, and what it had not sent goes on the new one. A release that does
+    not fit on the socket now waits for the next round; only an owner that is
+    gone makes its releases moot.
+    """
 
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.links: dict[tuple[int, int], _Link] = {}
+        self.paths: dict[tuple[int, int], str] = {}
+        self.claims: collections.Counter[tuple[int, int]] = collections.Counter()  # under lock
         self.lock = threading.Lock()
-        self.released: collections.deque[tuple[_Link, int, int]] = collections.deque()
+        self.released: collections.deque[tuple[tuple[int, int], int, int]] = collections.deque()
+        self.pending: dict[tuple[int, int], list[int]] = {}  # the flusher's: not sent yet
+        self.flush_lock = threading.Lock()
         self.wake = WakePipe()
         self.armed = False
         self.closed = False
@@ -201,11 +224,17 @@ class Client:
     def link(self, pid: int, token: int, path: str) -> _Link:
         key = (pid, token)
         got = self.links.get(key)
-        if got is None:
-            with self.lock:
-                got = self.links.get(key)
-                if got is None:
-                    got = self.links[key] = _Link(pid, token, path)
+        if got is not None and not got.dead:
+            return got
+        with self.lock:
+            got = self.links.get(key)
+            if got is None or got.dead:
+                old = self.links.pop(key, None)
+                if old is not None:
+                    old.close()  # views of its segments keep their own mappings
+                got = _Link(pid, token, path)  # OwnerGone if the owner is
+                self.links[key] = got
+                self.paths[key] = path
         return got
 
     def rebuild(self, pid: int, token: int, path: str, seg_id: int, size: int, offset: int,
@@ -217,41 +246,68 @@ class Client:
             raise HandleError(f"a malformed handle: {nbytes} bytes at offset {start} of a "
                               f"{size}-byte segment of pid {pid}")
         link = self.link(pid, token, path)
+        key = (pid, token)
         with link.lock:
             link.check()
             root = link.segment(seg_id, size, external)
             buf = link.table_buf
             if slot >= len(buf) // 8:
                 raise HandleError(f"a malformed handle: slot {slot} of pid {pid}'s lease table")
-            found = claim(buf, slot, gen, _pid)
-            if found != word(gen, PENDING):
-                raise _not_claimed(pid, slot, gen, found)
-            link.claims += 1
+            with self.lock:
+                found = claim(buf, slot, gen, _pid)
+                if found != word(gen, PENDING):
+                    raise _not_claimed(pid, slot, gen, found)
+                self.claims[key] += 1
         lease = _native.Lease(root, root.address + start, nbytes, False,
-                              _Released(self, link, slot, gen))
+                              _Released(self, key, slot, gen))
         return np.ndarray(shape, dtype, buffer=lease, offset=-lo,  # type: ignore[arg-type]
                           strides=strides)
 
     # -- releases ----------------------------------------------------------------
 
-    def flush(self) -> None:
-        """Send every queued release now (what the flusher does every _MAX_AGE)."""
-        batches: dict[_Link, list[int]] = {}
-        released = self.released
-        while released:
-            link, slot, gen = released.popleft()
-            batches.setdefault(link, []).extend((slot, gen))
-        for link, pairs in batches.items():
-            link.claims -= len(pairs) // 2
-            if link.dead:
-                continue
-            for i in range(0, len(pairs), 2 * MAX_RELEASES):
-                try:
-                    link.conn.send({KIND: RELEASE, "l": pairs[i:i + 2 * MAX_RELEASES]},
-                                   timeout=5.0)
-                except (PeerDied, ShmshareTimeout, OSError, ValueError):
-                    link.dead = True  # it went: its pool went with it
-                    break
+    def flush(self) -> bool:
+        """Send the queued releases that fit now; True if none is left waiting."""
+        with self.flush_lock:
+            pending = self.pending
+            released = self.released
+            while released:
+                key, slot, gen = released.popleft()
+                pending.setdefault(key, []).extend((slot, gen))
+            for key in list(pending):
+                pairs = pending[key]
+                sent = self._send_releases(key, pairs)
+                with self.lock:
+                    self.claims[key] -= sent // 2
+                del pairs[:sent]
+                if not pairs:
+                    del pending[key]
+            return not pending
+
+    def _send_releases(self, key: tuple[int, int], pairs: list[int]) -> int:
+        """Send what fits of `pairs`; return how many items went (or are moot: owner gone)."""
+        link = self.links.get(key)
+        done = 0
+        try:
+            if link is None or link.dead:
+                path = self.paths.get(key)
+                if path is None:
+                    return len(pairs)
+                link = self.link(key[0], key[1], path)
+            while done < len(pairs):
+                chunk = pairs[done:done + 2 * MAX_RELEASES]
+                link.conn.send({KIND: RELEASE, "l": chunk}, timeout=_SEND_WAIT)
+                done += len(chunk)
+            return done
+        except ShmshareTimeout:
+            return done if link is not None and not link.dead else 0  # full: the next round
+        except OwnerGone:
+            return len(pairs)  # its pool went with it
+        except (PeerDied, OSError, ValueError):
+            if link is not None:
+                link.dead = True
+            if not _alive(key[0]):
+                return len(pairs)
+            return 0  # it dropped us but lives: a new link next round
 
     def _flush_main(self) -> None:
         wake = self.wake
@@ -263,22 +319,24 @@ class Client:
                 os.read(wake.r, 4096)
             except (BlockingIOError, OSError):
                 pass
+            pause = _MAX_AGE
             while not self.closed:
-                time.sleep(_MAX_AGE)
+                time.sleep(pause)
                 self.armed = False  # disarm first, then look: a release racing with us re-arms
-                if not self.released:
+                if not self.released and not self.pending:
                     break
-                self.flush()
+                # an owner that does not read (stopped, busy): look less often until it does
+                pause = _MAX_AGE if self.flush() else min(2 * pause, _STUCK_PAUSE)
 
     def close(self) -> None:
-        """Send what is queued; close links with no claim out (the rest stay till exit)."""
+        """Send what is queued; close the links with no claim out (the rest stay till exit)."""
         self.flush()
         with self.lock:
             for key, link in list(self.links.items()):
-                if link.claims <= 0 or link.dead:
+                if self.claims[key] <= 0 or not _alive(key[0]):
                     del self.links[key]
                     link.close()
-            if not self.links:
+            if not self.links and not self.pending:
                 self.closed = True
                 self.wake.poke()
         if self.closed:
@@ -342,8 +400,10 @@ def _after_fork_in_child() -> None:
     if got is not None:
         got.closed = True  # its flusher thread is not here; nothing of it is sent from here
         for link in got.links.values():
-            link.conn.close()  # our copy only: the parent's connection stays open
+            link.forget_in_child()  # our copies only: the parent's connection stays open
+        got.links.clear()
         got.released.clear()
+        got.pending.clear()
 
 
 _fork.on_fork_in_child(6, _after_fork_in_child)

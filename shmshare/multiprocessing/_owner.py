@@ -116,11 +116,11 @@ class _LocalDied:
 class _External:
     """A segment torch made (``share_memory_()``): its fd, kept while handles to it are out."""
 
-    __slots__ = ("id", "fd", "size", "address", "nbytes", "leases")
+    __slots__ = ("id", "fd", "size", "key", "nbytes", "leases")
 
-    def __init__(self, fd: int, size: int, address: int, nbytes: int) -> None:
+    def __init__(self, fd: int, size: int, key: tuple[int, int], nbytes: int) -> None:
         self.id = _new_id()
-        self.fd, self.size, self.address, self.nbytes = fd, size, address, nbytes
+        self.fd, self.size, self.key, self.nbytes = fd, size, key, nbytes
         self.leases = 0
 
 
@@ -135,11 +135,15 @@ class Owner(BlockBook):
         self._ann = SegmentBook()
         self._provider.listeners.append(self._ann.on_segment_event)
         self._provider.listeners.append(self._on_segment_event)
-        self._alloc = CachingAllocator(self._provider)
+        # classic segments whatever SHMSHARE_ALLOC_CONF says: a handle names a whole segment,
+        # mapped once by each receiver (expandable ones would be announced piece by piece)
+        self._alloc = CachingAllocator(self._provider, "expandable_segments:False")
         self._new_book(SPARE_BYTES)
         self._slots: dict[int, _Held | _External] = {}  # slot -> the block its handle names
         self._leases: dict[int, _Held] = {}  # BlockBook's (a channel's leases): none here
-        self._externals: dict[int, _External] = {}  # torch's shared storages, by data address
+        # torch's shared storages by (st_dev, st_ino): an address is no name -- torch maps the
+        # next storage where a freed one was, while our dup keeps the old one's inode alive
+        self._externals: dict[tuple[int, int], _External] = {}
         self._peer_dead = False
         self._sent = 0
         self._local_done: collections.deque[_Held] = collections.deque()
@@ -201,17 +205,19 @@ class Owner(BlockBook):
                 return None
             if self.server is None:
                 self._serve()
-            ext = self._externals.get(base)
+            try:
+                fd, _ = storage._share_fd_cpu_()
+            except (RuntimeError, AttributeError):
+                return None  # shared by file name (torch's file_system strategy): no fd to give
+            if not isinstance(fd, int) or fd < 0:
+                return None
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino)
+            ext = self._externals.get(key)
             if ext is None:
-                try:
-                    fd, _ = storage._share_fd_cpu_()
-                except (RuntimeError, AttributeError):
-                    return None
-                if not isinstance(fd, int) or fd < 0:
-                    return None
                 own = os.dup(fd)  # ours: torch closes its own when the storage goes
-                ext = _External(own, os.fstat(own).st_size, base, storage.nbytes())
-                self._externals[base] = ext
+                ext = _External(own, st.st_size, key, storage.nbytes())
+                self._externals[key] = ext
             if not (base <= ptr + lo and ptr + lo + span <= base + min(ext.nbytes, ext.size)):
                 self._drop_external(ext)
                 return None
@@ -229,8 +235,8 @@ class Owner(BlockBook):
     def _drop_external(self, ext: _External) -> None:
         if ext.leases:
             return
-        if self._externals.get(ext.address) is ext:
-            del self._externals[ext.address]
+        if self._externals.get(ext.key) is ext:
+            del self._externals[ext.key]
         os.close(ext.fd)
         if self.server is not None:
             self.server.dropped(ext.id)
@@ -260,7 +266,13 @@ class Owner(BlockBook):
         try:
             raw = _native.Lease(None, held.block.address, want)
             dst = np.ndarray(arr.shape, arr.dtype, buffer=raw)  # type: ignore[arg-type]
-            np.copyto(dst, arr, casting="no")
+            if arr.dtype.fields is not None or arr.dtype.subdtype is not None:
+                # every byte, padding included: a field-wise copy would leave the bytes of
+                # whatever array had the block before (another array's data) in the padding
+                void = np.dtype((np.void, arr.dtype.itemsize))
+                np.copyto(dst.view(void), arr.view(void), casting="no")
+            else:
+                np.copyto(dst, arr, casting="no")
         except BaseException:
             self._maybe_free(held)
             raise
@@ -362,8 +374,9 @@ class Owner(BlockBook):
     # -- life ------------------------------------------------------------------
 
     def _serve(self) -> None:
-        from ._server import Server
+        from ._server import Server, sweep_stale
 
+        sweep_stale(os.path.dirname(os.path.dirname(self.path)))
         self.server = Server(self, self.path)
 
     def close(self, linger: float = 0.0) -> None:
@@ -394,9 +407,14 @@ _owner: Owner | None = None
 _owner_lock = threading.Lock()
 
 
+_exiting = False  # set at exit: a pickle after that goes by value, never starting a new owner
+
+
 def owner() -> Owner:
     """This process's owner, made on first use."""
     global _owner
+    if _exiting:
+        raise ShmshareError("the process is exiting: no new handles (the array goes by value)")
     got = _owner
     if got is not None and got.pid == os.getpid() and not got.closed:
         return got
@@ -411,20 +429,37 @@ def current_owner() -> Owner | None:
     return got if got is not None and got.pid == os.getpid() else None
 
 
-def close_owner(linger: float) -> None:
-    global _owner
+def close_owner(linger: float, exiting: bool = False) -> None:
+    global _owner, _exiting
+    if exiting:
+        _exiting = True
     with _owner_lock:
         got, _owner = current_owner(), None
     if got is not None:
         got.close(linger)
 
 
+_inherited: list[Any] = []  # in a forked child: the parent's segments arrays of ours point into
+
+
 def _after_fork_in_child() -> None:
-    global _owner, _owner_lock
+    global _owner, _owner_lock, _exiting
     _owner_lock = threading.Lock()
+    _exiting = False
     got, _owner = _owner, None
-    if got is not None and got.server is not None:
+    if got is None or got.pid == os.getpid():
+        return
+    if got.server is not None:
         got.server.forget_in_child()  # the parent's sockets: closed here, served there
+    # The parent's fds are not ours to hold (they would pin its pool's memory while we live):
+    # forget them all, and keep mapped only what an array from empty() may point into.
+    in_use = {h.seg.id for h in got._held.values() if h.local}
+    _inherited.append(got._provider.after_fork_in_child(in_use))
+    got.table.segment._forget_after_fork()
+    got.table.close()  # nothing of the child's points into the parent's table
+    for ext in got._externals.values():
+        os.close(ext.fd)
+    got._externals.clear()
 
 
 _fork.on_fork_in_child(6, _after_fork_in_child)

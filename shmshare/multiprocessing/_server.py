@@ -28,7 +28,45 @@ from ._common import DROP, ERROR, KIND, RELEASE, SEGMENT, TABLE
 if TYPE_CHECKING:
     from ._owner import Owner
 
-__all__ = ["Server"]
+__all__ = ["Server", "sweep_stale"]
+
+_PREFIX = "shmshare-mp-"
+
+
+def sweep_stale(base: str) -> int:
+    """Remove the socket directories of owners that died without their exit (SIGKILL, a Pool's
+    SIGTERM): ``shmshare-mp-<pid>-<token>`` of our uid whose pid is gone. Returns how many."""
+    n = 0
+    try:
+        names = [e for e in os.listdir(base) if e.startswith(_PREFIX)]
+    except OSError:
+        return 0
+    me = os.getuid()
+    for name in names:
+        pid_s = name[len(_PREFIX):].split("-", 1)[0]
+        if not pid_s.isdigit() or _alive(int(pid_s)):
+            continue
+        d = os.path.join(base, name)
+        try:
+            if os.lstat(d).st_uid != me:
+                continue
+            for f in os.listdir(d):
+                os.unlink(os.path.join(d, f))
+            os.rmdir(d)
+            n += 1
+        except OSError:
+            continue  # another process swept it first, or it is not ours to remove
+    return n
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 _REPLY_WAIT = 1.0  # s a reply waits for room on a peer's socket before the peer is dropped
 
@@ -130,6 +168,7 @@ class Server:
         poller.register(conn.fileno(), select.POLLIN)
 
     def _serve(self, poller: Any, fd: int, peer: _Peer) -> None:
+        hung_up = False
         try:
             while True:
                 got = peer.conn.recv_nowait()
@@ -139,13 +178,19 @@ class Server:
                 for f in fds:
                     f.close()  # a peer sends none
                 self._answer(peer, header)
-        except (PeerDied, ProtocolError, ShmshareError, OSError, ValueError, TypeError):
-            pass  # gone, or broken: drop it below
+        except PeerDied:
+            hung_up = True  # it closed its end: it exited, or was killed
+        except (ProtocolError, ShmshareError, OSError, ValueError, TypeError):
+            pass  # broken, or not reading its answers: dropped below
         poller.unregister(fd)
         with self._lock:
             self._peers.pop(fd, None)
         peer.conn.close()
-        self._owner.reclaim(peer.pid)
+        # Its claims come back only if it is gone: a live process dropped for a bad frame or a
+        # full socket still holds its arrays, whose blocks must not be reused under them (they
+        # stay pinned until it releases them on a new connection, or exits, or we do).
+        if hung_up or not _alive(peer.pid):
+            self._owner.reclaim(peer.pid)
 
     def _answer(self, peer: _Peer, header: dict[Any, Any]) -> None:
         kind = header.get(KIND)
@@ -156,7 +201,12 @@ class Server:
             self._owner.release(peer.pid, pairs)
         elif kind == SEGMENT:
             seg_id = header.get("i")
-            got = self._owner.segment(seg_id) if isinstance(seg_id, int) else None
+            try:
+                got = self._owner.segment(seg_id) if isinstance(seg_id, int) else None
+            except OSError as exc:  # our fd table is full (the dup): our trouble, not the peer's
+                peer.conn.send({KIND: ERROR, "w": f"pid {os.getpid()} could not send segment "
+                                f"{seg_id}: {exc}", "c": exc.errno}, timeout=_REPLY_WAIT)
+                return
             if got is None:
                 peer.conn.send({KIND: ERROR, "w": f"no segment {seg_id!r} in pid {os.getpid()}'s "
                                 "pool (given back already: the handle is stale)"},

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from typing import Any
 from multiprocessing.reduction import ForkingPickler
+from typing import Any
 
 import pytest
 
