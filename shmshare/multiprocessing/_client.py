@@ -37,7 +37,7 @@ from ..channel._releases import WakePipe
 from ..channel._trust import check_fd, locally
 from ..segment import Flags, Segment
 from ._common import DROP, ERROR, KIND, MAX_RELEASES, RELEASE, SEGMENT, TABLE, HandleError, OwnerGone
-from ._table import CLAIMED, PENDING, claim, describe, word
+from ._table import CLAIMED, PENDING, describe, word
 
 __all__ = ["client", "rebuild_array", "close_client"]
 
@@ -51,7 +51,8 @@ _CONNECT_WAIT = 10.0
 class _Link:
     """This process's connection to one owner, and what it mapped of it."""
 
-    __slots__ = ("pid", "token", "conn", "lock", "table_buf", "segments", "dead")
+    __slots__ = ("pid", "token", "conn", "lock", "table_buf", "slots", "segments", "dead",
+                 "readable")
 
     def __init__(self, pid: int, token: int, path: str) -> None:
         self.pid, self.token = pid, token
@@ -77,7 +78,11 @@ class _Link:
             check_fd(fds[0].fileno(), n * 8, trust_unsealed=False, writable=True)
             table = locally(Segment.from_fd, fds.pop(), n * 8, Flags.FROMFD)
             self.table_buf = table.buffer
+            self.slots = n
             table.close()  # the buffer keeps the mapping; no fd kept
+            poller = select.poll()  # anything to read (a drop, the end) shows here, cheaply
+            poller.register(self.conn.fileno(), select.POLLIN | select.POLLHUP)
+            self.readable = poller.poll
         except BaseException:
             self.conn.close()
             raise
@@ -237,31 +242,38 @@ class Client:
                 self.paths[key] = path
         return got
 
-    def rebuild(self, pid: int, token: int, path: str, seg_id: int, size: int, offset: int,
-                slot: int, gen: int, dtype: np.dtype, shape: tuple[int, ...],
-                strides: tuple[int, ...], external: bool) -> np.ndarray:
-        lo, nbytes = tensors.span(dtype.itemsize, shape, strides)
-        start = offset + lo
-        if not (start >= 0 and start + nbytes <= size) or slot < 0 or nbytes == 0:
-            raise HandleError(f"a malformed handle: {nbytes} bytes at offset {start} of a "
-                              f"{size}-byte segment of pid {pid}")
-        link = self.link(pid, token, path)
+    def rebuild(self, pid: int, token: int, path: str, seg_id: int, size: int, start: int,
+                span: int, lo: int, strides: tuple[int, ...], slot: int, gen: int,
+                dtype: np.dtype, shape: tuple[int, ...], external: bool) -> np.ndarray:
+        if not (start >= 0 and span > 0 and start + span <= size and lo <= 0 and slot >= 0):
+            raise HandleError(f"a malformed handle: {span} bytes at offset {start} of a "
+                              f"{size}-byte segment of pid {pid}, slot {slot}")
         key = (pid, token)
+        link = self.links.get(key)
+        if link is None or link.dead:
+            link = self.link(pid, token, path)
         with link.lock:
-            link.check()
-            root = link.segment(seg_id, size, external)
-            buf = link.table_buf
-            if slot >= len(buf) // 8:
+            if link.dead or link.readable(0):
+                link.check()
+            root = link.segments.get(seg_id)
+            if root is None:
+                root = link.segment(seg_id, size, external)
+            if slot >= link.slots:
                 raise HandleError(f"a malformed handle: slot {slot} of pid {pid}'s lease table")
+            pending = (gen << 32) | _PENDING_LOW
+            found = _cas64(link.table_buf, slot, pending, (gen << 32) | _claimed_low)
+            if found != pending:
+                raise _not_claimed(pid, slot, gen, found)
             with self.lock:
-                found = claim(buf, slot, gen, _pid)
-                if found != word(gen, PENDING):
-                    raise _not_claimed(pid, slot, gen, found)
                 self.claims[key] += 1
-        lease = _native.Lease(root, root.address + start, nbytes, False,
-                              _Released(self, key, slot, gen))
-        return np.ndarray(shape, dtype, buffer=lease, offset=-lo,  # type: ignore[arg-type]
-                          strides=strides)
+        # numpy checks that shape and strides stay inside the lease (ValueError otherwise)
+        try:
+            return np.ndarray(shape, dtype,
+                              _native.Lease(root, root.address + start, span, False,  # type: ignore[arg-type]
+                                            _Released(self, key, slot, gen)),
+                              -lo, strides)
+        except (ValueError, TypeError) as exc:
+            raise HandleError(f"a malformed handle from pid {pid}: {exc}") from exc
 
     # -- releases ----------------------------------------------------------------
 
@@ -358,6 +370,9 @@ def _not_claimed(pid: int, slot: int, gen: int, found: int) -> HandleError:
 _client: Client | None = None
 _client_lock = threading.Lock()
 _pid = os.getpid()
+_PENDING_LOW = word(0, PENDING)  # the low half of a PENDING word
+_claimed_low = word(0, CLAIMED, _pid)  # the low half of a word we claimed
+_cas64 = _native.cas64
 
 
 def client() -> Client:
@@ -381,20 +396,31 @@ def close_client() -> None:
                 _client = None
 
 
-def rebuild_array(pid: int, token: int, path: str, seg_id: int, size: int, offset: int,
-                  slot: int, gen: int, dtype: str, shape: tuple[int, ...],
-                  strides: tuple[int, ...], external: bool = False) -> np.ndarray:
+def rebuild_array(pid: int, token: int, path: str, seg_id: int, size: int, start: int, span: int,
+                  lo: int, strides: tuple[int, ...], slot: int, gen: int, dtype: str,
+                  shape: tuple[int, ...], external: bool = False) -> np.ndarray:
     """Unpickle a handle (Note [Unpickling a handle])."""
-    dt = tensors.decode_dtype(dtype)
-    if dt.hasobject:
-        raise HandleError(f"a handle of dtype {dt} (object references) is refused")
-    return client().rebuild(pid, token, path, seg_id, size, offset, slot, gen, dt, tuple(shape),
-                            tuple(strides), bool(external))
+    dt = _dtypes.get(dtype)
+    if dt is None:
+        dt = tensors.decode_dtype(dtype)
+        if dt.hasobject:
+            raise HandleError(f"a handle of dtype {dt} (object references) is refused")
+        if len(_dtypes) < 1024:
+            _dtypes[dtype] = dt
+    c = _client
+    if c is None or c.closed:
+        c = client()
+    return c.rebuild(pid, token, path, seg_id, size, start, span, lo, strides, slot, gen, dt,
+                     shape, external)
+
+
+_dtypes: dict[str, np.dtype] = {}
 
 
 def _after_fork_in_child() -> None:
-    global _client, _client_lock, _pid
+    global _client, _client_lock, _pid, _claimed_low
     _pid = os.getpid()
+    _claimed_low = word(0, CLAIMED, _pid)
     _client_lock = threading.Lock()
     got, _client = _client, None
     if got is not None:

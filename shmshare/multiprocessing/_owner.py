@@ -27,6 +27,7 @@ Note [Exit linger]
 from __future__ import annotations
 
 import collections
+import ctypes
 import os
 import secrets
 import tempfile
@@ -43,7 +44,7 @@ from ..channel._announce import SegmentBook
 from ..channel._blocks import SPARE_BYTES, BlockBook, _Held
 from ..memory import CachingAllocator, ShmProvider, ShmSegment
 from ..memory._shm import _new_id
-from ._table import CLAIMED, PENDING, LeaseTable
+from ._table import CLAIMED, PENDING, LeaseTable, word
 
 __all__ = ["Owner", "owner", "current_owner", "OwnerStatistics", "exit_linger", "set_exit_linger"]
 
@@ -101,6 +102,17 @@ class OwnerStatistics:
     allocated_bytes: int  # of which in use (spare blocks included)
 
 
+def _c_strides(arr: np.ndarray) -> tuple[int, ...]:
+    out, step = [], arr.dtype.itemsize
+    for n in reversed(arr.shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+_memmove = ctypes.memmove
+
+
 class _LocalDied:
     """on_release of an array from :func:`empty`: queue its block (no lock: any bytecode)."""
 
@@ -149,39 +161,45 @@ class Owner(BlockBook):
         self._local_done: collections.deque[_Held] = collections.deque()
         self.table = LeaseTable()
         self._counts = collections.Counter[str]()
+        self._copied = self._in_place = 0  # the hot counters, plain ints
         self.server: Any = None  # _server.Server, started by the first handle
         self.path = os.path.join(tempfile.gettempdir(), f"shmshare-mp-{self.pid}-{self.token:x}", "fd")
         self.closed = False
 
     # -- the pickling side ----------------------------------------------------
 
-    def place(self, arr: np.ndarray) -> tuple[int, int, int, tuple[int, ...], int, int] | None:
-        """Lease `arr` to a handle: (segment id, size, offset, strides, slot, gen); None: by value.
+    def place(self, arr: np.ndarray) -> tuple[int, int, int, int, int, tuple[int, ...], int,
+                                              int] | None:
+        """Lease `arr` to a handle; None: pickle it by value.
 
-        An array whose bytes lie in a block of this pool goes as it is; any
-        other is copied into a new block once.
+        Returns (segment id, segment size, start, span, lo, strides, slot,
+        gen): its elements span ``[start, start + span)`` of the segment, and
+        element 0 is ``-lo`` bytes into that. An array whose bytes lie in a
+        block of this pool goes as it is; any other is copied into a new
+        block once (C order).
         """
         ptr, lo, span = _native.extent(arr)
         with self._lock:
-            if self.closed:
-                return None
             if self.server is None:
+                if self.closed:
+                    return None
                 self._serve()
             if self._local_done:
                 self._drain_local()
             self._sent += 1
-            held = self._find(ptr + lo, span)
+            held = self._find(ptr + lo, span) if self._addrs else None
             if held is None:
                 try:
-                    held, strides = self._copy_in(arr)
+                    held = self._copy_in(arr, ptr, span)
                 except MemoryError:
                     self._counts["by_value"] += 1
                     return None
-                ptr = held.block.address
-                in_place = False
+                start, lo, strides = held.block.address - held.seg.address, 0, _c_strides(arr)
+                span = arr.nbytes  # C order now: a broadcast source spanned fewer bytes
+                self._copied += 1
             else:
-                strides = arr.strides
-                in_place = True
+                start, strides = ptr + lo - held.seg.address, arr.strides
+                self._in_place += 1
             got = self.table.take()
             if got is None:
                 self._maybe_free(held)
@@ -190,12 +208,11 @@ class Owner(BlockBook):
             slot, gen = got
             self._slots[slot] = held
             held.leases += 1
-            self._counts["in_place" if in_place else "copied"] += 1
             seg = held.seg
-            return seg.id, seg.size, ptr - seg.address, strides, slot, gen
+            return seg.id, seg.size, start, span, lo, strides, slot, gen
 
-    def place_shared(self, arr: np.ndarray, storage: Any) -> tuple[int, int, int, tuple[int, ...],
-                                                                   int, int] | None:
+    def place_shared(self, arr: np.ndarray, storage: Any) -> tuple[int, int, int, int, int,
+                                                                   tuple[int, ...], int, int] | None:
         """Lease a view of a storage torch shared (``share_memory_()``) with no copy; None: the
         storage has no fd to give (torch's file_system strategy) or no slot is free."""
         ptr, lo, span = _native.extent(arr)
@@ -229,8 +246,8 @@ class Owner(BlockBook):
             slot, gen = got
             self._slots[slot] = ext
             ext.leases += 1
-            self._counts["in_place"] += 1
-            return ext.id, ext.size, ptr - base, arr.strides, slot, gen
+            self._in_place += 1
+            return ext.id, ext.size, ptr + lo - base, span, lo, arr.strides, slot, gen
 
     def _drop_external(self, ext: _External) -> None:
         if ext.leases:
@@ -258,25 +275,28 @@ class Owner(BlockBook):
                               _LocalDied(self._local_done, held))
         return np.ndarray(shape, dtype, buffer=lease)  # type: ignore[arg-type]
 
-    def _copy_in(self, arr: np.ndarray) -> tuple[_Held, tuple[int, ...]]:
+    def _copy_in(self, arr: np.ndarray, ptr: int, span: int) -> _Held:
         want = arr.nbytes
         held = self._spare(want)
         if held is None:
             held = self._new_held(want, None, local=False)
         try:
-            raw = _native.Lease(None, held.block.address, want)
-            dst = np.ndarray(arr.shape, arr.dtype, buffer=raw)  # type: ignore[arg-type]
-            if arr.dtype.fields is not None or arr.dtype.subdtype is not None:
-                # every byte, padding included: a field-wise copy would leave the bytes of
-                # whatever array had the block before (another array's data) in the padding
-                void = np.dtype((np.void, arr.dtype.itemsize))
-                np.copyto(dst.view(void), arr.view(void), casting="no")
+            if span == want and arr.flags.c_contiguous:
+                # every byte (padding of structured dtypes included: a field-wise copy would
+                # leave the bytes of the block's last array there), with the GIL released
+                _memmove(held.block.address, ptr, want)
             else:
-                np.copyto(dst, arr, casting="no")
+                raw = _native.Lease(None, held.block.address, want)
+                dst = np.ndarray(arr.shape, arr.dtype, buffer=raw)  # type: ignore[arg-type]
+                if arr.dtype.fields is not None or arr.dtype.subdtype is not None:
+                    void = np.dtype((np.void, arr.dtype.itemsize))  # the padding too (above)
+                    np.copyto(dst.view(void), arr.view(void), casting="no")
+                else:
+                    np.copyto(dst, arr, casting="no")
         except BaseException:
             self._maybe_free(held)
             raise
-        return held, dst.strides
+        return held
 
     # BlockBook's hooks
     def _malloc(self, nbytes: int, deadline: float | None) -> Any:
@@ -297,14 +317,14 @@ class Owner(BlockBook):
     def release(self, pid: int, pairs: list[int]) -> int:
         """Take back the leases (slot, gen, ...) that `pid` claimed; return how many."""
         n = 0
+        claimed = word(0, CLAIMED, pid)  # the low half of a word `pid` claimed
         with self._lock:
-            table = self.table
+            words, slots = self.table.words, self._slots
             for i in range(0, len(pairs) - 1, 2):
                 slot, gen = pairs[i], pairs[i + 1]
-                if not isinstance(slot, int) or not isinstance(gen, int) or slot not in self._slots:
+                if type(slot) is not int or type(gen) is not int or slot not in slots:
                     continue
-                g, state, claimer = table.state(slot)
-                if g != gen or state != CLAIMED or claimer != pid:
+                if words[slot] != (gen << 32) | claimed:
                     continue  # not its to give back (a stale or a forged release)
                 self._give_back(slot, gen)
                 n += 1
@@ -361,8 +381,8 @@ class Owner(BlockBook):
             stats = self._alloc.memory_stats()
             c = self._counts
             return OwnerStatistics(
-                pid=self.pid, handles_pickled=c["copied"] + c["in_place"],
-                arrays_copied=c["copied"], arrays_in_place=c["in_place"], by_value=c["by_value"],
+                pid=self.pid, handles_pickled=self._copied + self._in_place,
+                arrays_copied=self._copied, arrays_in_place=self._in_place, by_value=c["by_value"],
                 handles_unclaimed=states.count(PENDING), handles_claimed=states.count(CLAIMED),
                 bytes_leased=sum(h.nbytes if isinstance(h, _External) else h.block.size
                                  for h in set(self._slots.values())),

@@ -45,7 +45,21 @@ from ._owner import owner
 
 __all__ = ["init_reductions", "reduce_ndarray", "reduce_tensor", "BY_VALUE_BELOW"]
 
-BY_VALUE_BELOW = 1024  # bytes: smaller arrays not in the pool pickle by value
+def _env_bytes(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of bytes, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 bytes, got {raw!r}")
+    return value
+
+
+# bytes: smaller arrays not in the pool pickle by value (Note [What goes as a handle])
+BY_VALUE_BELOW = _env_bytes("SHMSHARE_MP_BY_VALUE_BELOW", 1024)
 
 
 def _handle(arr: np.ndarray, storage: Any = None) -> tuple[Any, ...] | None:
@@ -66,15 +80,12 @@ def _handle(arr: np.ndarray, storage: Any = None) -> tuple[Any, ...] | None:
 
 def _make_handle(arr: np.ndarray, storage: Any) -> tuple[Any, ...] | None:
     ow = owner()
-    dt = tensors.encode_dtype(arr.dtype)
     if storage is not None:  # torch shared it: no copy (Note [What goes as a handle])
         got = ow.place_shared(arr, storage)
         if got is not None:
-            seg_id, size, offset, strides, slot, gen = got
-            return (ow.pid, ow.token, ow.path, seg_id, size, offset, slot, gen, dt, arr.shape,
-                    strides, True)
+            return (ow.pid, ow.token, ow.path, *got, _dtype_str(arr.dtype), arr.shape, True)
     if arr.nbytes < BY_VALUE_BELOW:
-        if arr.nbytes == 0:
+        if arr.nbytes == 0 or not ow._addrs:
             return None
         ptr, lo, span = _native.extent(arr)
         with ow._lock:
@@ -83,8 +94,19 @@ def _make_handle(arr: np.ndarray, storage: Any) -> tuple[Any, ...] | None:
     got = ow.place(arr)
     if got is None:
         return None
-    seg_id, size, offset, strides, slot, gen = got
-    return (ow.pid, ow.token, ow.path, seg_id, size, offset, slot, gen, dt, arr.shape, strides)
+    return (ow.pid, ow.token, ow.path, *got, _dtype_str(arr.dtype), arr.shape)
+
+
+_dtype_strs: dict[np.dtype, str] = {}
+
+
+def _dtype_str(dt: np.dtype) -> str:
+    got = _dtype_strs.get(dt)
+    if got is None:
+        got = tensors.encode_dtype(dt)
+        if len(_dtype_strs) < 1024:
+            _dtype_strs[dt] = got
+    return got
 
 
 _warned = False
@@ -109,37 +131,60 @@ def reduce_ndarray(arr: np.ndarray) -> Any:
 
 def reduce_tensor(t: Any) -> Any:
     """ForkingPickler's reducer for ``torch.Tensor`` and ``torch.nn.Parameter``."""
-    import torch
-    from torch.multiprocessing import reductions as torch_reductions
-
-    if t.requires_grad and not t.is_leaf:
-        raise RuntimeError(
-            "Cowardly refusing to serialize non-leaf tensor which requires_grad, since autograd "
-            "does not support crossing process boundaries.  If you just want to transfer the "
-            "data, call detach() on the tensor before serializing (e.g., putting it on the queue).")
-    if not _plain_cpu(t, torch):
-        return torch_reductions.reduce_tensor(t)  # type: ignore[no-untyped-call]
-    arr, name = tensors.as_numpy(t.detach())
-    storage = t.untyped_storage()
+    torch = _torch()
+    if t.requires_grad:
+        if not t.is_leaf:
+            raise RuntimeError(
+                "Cowardly refusing to serialize non-leaf tensor which requires_grad, since "
+                "autograd does not support crossing process boundaries.  If you just want to "
+                "transfer the data, call detach() on the tensor before serializing (e.g., "
+                "putting it on the queue).")
+        data = t.detach()
+    else:
+        data = t
+    cls = type(t)
+    if (cls is not torch.Tensor and cls is not torch.nn.Parameter) or not data.is_cpu \
+            or data.layout is not torch.strided or data.is_quantized or data.is_nested:
+        return torch.multiprocessing.reductions.reduce_tensor(t)  # theirs, unchanged
+    try:
+        arr = data.numpy()  # refuses conjugate and negative bits: theirs too, below
+        name = _torch_names.get(t.dtype)
+        if name is None:
+            name = _torch_names[t.dtype] = str(t.dtype).removeprefix("torch.")
+    except TypeError:  # no numpy dtype (bfloat16, float8): the bits as integers
+        try:
+            arr, name = tensors.as_numpy(data)
+        except (TypeError, RuntimeError, KeyError):
+            return torch.multiprocessing.reductions.reduce_tensor(t)
+    except RuntimeError:
+        return torch.multiprocessing.reductions.reduce_tensor(t)
+    storage = data.untyped_storage()
     h = _handle(arr, storage if storage.is_shared() else None)
-    if h is None:
-        return torch_reductions.reduce_tensor(t)  # type: ignore[no-untyped-call]
-    return rebuild_tensor, (h, name, bool(t.requires_grad), type(t) is torch.nn.Parameter)
+    # by value, our way (torch's would move the tensor into a fresh shm segment of its own)
+    return rebuild_tensor, (arr if h is None else h, name, bool(t.requires_grad),
+                            cls is torch.nn.Parameter)
 
 
-def _plain_cpu(t: Any, torch: Any) -> bool:
-    return bool(t.device.type == "cpu" and t.layout is torch.strided and not t.is_quantized
-                and not t.is_nested and not t.is_conj() and not t.is_neg()
-                and type(t) in (torch.Tensor, torch.nn.Parameter))
+_torch_names: dict[Any, str] = {}
+_torch_mod: Any = None
 
 
-def rebuild_tensor(handle: tuple[Any, ...], name: str, requires_grad: bool, parameter: bool) -> Any:
-    """Unpickle a tensor's handle: a tensor over the owner's block."""
-    t = tensors.as_torch(rebuild_array(*handle), name)
-    if parameter:
+def _torch() -> Any:
+    global _torch_mod
+    if _torch_mod is None:
         import torch
+        import torch.multiprocessing.reductions
 
-        return torch.nn.Parameter(t, requires_grad=requires_grad)
+        _torch_mod = torch
+    return _torch_mod
+
+
+def rebuild_tensor(payload: Any, name: str, requires_grad: bool, parameter: bool) -> Any:
+    """Unpickle a tensor: over the owner's block (a handle), or from its bytes (by value)."""
+    arr = payload if isinstance(payload, np.ndarray) else rebuild_array(*payload)
+    t = tensors.as_torch(arr, name)
+    if parameter:
+        return _torch().nn.Parameter(t, requires_grad=requires_grad)
     if requires_grad:
         t.requires_grad_(True)
     return t
@@ -214,5 +259,3 @@ def install() -> None:
     if "torch.multiprocessing" not in sys.modules and _hook not in sys.meta_path:
         sys.meta_path.insert(0, _hook)
 
-
-del os

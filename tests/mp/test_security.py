@@ -142,27 +142,30 @@ def test_a_release_from_another_process_than_the_claimer_is_ignored():
 
 
 @pytest.mark.parametrize("field,value,match", [
-    ("offset", 1 << 40, "malformed handle"),
+    ("start", 1 << 40, "malformed handle"),
+    ("span", -8, "malformed handle"),
+    ("lo", 8, "malformed handle"),
     ("slot", 1 << 40, "malformed handle"),
     ("seg_id", 12345, "no segment"),
+    ("shape", (1 << 13,), "malformed handle"),  # more than the span: numpy refuses the view
+    ("strides", (16,), "malformed handle"),
 ])
 def test_a_malformed_handle_is_a_clear_error(field, value, match):
     ForkingPickler.dumps(np.ones(1 << 12))  # a server to talk to
-    fn, args = ForkingPickler.dumps(np.ones(1 << 12)), None
     ow = _owner.current_owner()
-    h = list(ow.place(np.ones(1 << 12)) or ())
-    args = dict(pid=ow.pid, token=ow.token, path=ow.path, seg_id=h[0], size=h[1], offset=h[2],
-                slot=h[4], gen=h[5], dtype="<f8", shape=(1 << 12,), strides=(8,))
+    seg_id, size, start, span, lo, strides, slot, gen = ow.place(np.ones(1 << 12))
+    args = dict(pid=ow.pid, token=ow.token, path=ow.path, seg_id=seg_id, size=size, start=start,
+                span=span, lo=lo, strides=strides, slot=slot, gen=gen, dtype="<f8",
+                shape=(1 << 12,))
     args[field] = value
     with pytest.raises(smp.HandleError, match=match):
         _client.rebuild_array(**args)
-    del fn
 
 
 def test_a_handle_of_an_owner_that_never_was_names_its_pid(tmp_path):
     with pytest.raises(smp.OwnerGone, match="pid 999999999"):
-        _client.rebuild_array(999999999, 1, str(tmp_path / "nothing"), 1, 4096, 0, 0, 1, "<f8",
-                              (8,), (8,))
+        _client.rebuild_array(999999999, 1, str(tmp_path / "nothing"), 1, 4096, 0, 64, 0, (8,),
+                              0, 1, "<f8", (8,))
 
 
 def _pickle_with_few_fds(q) -> None:
