@@ -110,6 +110,9 @@ def _c_strides(arr: np.ndarray) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
+# A foreign call: the GIL is released while it copies. One thread: a copy split over two was
+# slower end to end at 64 MiB on 2 cores (23-24 against 27-28 messages/s, scripts/bench_mp.py),
+# the other core being the consumer's.
 _memmove = ctypes.memmove
 
 
