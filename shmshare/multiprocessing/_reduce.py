@@ -6,14 +6,19 @@ Note [What goes as a handle]
     subclasses such as ``np.memmap``, which pickle as they always did).
     An array goes as a handle to its block in this process's pool when:
     its dtype holds no object references, it has at least ``BY_VALUE_BELOW``
-    bytes (smaller ones are cheaper as bytes: a handle costs a slot, a
-    release and ~100 bytes of pickle) or it is in the pool already, and the
-    pool and the lease table have room. Otherwise it pickles as before: an
-    ndarray by value, a tensor by torch's own reducer (which also handles
-    CUDA, sparse, quantized, nested and other tensors, unchanged). A tensor
-    whose storage torch has put in shared memory (``share_memory_()``) goes
-    with no copy: the handle names torch's own segment, whose fd the owner
-    keeps while handles to it are out.
+    bytes (``SHMSHARE_MP_BY_VALUE_BELOW``, default 1024: smaller ones are
+    cheaper as bytes, a handle costing a slot, a release and ~170 bytes of
+    pickle) or it is in the pool already, and the pool and the lease table
+    have room. Otherwise it goes by value: an ndarray as numpy pickles it,
+    a plain CPU tensor as that ndarray inside our own ``rebuild_tensor``
+    (not torch's reducer, which would move it into a fresh shm segment:
+    the slow path this module replaces). Tensors that are not plain CPU
+    strided ones (CUDA, sparse, quantized, nested, conjugate or negative
+    bits, subclasses) go to torch's own reducer, unchanged. A tensor whose
+    storage torch has put in shared memory (``share_memory_()``) goes with
+    no copy: the handle names torch's own segment (known by its inode, not
+    its address: torch maps a new storage where a freed one was), whose fd
+    the owner keeps while handles to it are out.
 
 Note [Reducers against import order]
     ``import torch`` imports ``torch.multiprocessing``, which registers

@@ -40,10 +40,13 @@ def _random(dt: np.dtype, shape: tuple[int, ...], seed: int = 0) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def _echo_child():
-    """One forked echo child for the module (made before the first test's leak snapshot, so its
+    """One echo child for the module (made before the first test's leak snapshot, so its
     queues and sentinel are no test's leak); each test's shutdown() ends only this process's
-    pool, and the next test's handles name a fresh one."""
-    with helpers.EchoChild("fork") as child:
+    pool, and the next test's handles name a fresh one. Spawned, not forked: the child runs
+    torch ops (to_dense, comparisons), which hang in a forked child once the parent has used
+    torch's OpenMP pool -- as every earlier test module of the suite may have (torch's own
+    fork hazard)."""
+    with helpers.EchoChild("spawn") as child:
         yield child
 
 
