@@ -52,7 +52,7 @@ class _Link:
     """This process's connection to one owner, and what it mapped of it."""
 
     __slots__ = ("pid", "token", "conn", "lock", "table_buf", "slots", "segments", "dead",
-                 "readable")
+                 "readable", "claimed_low")
 
     def __init__(self, pid: int, token: int, path: str) -> None:
         self.pid, self.token = pid, token
@@ -79,6 +79,8 @@ class _Link:
             table = locally(Segment.from_fd, fds.pop(), n * 8, Flags.FROMFD)
             self.table_buf = table.buffer
             self.slots = n
+            me = header.get("you")  # our pid as the owner sees it (another pid namespace: not ours)
+            self.claimed_low = word(0, CLAIMED, me if type(me) is int and me > 0 else os.getpid())
             table.close()  # the buffer keeps the mapping; no fd kept
             poller = select.poll()  # anything to read (a drop, the end) shows here, cheaply
             poller.register(self.conn.fileno(), select.POLLIN | select.POLLHUP)
@@ -95,6 +97,7 @@ class _Link:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    self.dead = True  # a late answer would be taken for the next request's
                     raise ShmshareTimeout(f"pid {self.pid}'s fd server did not answer within "
                                           f"{_REQUEST_WAIT} s")
                 got, fds = self.conn.recv(timeout=left)
@@ -218,6 +221,8 @@ class Client:
         self.lock = threading.Lock()
         self.released: collections.deque[tuple[tuple[int, int], int, int]] = collections.deque()
         self.pending: dict[tuple[int, int], list[int]] = {}  # the flusher's: not sent yet
+        self._making: dict[tuple[int, int], threading.Lock] = {}  # one link being made per owner
+        self._swept = 0.0  # when the flusher last let go of dead owners' links
         self.flush_lock = threading.Lock()
         self.wake = WakePipe()
         self.armed = False
@@ -227,20 +232,60 @@ class Client:
         self._flusher.start()
 
     def link(self, pid: int, token: int, path: str) -> _Link:
+        """The live link to an owner, made (again) if need be -- never under ``self.lock``:
+        connecting to an owner that does not answer must not stall the others' arrays."""
         key = (pid, token)
         got = self.links.get(key)
         if got is not None and not got.dead:
             return got
         with self.lock:
+            making = self._making.get(key)
+            if making is None:
+                making = self._making[key] = threading.Lock()
+        with making:
             got = self.links.get(key)
             if got is None or got.dead:
-                old = self.links.pop(key, None)
+                if got is None:
+                    self._forget_the_dead()  # a new owner: a moment to let go of gone ones
+                try:
+                    new = _Link(pid, token, path)  # OwnerGone if the owner is
+                except OwnerGone:
+                    self._forget(key)
+                    raise
+                with self.lock:
+                    old = self.links.get(key)
+                    self.links[key] = got = new
+                    self.paths[key] = path
                 if old is not None:
                     old.close()  # views of its segments keep their own mappings
-                got = _Link(pid, token, path)  # OwnerGone if the owner is
-                self.links[key] = got
-                self.paths[key] = path
         return got
+
+    def _forget(self, key: tuple[int, int]) -> None:
+        """An owner that is gone, with none of our claims out: let go of everything of it."""
+        with self.lock:
+            if self.claims[key] > 0 or key in self.pending:
+                return
+            link = self.links.pop(key, None)
+            self.paths.pop(key, None)
+            self.claims.pop(key, None)
+            self._making.pop(key, None)
+        if link is not None:
+            link.close()
+
+    def _forget_the_dead(self) -> None:
+        """Let go of the links of owners that hung up, once no claim of ours is out on them."""
+        for key, link in list(self.links.items()):
+            if self.claims[key] > 0 or key in self.pending:
+                continue
+            if not link.dead and link.readable(0) and link.lock.acquire(blocking=False):
+                try:
+                    link.check()
+                except OwnerGone:
+                    pass  # marked dead
+                finally:
+                    link.lock.release()
+            if link.dead:
+                self._forget(key)
 
     def rebuild(self, pid: int, token: int, path: str, seg_id: int, size: int, start: int,
                 span: int, lo: int, strides: tuple[int, ...], slot: int, gen: int,
@@ -248,6 +293,14 @@ class Client:
         if not (start >= 0 and span > 0 and start + span <= size and lo <= 0 and slot >= 0):
             raise HandleError(f"a malformed handle: {span} bytes at offset {start} of a "
                               f"{size}-byte segment of pid {pid}, slot {slot}")
+        # the view's own extent, in Python ints: numpy's bounds check can overflow (2**63)
+        if len(shape) != len(strides) or len(shape) > 64 or min(shape, default=1) < 0:
+            raise HandleError(f"a malformed handle from pid {pid}: shape {shape}, strides {strides}")
+        got_lo, got_span = tensors.span(dtype.itemsize, shape, strides)
+        if got_lo != lo or not 0 < got_span <= span:
+            raise HandleError(f"a malformed handle from pid {pid}: shape {shape} and strides "
+                              f"{strides} span {got_span} bytes from {got_lo}, not within its "
+                              f"{span} bytes from {lo}")
         key = (pid, token)
         link = self.links.get(key)
         if link is None or link.dead:
@@ -261,9 +314,9 @@ class Client:
             if slot >= link.slots:
                 raise HandleError(f"a malformed handle: slot {slot} of pid {pid}'s lease table")
             pending = (gen << 32) | _PENDING_LOW
-            found = _cas64(link.table_buf, slot, pending, (gen << 32) | _claimed_low)
+            found = _cas64(link.table_buf, slot, pending, (gen << 32) | link.claimed_low)
             if found != pending:
-                raise _not_claimed(pid, slot, gen, found)
+                raise _not_claimed(pid, slot, gen, found, link.claimed_low)
             with self.lock:
                 self.claims[key] += 1
         # numpy checks that shape and strides stay inside the lease (ValueError otherwise)
@@ -313,7 +366,7 @@ class Client:
         except ShmshareTimeout:
             return done if link is not None and not link.dead else 0  # full: the next round
         except OwnerGone:
-            return len(pairs)  # its pool went with it
+            return len(pairs)  # its pool went with it (forgotten once nothing is pending)
         except (PeerDied, OSError, ValueError):
             if link is not None:
                 link.dead = True
@@ -326,12 +379,17 @@ class Client:
         poller = select.poll()
         poller.register(wake.r, select.POLLIN)
         while not self.closed:
-            poller.poll(1000)
+            if not poller.poll(1000):
+                self._forget_the_dead()  # idle: a second without releases
+                continue
             try:
                 os.read(wake.r, 4096)
             except (BlockingIOError, OSError):
                 pass
             pause = _MAX_AGE
+            if time.monotonic() - self._swept >= 1.0:  # a busy consumer of many owners too
+                self._swept = time.monotonic()
+                self._forget_the_dead()
             while not self.closed:
                 time.sleep(pause)
                 self.armed = False  # disarm first, then look: a release racing with us re-arms
@@ -356,10 +414,10 @@ class Client:
             self.wake.close()
 
 
-def _not_claimed(pid: int, slot: int, gen: int, found: int) -> HandleError:
+def _not_claimed(pid: int, slot: int, gen: int, found: int, mine: int) -> HandleError:
     g, state, claimer = describe(found)
     if g == gen and state == CLAIMED:
-        who = "this process" if claimer == _pid else f"pid {claimer}"
+        who = "this process" if claimer == describe(mine)[2] else f"pid {claimer}"
         return HandleError(f"this handle (an array of pid {pid}, lease {slot}.{gen}) was already "
                            f"unpickled by {who}: a handle is good for one unpickle; pickle the "
                            "array again (put it on the queue again) for each receiver")
@@ -371,7 +429,6 @@ _client: Client | None = None
 _client_lock = threading.Lock()
 _pid = os.getpid()
 _PENDING_LOW = word(0, PENDING)  # the low half of a PENDING word
-_claimed_low = word(0, CLAIMED, _pid)  # the low half of a word we claimed
 _cas64 = _native.cas64
 
 
@@ -418,9 +475,8 @@ _dtypes: dict[str, np.dtype] = {}
 
 
 def _after_fork_in_child() -> None:
-    global _client, _client_lock, _pid, _claimed_low
+    global _client, _client_lock, _pid
     _pid = os.getpid()
-    _claimed_low = word(0, CLAIMED, _pid)
     _client_lock = threading.Lock()
     got, _client = _client, None
     if got is not None:

@@ -27,6 +27,7 @@ Note [Exit linger]
 from __future__ import annotations
 
 import collections
+import contextlib
 import ctypes
 import os
 import secrets
@@ -226,9 +227,11 @@ class Owner(BlockBook):
             if self.server is None:
                 self._serve()
             try:
-                fd, _ = storage._share_fd_cpu_()
+                # only a storage already fd-backed: _share_fd_cpu_() would move one shared by
+                # file name (torch's file_system strategy) into a new segment, under its tensor
+                fd = storage._get_shared_fd()
             except (RuntimeError, AttributeError):
-                return None  # shared by file name (torch's file_system strategy): no fd to give
+                return None  # shared by file name: no fd to give, so the array is copied
             if not isinstance(fd, int) or fd < 0:
                 return None
             st = os.fstat(fd)
@@ -399,7 +402,8 @@ class Owner(BlockBook):
     def _serve(self) -> None:
         from ._server import Server, sweep_stale
 
-        sweep_stale(os.path.dirname(os.path.dirname(self.path)))
+        with contextlib.suppress(Exception):  # a sweep never stops the server from starting
+            sweep_stale(os.path.dirname(os.path.dirname(self.path)))
         self.server = Server(self, self.path)
 
     def close(self, linger: float = 0.0) -> None:

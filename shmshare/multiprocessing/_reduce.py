@@ -80,17 +80,24 @@ def _handle(arr: np.ndarray, storage: Any = None) -> tuple[Any, ...] | None:
         return _make_handle(arr, storage)
     except Exception as exc:  # noqa: BLE001  (see above: bytes, not lost)
         _warn_by_value(exc)
+        from ._owner import current_owner
+
+        ow = current_owner()
+        if ow is not None:
+            ow._counts["by_value"] += 1
         return None
 
 
 def _make_handle(arr: np.ndarray, storage: Any) -> tuple[Any, ...] | None:
+    if arr.nbytes == 0 or arr.dtype.itemsize == 0:
+        return None  # nothing to share, whatever BY_VALUE_BELOW says
     ow = owner()
     if storage is not None:  # torch shared it: no copy (Note [What goes as a handle])
         got = ow.place_shared(arr, storage)
         if got is not None:
             return (ow.pid, ow.token, ow.path, *got, _dtype_str(arr.dtype), arr.shape, True)
     if arr.nbytes < BY_VALUE_BELOW:
-        if arr.nbytes == 0 or not ow._addrs:
+        if not ow._addrs:
             return None
         ptr, lo, span = _native.extent(arr)
         with ow._lock:

@@ -16,8 +16,12 @@ Note [The fd server]
 from __future__ import annotations
 
 import os
+import re
 import select
+import socket
+import stat
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from .. import wire
@@ -33,23 +37,35 @@ __all__ = ["Server", "sweep_stale"]
 _PREFIX = "shmshare-mp-"
 
 
+_NAME = re.compile(r"shmshare-mp-[0-9]{1,10}-[0-9a-f]{1,16}\Z", re.ASCII)
+_YOUNG = 60.0  # s: a directory this new may be an owner between its mkdir and its bind
+
+
 def sweep_stale(base: str) -> int:
     """Remove the socket directories of owners that died without their exit (SIGKILL, a Pool's
-    SIGTERM): ``shmshare-mp-<pid>-<token>`` of our uid whose pid is gone. Returns how many."""
+    SIGTERM): ``shmshare-mp-<pid>-<token>`` of our uid whose socket nobody listens on.
+
+    Liveness is the socket's, not the pid's: a pid means nothing to a process of another pid
+    namespace sharing this directory. Never raises; returns how many it removed.
+    """
     n = 0
     try:
-        names = [e for e in os.listdir(base) if e.startswith(_PREFIX)]
+        names = [e for e in os.listdir(base) if _NAME.match(e)]
     except OSError:
         return 0
-    me = os.getuid()
+    me, now = os.getuid(), time.time()
     for name in names:
-        pid_s = name[len(_PREFIX):].split("-", 1)[0]
-        if not pid_s.isdigit() or _alive(int(pid_s)):
-            continue
         d = os.path.join(base, name)
         try:
-            if os.lstat(d).st_uid != me:
+            st = os.lstat(d)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != me:
                 continue
+            sock = os.path.join(d, "fd")
+            if os.path.lexists(sock):
+                if not _refused(sock):
+                    continue  # someone listens (or may: we cannot tell): not ours to remove
+            elif now - st.st_mtime < _YOUNG:
+                continue  # no socket yet: maybe an owner between its mkdir and its bind
             for f in os.listdir(d):
                 os.unlink(os.path.join(d, f))
             os.rmdir(d)
@@ -57,6 +73,20 @@ def sweep_stale(base: str) -> int:
         except OSError:
             continue  # another process swept it first, or it is not ours to remove
     return n
+
+
+def _refused(path: str) -> bool:
+    """Whether connecting to `path` is refused: nobody listens there any more."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK)
+    try:
+        s.connect(path)
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False  # EAGAIN (a full backlog: alive), EACCES, ...: leave it
+    finally:
+        s.close()
+    return False
 
 
 def _alive(pid: int) -> bool:
@@ -221,7 +251,9 @@ class Server:
                 os.close(fd)
         elif kind == TABLE:
             table = self._owner.table
-            peer.conn.send({KIND: TABLE, "n": table.slots, "pid": os.getpid()}, [table.fd],
-                           timeout=_REPLY_WAIT)
+            # "you": the pid we see it as (SO_PEERCRED), which its claims must carry: in another
+            # pid namespace its own getpid() is another number
+            peer.conn.send({KIND: TABLE, "n": table.slots, "pid": os.getpid(), "you": peer.pid},
+                           [table.fd], timeout=_REPLY_WAIT)
         else:
             raise ProtocolError(f"unknown frame kind {kind!r}")

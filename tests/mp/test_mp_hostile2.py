@@ -163,7 +163,11 @@ def _two_owners_one_stopped() -> dict:
         ta.start()
         threads.append(ta)
         c = _client.client()
-        assert _wait_for(lambda: c.lock.locked() or "a" in got, 10), "the first get never began"
+        # the first get is making its link to the stopped owner (connected, waiting for the
+        # table) once the client has a per-owner making lock for it
+        assert _wait_for(lambda: any(k[0] == a.pid for k in c._making) or "a" in got, 10), \
+            "the first get never began"
+        time.sleep(0.2)  # and is inside the wait
         tb = threading.Thread(target=_get_into, args=(qb, got, "b"), daemon=True)
         tb.start()
         threads.append(tb)
