@@ -27,6 +27,7 @@ import os
 import select
 import threading
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -223,6 +224,7 @@ class Client:
         self.pending: dict[tuple[int, int], list[int]] = {}  # the flusher's: not sent yet
         self._making: dict[tuple[int, int], threading.Lock] = {}  # one link being made per owner
         self._swept = 0.0  # when the flusher last let go of dead owners' links
+        self._flusher_failed = False
         self.flush_lock = threading.Lock()
         self.wake = WakePipe()
         self.armed = False
@@ -277,9 +279,11 @@ class Client:
         for key, link in list(self.links.items()):
             if self.claims[key] > 0 or key in self.pending:
                 continue
-            if not link.dead and link.readable(0) and link.lock.acquire(blocking=False):
+            # under its lock: rebuild() polls the same poll object (one caller at a time)
+            if not link.dead and link.lock.acquire(blocking=False):
                 try:
-                    link.check()
+                    if link.readable(0):
+                        link.check()
                 except OwnerGone:
                     pass  # marked dead
                 finally:
@@ -375,6 +379,18 @@ class Client:
             return 0  # it dropped us but lives: a new link next round
 
     def _flush_main(self) -> None:
+        """The flusher thread; it must outlive any error (a dead flusher strands every release)."""
+        while not self.closed:
+            try:
+                self._flush_loop()
+            except Exception as exc:  # noqa: BLE001  (said, then on with the next round)
+                if not self._flusher_failed:
+                    self._flusher_failed = True
+                    warnings.warn(f"shmshare.multiprocessing's release flusher: {exc!r}; it "
+                                  "goes on", RuntimeWarning, stacklevel=1)
+                time.sleep(_STUCK_PAUSE)
+
+    def _flush_loop(self) -> None:
         wake = self.wake
         poller = select.poll()
         poller.register(wake.r, select.POLLIN)

@@ -328,3 +328,40 @@ def test_blocks_come_back_and_are_reused():
     s = smp.statistics()
     assert s.handles_pickled == 50 and s.segments_sent == 1  # one segment, its blocks reused
     assert s.reserved_bytes <= 4 << 20
+
+
+def test_the_flushers_sweep_of_gone_owners_runs_beside_unpickles():
+    """The flusher looks at each link (a poll) to let go of gone owners while other threads
+    unpickle through the same link: one poll object, one caller at a time (a concurrent
+    poll() raised in the flusher and killed it, stranding every release after)."""
+    import threading
+
+    from shmshare.multiprocessing import _client
+
+    a = np.ones(1 << 12)
+    ForkingPickler.loads(ForkingPickler.dumps(a))
+    c = _client.client()
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def sweep() -> None:
+        while not stop.is_set():
+            try:
+                c._forget_the_dead()
+            except BaseException as exc:  # noqa: BLE001  (the test reports it)
+                errors.append(exc)
+                return
+
+    t = threading.Thread(target=sweep, daemon=True)
+    t.start()
+    try:
+        for _ in range(3000):
+            got = ForkingPickler.loads(ForkingPickler.dumps(a))
+            del got
+            if errors:
+                break
+    finally:
+        stop.set()
+        t.join(WAIT)
+    assert not errors, f"the sweep beside unpickles raised {errors[0]!r}"
+    _wait_for(lambda: smp.statistics().handles_claimed == 0)  # and every release came back
