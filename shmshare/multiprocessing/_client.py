@@ -37,7 +37,18 @@ from .._errors import FdLimitError, PeerDied, ShmshareError, ShmshareTimeout
 from ..channel._releases import WakePipe
 from ..channel._trust import check_fd, locally
 from ..segment import Flags, Segment
-from ._common import DROP, ERROR, KIND, MAX_RELEASES, RELEASE, SEGMENT, TABLE, HandleError, OwnerGone
+from ._common import (
+    DROP,
+    ERROR,
+    KIND,
+    MAX_RELEASES,
+    RELEASE,
+    SEGMENT,
+    TABLE,
+    HandleError,
+    OwnerGone,
+    alive,
+)
 from ._table import CLAIMED, PENDING, describe, word
 
 __all__ = ["client", "rebuild_array", "close_client"]
@@ -64,7 +75,7 @@ class _Link:
             self.conn = wire.connect(path, timeout=_CONNECT_WAIT, role="mp-peer")
         except (OSError, ShmshareTimeout) as exc:
             gone = exc.errno in (errno.ENOENT, errno.ECONNREFUSED) if isinstance(exc, OSError) else False
-            if gone or not _alive(pid):
+            if gone or not alive(pid):
                 raise OwnerGone(f"the array's owner, pid {pid}, has exited (or was killed) and no "
                                 "longer serves its handles: an array must be unpickled while its "
                                 "owner lives, or within its exit linger (SHMSHARE_MP_LINGER)") from exc
@@ -174,15 +185,6 @@ class _Link:
         self.table_buf.release()
         self.table_buf = memoryview(b"")
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class _Released:
@@ -374,7 +376,7 @@ class Client:
         except (PeerDied, OSError, ValueError):
             if link is not None:
                 link.dead = True
-            if not _alive(key[0]):
+            if not alive(key[0]):
                 return len(pairs)
             return 0  # it dropped us but lives: a new link next round
 
@@ -419,7 +421,7 @@ class Client:
         self.flush()
         with self.lock:
             for key, link in list(self.links.items()):
-                if self.claims[key] <= 0 or not _alive(key[0]):
+                if self.claims[key] <= 0 or not alive(key[0]):
                     del self.links[key]
                     link.close()
             if not self.links and not self.pending:

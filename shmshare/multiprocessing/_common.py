@@ -14,9 +14,12 @@ Frames (msgpack headers on a ``wire.Connection``; nothing is pickled):
 
 from __future__ import annotations
 
+import os
+
 from .._errors import PeerDied, ShmshareError
 
-__all__ = ["KIND", "TABLE", "SEGMENT", "ERROR", "RELEASE", "DROP", "OwnerGone", "HandleError"]
+__all__ = ["KIND", "TABLE", "SEGMENT", "ERROR", "RELEASE", "DROP", "OwnerGone", "HandleError",
+           "alive", "env_number"]
 
 KIND = "k"
 TABLE, SEGMENT, ERROR, RELEASE, DROP = "t", "s", "e", "r", "d"
@@ -29,3 +32,28 @@ class OwnerGone(PeerDied):
 
 class HandleError(ShmshareError):
     """A handle that cannot be unpickled here: already unpickled once, stale, or malformed."""
+
+
+def alive(pid: int) -> bool:
+    """Whether a process `pid` exists (in our pid namespace)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def env_number(name: str, default: float, what: str) -> float:
+    """A number >= 0 from the environment variable `name` (`what` it counts, for the error)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of {what}, got {raw!r}") from None
+    if not value >= 0:
+        raise ValueError(f"{name} must be >= 0 {what}, got {raw!r}")
+    return value

@@ -45,6 +45,7 @@ from ..channel._announce import SegmentBook
 from ..channel._blocks import SPARE_BYTES, BlockBook, _Held
 from ..memory import CachingAllocator, ShmProvider, ShmSegment
 from ..memory._shm import _new_id
+from ._common import env_number
 from ._table import CLAIMED, PENDING, LeaseTable, word
 
 __all__ = ["Owner", "owner", "current_owner", "OwnerStatistics", "exit_linger", "set_exit_linger"]
@@ -53,16 +54,7 @@ _DEFAULT_LINGER = 10.0
 
 
 def _env_linger() -> float:
-    raw = os.environ.get("SHMSHARE_MP_LINGER")
-    if raw is None:
-        return _DEFAULT_LINGER
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"SHMSHARE_MP_LINGER must be a number of seconds, got {raw!r}") from None
-    if not value >= 0:
-        raise ValueError(f"SHMSHARE_MP_LINGER must be >= 0 seconds, got {raw!r}")
-    return value
+    return env_number("SHMSHARE_MP_LINGER", _DEFAULT_LINGER, "seconds")
 
 
 _linger: float | None = None

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
-import os
 import sys
 import threading
 import warnings
@@ -46,25 +45,13 @@ import numpy as np
 
 from .. import _native, tensors
 from ._client import rebuild_array
+from ._common import env_number
 from ._owner import owner
 
 __all__ = ["init_reductions", "reduce_ndarray", "reduce_tensor", "BY_VALUE_BELOW"]
 
-def _env_bytes(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{name} must be a number of bytes, got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0 bytes, got {raw!r}")
-    return value
-
-
 # bytes: smaller arrays not in the pool pickle by value (Note [What goes as a handle])
-BY_VALUE_BELOW = _env_bytes("SHMSHARE_MP_BY_VALUE_BELOW", 1024)
+BY_VALUE_BELOW = int(env_number("SHMSHARE_MP_BY_VALUE_BELOW", 1024, "bytes"))
 
 
 def _handle(arr: np.ndarray, storage: Any = None) -> tuple[Any, ...] | None:

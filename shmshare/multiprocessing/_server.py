@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from .. import wire
 from .._errors import PeerDied, ProtocolError, ShmshareError, ShmshareTimeout
 from ..channel._releases import WakePipe
-from ._common import DROP, ERROR, KIND, RELEASE, SEGMENT, TABLE
+from ._common import DROP, ERROR, KIND, RELEASE, SEGMENT, TABLE, alive
 
 if TYPE_CHECKING:
     from ._owner import Owner
@@ -88,15 +88,6 @@ def _refused(path: str) -> bool:
         s.close()
     return False
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 _REPLY_WAIT = 1.0  # s a reply waits for room on a peer's socket before the peer is dropped
 
@@ -219,7 +210,7 @@ class Server:
         # Its claims come back only if it is gone: a live process dropped for a bad frame or a
         # full socket still holds its arrays, whose blocks must not be reused under them (they
         # stay pinned until it releases them on a new connection, or exits, or we do).
-        if hung_up or not _alive(peer.pid):
+        if hung_up or not alive(peer.pid):
             self._owner.reclaim(peer.pid)
 
     def _answer(self, peer: _Peer, header: dict[Any, Any]) -> None:
