@@ -33,6 +33,9 @@ import numpy as np
 
 import shmshare
 
+from _bench import fmt_size as fmt  # scripts/_bench.py: run from scripts/ or by path
+from _bench import parse_size
+
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]
 PAGE = 4096
@@ -302,19 +305,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{fmt(size):>7}  " + "  ".join(
             f"{row['shmshare'] / row[n]:>11.2f}x" for n in names[1:]))
     return 0
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": KiB, "M": MiB, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text.rstrip("KMG")) * mult)
-
-
-def fmt(n: int) -> str:
-    for unit, scale in (("G", 1 << 30), ("M", MiB), ("K", KiB)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale}{unit}"
-    return str(n)
 
 
 if __name__ == "__main__":

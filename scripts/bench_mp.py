@@ -67,7 +67,8 @@ from typing import Any
 
 import numpy as np
 
-from _bench import table  # scripts/_bench.py: run from scripts/ or by path
+from _bench import fmt_size as fmt  # scripts/_bench.py: run from scripts/ or by path
+from _bench import parse_size, table
 
 # This checkout's shmshare, installed or not (an installed or editable copy elsewhere would shadow it).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -489,19 +490,6 @@ def rate(v: float | None, size: int) -> str:
 
 def times(mine: float | None, base: float | None) -> str:
     return f"{mine / base:.2f}x" if mine and base else "-"
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    mult = {"K": KiB, "M": MiB, "G": 1 << 30}.get(text[-1:], 1)
-    return int(float(text.rstrip("KMG")) * mult)
-
-
-def fmt(n: int) -> str:
-    for unit, scale in (("G", 1 << 30), ("M", MiB), ("K", KiB)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale}{unit}"
-    return str(n)
 
 
 def main(argv: list[str] | None = None) -> int:
