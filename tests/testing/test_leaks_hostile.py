@@ -54,7 +54,7 @@ def test_fp_spawn_resource_tracker_started_lazily_is_not_the_tests_leak(pytester
     result.assert_outcomes(passed=1)
 
 
-@pytest.mark.xfail(strict=True, reason=("known, open in issue 12: a /dev/shm name another process holds only"
+@pytest.mark.xfail(strict=True, reason=("known limit (docs/leaks.md): a /dev/shm name another process holds only"
                                         " mapped is blamed on the test (_census._held_elsewhere reads fds, not maps)"))
 def test_fp_another_workers_shm_name_held_by_a_mapping_is_not_ours(pytester: pytest.Pytester,
                                                                    tmp_path: Path) -> None:
@@ -97,7 +97,7 @@ def test_fp_another_workers_shm_name_held_by_a_mapping_is_not_ours(pytester: pyt
 # --- false negatives ---------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=("known, open in issue 12: a double-forked grandchild leaves psutil's"
+@pytest.mark.xfail(strict=True, reason=("known limit (docs/leaks.md): a double-forked grandchild leaves psutil's"
                                         " children() (needs PR_SET_CHILD_SUBREAPER)"))
 def test_fn_double_forked_grandchild_is_reported(pytester: pytest.Pytester, tmp_path: Path) -> None:
     """A daemonised grandchild outlives the test but is nobody's child of ours once its parent exits."""
@@ -125,7 +125,7 @@ def test_fn_double_forked_grandchild_is_reported(pytester: pytest.Pytester, tmp_
             kill(int(pidfile.read_text()))
 
 
-@pytest.mark.xfail(strict=True, reason=("known, open in issue 12: private mappings are not counted, deleted"
+@pytest.mark.xfail(strict=True, reason=("known limit (docs/leaks.md): private mappings are not counted, deleted"
                                         " files' included"))
 def test_fn_private_mapping_of_a_deleted_file_is_reported(pytester: pytest.Pytester) -> None:
     """A mapping a native library made of a file it then closed and unlinked pins the file's blocks; it is
@@ -149,7 +149,7 @@ def test_fn_private_mapping_of_a_deleted_file_is_reported(pytester: pytest.Pytes
     result.stdout.fnmatch_lines(["*mapping*big (deleted)*"])
 
 
-@pytest.mark.xfail(strict=True, reason=("known, open in issue 12: threads are compared through"
+@pytest.mark.xfail(strict=True, reason=("known limit (docs/leaks.md): threads are compared through"
                                         " threading.enumerate(), which misses _thread and C threads"))
 def test_fn_thread_started_with_the_thread_module_is_reported(pytester: pytest.Pytester) -> None:
     """_thread.start_new_thread (and any C library's thread) is in /proc/self/task, not threading.enumerate()."""
@@ -165,7 +165,7 @@ def test_fn_thread_started_with_the_thread_module_is_reported(pytester: pytest.P
     result.stdout.fnmatch_lines(["*thread*"])
 
 
-@pytest.mark.xfail(strict=True, reason=("known, open in issue 12: fds are compared by number and target"
+@pytest.mark.xfail(strict=True, reason=("known limit (docs/leaks.md): fds are compared by number and target"
                                         " only"))
 def test_fn_fd_number_reused_for_the_same_target_hides_the_leak(pytester: pytest.Pytester) -> None:
     """Only (number, readlink text) is compared: close a module fixture's /dev/null, leak a new one."""
@@ -272,7 +272,7 @@ def test_audit_busy_flag_is_not_left_set_by_a_thread_race() -> None:
     assert r.stdout.strip() == "OK", (r.stdout, r.stderr[-2000:])
 
 
-@pytest.mark.xfail(strict=True, reason=("known, open in issue 12: the pytest11 entry point imports"
+@pytest.mark.xfail(strict=True, reason=("known limit (docs/leaks.md): the pytest11 entry point imports"
                                         " shmshare/__init__ (about 0.3 s per pytest run)"))
 def test_inert_entry_point_imports_no_library(tmp_path: Path) -> None:
     """Loaded by pytest11 into every pytest run of every project that installs shmshare, the 'inert' plugin
