@@ -109,7 +109,6 @@ class _Link:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    self.dead = True  # a late answer would be taken for the next request's
                     raise ShmshareTimeout(f"pid {self.pid}'s fd server did not answer within "
                                           f"{_REQUEST_WAIT} s")
                 got, fds = self.conn.recv(timeout=left)
@@ -120,6 +119,9 @@ class _Link:
         except PeerDied as exc:
             self.dead = True
             raise self.gone() from exc
+        except ShmshareTimeout:
+            self.dead = True  # a late answer would be taken for the next request's
+            raise
 
     def gone(self) -> OwnerGone:
         return OwnerGone(f"the array's owner, pid {self.pid}, has exited (or was killed): its "
@@ -184,7 +186,6 @@ class _Link:
         self.close()
         self.table_buf.release()
         self.table_buf = memoryview(b"")
-
 
 
 class _Released:
