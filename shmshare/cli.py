@@ -12,6 +12,7 @@ import sys
 
 from ._demo import demo
 from ._doctor import doctor
+from ._stat import main_stat
 from .segment import sweep
 
 __all__ = ["main"]
@@ -28,6 +29,12 @@ def main(argv: list[str] | None = None) -> int:
     doc.add_argument("--json", action="store_true", help="print a machine-readable report")
     swp = sub.add_parser("sweep", help="remove /dev/shm/shmshare_* names whose creator died")
     swp.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
+    st = sub.add_parser("stat", help="what every process holds of shmshare memory, from /proc")
+    st.add_argument("--json", action="store_true", help="print a machine-readable report")
+    st.add_argument("--watch", type=_parse_seconds, default=None, metavar="SECONDS",
+                    help="refresh every SECONDS until Ctrl-C")
+    st.add_argument("--pid", type=int, action="append", default=None,
+                    help="only this process (repeat for more)")
     dem = sub.add_parser("demo", help="run the seed's fd-lifetime walk-through with two processes")
     dem.add_argument("--backend", choices=("memfd", "posix"), default="memfd")
     dem.add_argument("--size", type=_parse_size, default=64 * _MiB,
@@ -40,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
             return doctor(as_json=args.json)
         if args.command == "sweep":
             return _sweep(args.dry_run)
+        if args.command == "stat":
+            return main_stat(args.json, args.watch, args.pid)
         if args.command == "demo":
             return demo(backend=args.backend, size=args.size, loader_seconds=args.loader_seconds)
     except KeyboardInterrupt:
