@@ -196,16 +196,11 @@ class Owner(BlockBook):
             else:
                 start, strides = ptr + lo - held.seg.address, arr.strides
                 self._in_place += 1
-            got = self.table.take()
-            if got is None:
-                self._maybe_free(held)
-                self._counts["by_value"] += 1
+            slot_gen = self._lease(held)
+            if slot_gen is None:
                 return None
-            slot, gen = got
-            self._slots[slot] = held
-            held.leases += 1
             seg = held.seg
-            return seg.id, seg.size, start, span, lo, strides, slot, gen
+            return seg.id, seg.size, start, span, lo, strides, *slot_gen
 
     def place_shared(self, arr: np.ndarray, storage: Any) -> tuple[int, int, int, int, int,
                                                                    tuple[int, ...], int, int] | None:
@@ -236,16 +231,25 @@ class Owner(BlockBook):
             if not (base <= ptr + lo and ptr + lo + span <= base + min(ext.nbytes, ext.size)):
                 self._drop_external(ext)
                 return None
-            got = self.table.take()
-            if got is None:
-                self._drop_external(ext)
-                self._counts["by_value"] += 1
+            slot_gen = self._lease(ext)
+            if slot_gen is None:
                 return None
-            slot, gen = got
-            self._slots[slot] = ext
-            ext.leases += 1
             self._in_place += 1
-            return ext.id, ext.size, ptr + lo - base, span, lo, arr.strides, slot, gen
+            return ext.id, ext.size, ptr + lo - base, span, lo, arr.strides, *slot_gen
+
+    def _lease(self, rec: _Held | _External) -> tuple[int, int] | None:
+        """A table slot for a handle to `rec`; None (and `rec` let go of) when all are out."""
+        got = self.table.take()
+        if got is None:
+            if isinstance(rec, _External):
+                self._drop_external(rec)
+            else:
+                self._maybe_free(rec)
+            self._counts["by_value"] += 1
+            return None
+        self._slots[got[0]] = rec
+        rec.leases += 1
+        return got
 
     def _drop_external(self, ext: _External) -> None:
         if ext.leases:
