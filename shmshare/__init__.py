@@ -3,7 +3,7 @@
 Layers, imported one way only (a module never imports one above it):
 
     _native (C)  ->  segment  ->  wire  ->  memory  ->  tensors  ->  channel
-                 ->  loader, server  ->  cli
+                 ->  loader, store, multiprocessing  ->  cli
 
 ``shmshare.testing`` may import anything; nothing imports it.
 """
@@ -23,6 +23,7 @@ from ._errors import (
 from .channel import Receiver, Sender, channel, connect, listen
 from .loader import DataLoader
 from .segment import Flags, Segment
+from .store import Store
 
 __version__ = "0.1.0"
 
@@ -33,6 +34,7 @@ __all__ = [
     "Sender",
     "Receiver",
     "DataLoader",
+    "Store",
     "Flags",
     "Segment",
     "ShmshareError",

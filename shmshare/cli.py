@@ -1,6 +1,7 @@
-"""The ``shmshare`` command line: ``doctor`` (what this host allows), ``sweep`` and ``demo``.
+"""The ``shmshare`` command line: ``doctor`` (what this host allows), ``sweep``, ``stat``,
+``serve`` (the store daemon) and ``demo``.
 
-The subcommands live in their own modules: ``_doctor`` and ``_demo``.
+The subcommands live in their own modules: ``_doctor``, ``_stat``, ``store`` and ``_demo``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="refresh every SECONDS until Ctrl-C")
     st.add_argument("--pid", type=int, action="append", default=None,
                     help="only this process (repeat for more)")
+    srv = sub.add_parser("serve", help="run the named-tensor store daemon (Ctrl-C or SIGTERM stops it)")
+    srv.add_argument("--socket", default=None, metavar="PATH",
+                     help="the socket to listen on (default: $XDG_RUNTIME_DIR/shmshare/store.sock, "
+                     "else /tmp/shmshare-<uid>/store.sock)")
+    srv.add_argument("--limit", type=_parse_size, default=None, metavar="BYTES",
+                     help="most bytes of objects held, e.g. 4G (default: no limit but the host's)")
+    srv.add_argument("--evict", action="store_true",
+                     help="past --limit, evict unreferenced objects, least recently used first")
+    srv.add_argument("--log-level", default="warning",
+                     choices=("debug", "info", "warning", "error", "critical"))
+    srv.add_argument("--detach", action="store_true",
+                     help="run in the background; print the socket path once it listens")
     dem = sub.add_parser("demo", help="run the seed's fd-lifetime walk-through with two processes")
     dem.add_argument("--backend", choices=("memfd", "posix"), default="memfd")
     dem.add_argument("--size", type=_parse_size, default=64 * _MiB,
@@ -49,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
             return _sweep(args.dry_run)
         if args.command == "stat":
             return main_stat(args.json, args.watch, args.pid)
+        if args.command == "serve":
+            from .store._launch import main_serve
+
+            return main_serve(args.socket, args.limit, args.evict, args.log_level, args.detach)
         if args.command == "demo":
             return demo(backend=args.backend, size=args.size, loader_seconds=args.loader_seconds)
     except KeyboardInterrupt:

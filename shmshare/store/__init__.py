@@ -1,0 +1,25 @@
+"""The named-tensor store: a daemon that holds objects by name, and its client ``Store``.
+
+``shmshare serve`` runs the daemon (one per user and host, on a per-user
+socket); ``Store()`` connects to it. ``put(name, value)`` stores an array,
+a CPU tensor or a nested batch of them, sealed; ``create`` + ``seal`` fills
+one in place; ``get(name)`` returns it as read-only zero-copy views. Objects
+outlive their producer; memory comes back once the name is deleted and the
+last view of it is gone. See ``docs/store.md``.
+
+Files: ``_protocol.py`` (frames, errors, the socket path), ``_packing.py``
+(a value as one object's bytes, and views back), ``_objects.py`` (the
+daemon's table: references, limit, eviction), ``_daemon.py`` (the daemon's
+loop), ``_client.py`` (``Store``), ``_launch.py`` (``shmshare serve`` and
+``Daemon``).
+"""
+
+from __future__ import annotations
+
+from ._client import ObjectInfo, Store
+from ._daemon import serve
+from ._launch import Daemon
+from ._protocol import ObjectExists, StoreError, StoreFull, StoreGone, default_path
+
+__all__ = ["Store", "ObjectInfo", "Daemon", "serve", "default_path", "StoreError", "StoreFull",
+           "StoreGone", "ObjectExists"]

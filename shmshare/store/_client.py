@@ -1,0 +1,529 @@
+"""``Store``: a client of the store daemon.
+
+Note [A client's mappings]
+    A get maps the object's segment once per client -- an arena segment of
+    the daemon's pool, or the object's own memfd -- ``PROT_READ``, and keeps
+    the mapping until the daemon says the segment is gone (a ``drop``
+    frame): the next get of an object there needs no fd and no mmap. Each
+    get is one lease over the object's bytes; when the last view of it
+    dies, the lease's callback queues the object's id, and the ids go back
+    with the client's next request, or from a flusher thread within a few
+    milliseconds when the client is idle. Objects holding torch tensors are
+    different, because torch has no read-only tensors and a write through
+    a ``PROT_READ`` mapping would be SIGSEGV: a memfd object is mapped
+    copy-on-write (``MAP_PRIVATE``) for each such get, so its tensors are
+    writable and a write stays private to this process; a small object's
+    tensors are private copies.
+
+Note [Replies owed]
+    One connection carries requests and replies in order. A request whose
+    reply did not come in ``timeout`` still gets one later; the client
+    counts it as owed and reads it before the next reply, rather than
+    reconnect: a new connection would end the old one, and the daemon would
+    take back every reference this client holds, under its live views.
+"""
+
+from __future__ import annotations
+
+import builtins
+import collections
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import _fork, _native, tensors, wire
+from .._errors import PeerDied, ProtocolError, ShmshareError, ShmshareTimeout
+from .._fd import Fd
+from ..channel._releases import WakePipe
+from ..channel._trust import check_fd
+from ._packing import Plan, build, new_memfd, one_array_meta, reserve, write_memfd
+from ._protocol import (
+    LARGE,
+    StoreError,
+    StoreGone,
+    _Missing,
+    check_name,
+    default_path,
+    raise_for,
+)
+
+__all__ = ["Store", "ObjectInfo"]
+
+_FLUSH_DELAY = 0.002  # s an idle client's releases wait for a request to carry them
+_IDLE_POLL = 1.0  # s between an idle client's looks for drop frames
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What the store says of one object (``info()``, ``list()``)."""
+
+    name: str
+    size: int  # bytes of its arrays (with 64-byte alignment between them)
+    sealed: bool
+    refs: int  # gets not given back yet, all clients together
+    age: float  # seconds since it was put or created
+    kind: str  # "arena" (the daemon's pool), "memfd" (its own, sealed against writes), "empty"
+    write_seal: str  # "full" (F_SEAL_WRITE), "future" (F_SEAL_FUTURE_WRITE), "none"
+    holders: int  # clients holding views of it
+
+    @classmethod
+    def _of(cls, entry: list[Any]) -> ObjectInfo:
+        name, size, sealed, refs, age, kind, ws, holders = entry
+        return cls(name, size, sealed, refs, age, kind if size else "empty", ws, holders)
+
+
+class _Released:
+    """on_release of a get's lease: queue the object's id (any bytecode: no lock)."""
+
+    __slots__ = ("store", "oid")
+
+    def __init__(self, store: Store, oid: int) -> None:
+        self.store, self.oid = store, oid
+
+    def __call__(self) -> None:
+        store = self.store
+        store._released.append(self.oid)
+        if not store._armed:
+            store._armed = True
+            store._wake.poke()
+
+
+class _Unmapped:
+    """on_release of a created object's writable mapping: tell the daemon it may seal fully."""
+
+    __slots__ = ("store", "oid")
+
+    def __init__(self, store: Store, oid: int) -> None:
+        self.store, self.oid = store, oid
+
+    def __call__(self) -> None:
+        store = self.store
+        store._unmapped.append(self.oid)
+        if not store._armed:
+            store._armed = True
+            store._wake.poke()
+
+
+class Store:
+    """A connection to the store daemon (``shmshare serve``).
+
+    Parameters
+    ----------
+    path : str, optional
+        The daemon's socket; by default ``$SHMSHARE_STORE``, else
+        ``$XDG_RUNTIME_DIR/shmshare/store.sock``, else
+        ``/tmp/shmshare-<uid>/store.sock``.
+    timeout : float or None
+        Seconds to wait for the daemon to connect and to answer each
+        request (None: forever).
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None,
+                 timeout: float | None = 10.0) -> None:
+        self.path = os.fspath(path) if path is not None else default_path()
+        self.timeout = timeout
+        self._closed = False
+        try:
+            self._conn = wire.connect(self.path, timeout=timeout, role="store-client")
+        except (OSError, ShmshareError) as exc:
+            raise StoreError(f"no store daemon answers at {self.path!r} ({exc}); start one with "
+                             "`shmshare serve` (or `shmshare serve --detach`)") from exc
+        self.daemon_pid = self._conn.peer_cred.pid
+        self._lock = threading.Lock()  # one request at a time on the connection
+        self._owed = 0  # replies of timed-out requests still to come (Note [Replies owed])
+        self._segs: dict[int, _native.Lease] = {}  # segment id -> its read-only mapping
+        self._released: collections.deque[int] = collections.deque()
+        self._unmapped: collections.deque[int] = collections.deque()
+        self._armed = False  # the flusher is awake and will look at the queues again
+        self._wake = WakePipe()
+        self._out = 0  # gets whose views are still alive
+        self._staging: tuple[int, int] | None = None  # (fd, address) of our staging memfd
+        self._creating: dict[str, tuple[int, Any]] = {}  # name -> (oid, buffer or None)
+        self._gone: str | None = None  # why the connection is unusable
+        self._flusher = threading.Thread(target=self._flush_loop, name="shmshare-store-flusher",
+                                         daemon=True)
+        self._flusher.start()
+        _live.add(self)
+
+    # -- the API -------------------------------------------------------------------
+
+    def put(self, name: str, value: Any, *, replace: bool = False) -> None:
+        """Store `value` (an array, a CPU tensor, or a nested dict/list/tuple of them and plain
+        values) under `name`, sealed; ObjectExists if the name is taken (unless `replace`)."""
+        check_name(name)
+        plan = Plan(value)
+        header = {"k": "put", "n": name, "m": plan.meta, "s": plan.size, "t": plan.torch,
+                  "r": bool(replace)}
+        if plan.size >= LARGE:
+            fd = write_memfd(plan, name)
+            try:
+                self._call(header, [fd])
+            finally:
+                os.close(fd)
+            return
+        with self._lock:
+            self._stage(plan)
+            header["st"] = plan.size
+            self._call_locked(header, [])
+
+    def create(self, name: str, shape: Any, dtype: Any) -> Any:
+        """Make object `name` of one uninitialized array to fill in place; :meth:`seal` it to
+        publish it. A torch dtype gives a torch tensor."""
+        check_name(name)
+        np_dtype, torch_dtype = tensors.alloc_dtypes(dtype)
+        shape = tuple(int(n) for n in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+        if any(n < 0 for n in shape):
+            raise ValueError(f"negative dimensions in shape {shape}")
+        tname = None if torch_dtype is None else str(torch_dtype).removeprefix("torch.")
+        size = np_dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+        header = {"k": "create", "n": name, "m": one_array_meta(shape, np_dtype, tname, size > 0),
+                  "s": size, "t": tname is not None}
+        if size >= LARGE:
+            fd = new_memfd(size, f"object {name!r}")
+            try:
+                reserve(fd, size, f"object {name!r}")
+                address = _native.mmap(size, fd, 0, writable=True, shared=True)
+                try:
+                    h, _ = self._call(header, [fd])
+                except BaseException:
+                    _native.unmap(address, size, release=True)
+                    raise
+            finally:
+                os.close(fd)
+            oid = h["o"]
+            lease = _native.Lease(None, address, size, False, _Unmapped(self, oid), unmap=True)
+            arr = np.ndarray(shape, np_dtype, buffer=lease)  # type: ignore[arg-type]
+            self._creating[name] = (oid, weakref.ref(arr))
+        else:
+            h, _ = self._call(header)
+            arr = np.empty(shape, np_dtype)
+            self._creating[name] = (h["o"], arr)
+        return arr if tname is None else tensors.as_torch(arr, tname)
+
+    def seal(self, name: str) -> None:
+        """Publish an object made by :meth:`create`: from now on it can be got, never changed."""
+        check_name(name)
+        got = self._creating.get(name)
+        if got is None:
+            raise KeyError(f"{name!r} was not created through this Store (or is sealed already)")
+        buf = got[1]
+        if isinstance(buf, weakref.ref):
+            self._call({"k": "seal", "n": name})
+            arr = buf()
+            if arr is not None:
+                arr.flags.writeable = False  # views made before seal stay writable, until gone
+        else:
+            plan = Plan(buf)
+            with self._lock:
+                self._stage(plan)
+                self._call_locked({"k": "seal", "n": name, "st": plan.size}, [])
+            buf.flags.writeable = False
+        del self._creating[name]
+
+    def get(self, name: str, timeout: float | None = None) -> Any:
+        """The value stored under `name`, as read-only zero-copy views.
+
+        With `timeout` None it does not wait (KeyError if no sealed object
+        of that name is there); else it waits that many seconds for one to
+        be put or sealed (ShmshareTimeout after).
+        """
+        check_name(name)
+        deadline = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
+        while True:
+            try:
+                return self._get_now(name)
+            except _Missing:
+                if deadline is None:
+                    raise
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ShmshareTimeout(f"no sealed object {name!r} in the store after "
+                                          f"{timeout} s") from None
+                self._wait(name, left)
+
+    def delete(self, name: str) -> None:
+        """Take `name` out of the store (KeyError if absent); views got of it stay valid."""
+        check_name(name)
+        self._call({"k": "del", "n": name})
+        self._creating.pop(name, None)
+
+    def info(self, name: str) -> ObjectInfo:
+        """What the store holds under `name` (KeyError if nothing)."""
+        check_name(name)
+        h, _ = self._call({"k": "info", "n": name})
+        return ObjectInfo._of(h["l"])
+
+    def list(self) -> builtins.list[ObjectInfo]:
+        """Every object in the store, by name."""
+        out: builtins.list[ObjectInfo] = []
+        after: str | None = None
+        while True:
+            h, _ = self._call({"k": "list", "a": after})
+            out.extend(ObjectInfo._of(e) for e in h["l"])
+            if not h.get("more") or not h["l"]:
+                return out
+            after = out[-1].name
+
+    def stats(self) -> dict[str, Any]:
+        """The daemon's own figures: bytes held, objects, clients, requests served."""
+        h, _ = self._call({"k": "stats"})
+        return dict(h["s"])
+
+    def __contains__(self, name: object) -> bool:
+        if not isinstance(name, str):
+            return False
+        try:
+            return self.info(name).sealed
+        except KeyError:
+            return False
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop using the store. Views got from it stay valid: the connection stays open, on
+        its own, until the last of them is gone (else the daemon could reuse their memory)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._segs.clear()  # views keep their own mappings
+        self._wake.poke()
+        if threading.current_thread() is not self._flusher:
+            self._flusher.join(1.0 if self._out == 0 else 0)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __repr__(self) -> str:
+        return (f"<Store {self.path!r} daemon pid {self.daemon_pid}"
+                f"{' closed' if self._closed else ''}>")
+
+    # -- requests ------------------------------------------------------------------
+
+    def _call(self, header: dict[str, Any], fds: builtins.list[int] | None = None
+              ) -> tuple[dict[Any, Any], builtins.list[Fd]]:
+        with self._lock:
+            return self._call_locked(header, fds or [])
+
+    def _call_locked(self, header: dict[str, Any], fds: builtins.list[int]
+                     ) -> tuple[dict[Any, Any], builtins.list[Fd]]:
+        if self._closed:
+            raise StoreError(f"this Store ({self.path!r}) is closed: make a new one")
+        if self._gone is not None:
+            raise StoreGone(self._gone)
+        if self._released:
+            header["rl"] = self._take_released()
+        try:
+            self._conn.send(header, fds, timeout=self.timeout)
+            while True:
+                h, got = self._conn.recv(timeout=self.timeout)
+                if h.get("k") == "drop":
+                    self._dropped(h.get("i"))
+                    for f in got:
+                        f.close()
+                    continue
+                if self._owed:
+                    self._owed -= 1
+                    for f in got:
+                        f.close()
+                    continue
+                break
+        except PeerDied as exc:
+            raise self._died(exc) from exc
+        except ShmshareTimeout as exc:
+            self._owed += 1
+            raise ShmshareTimeout(f"the store daemon (pid {self.daemon_pid}) at {self.path!r} did "
+                                  f"not answer a {header.get('k')} within {self.timeout} s") from exc
+        drops = h.get("d")
+        if isinstance(drops, list):
+            for seg in drops:
+                self._dropped(seg)
+        if h.get("k") == "err":
+            for f in got:
+                f.close()
+            raise_for(str(h.get("e")), str(h.get("w")))
+        return h, got
+
+    def _died(self, exc: Exception) -> StoreGone:
+        self._gone = (f"the store daemon (pid {self.daemon_pid}) at {self.path!r} is gone "
+                      f"({exc}): the objects it held are lost (views got already stay valid); "
+                      "start `shmshare serve` again and make a new Store")
+        return StoreGone(self._gone)
+
+    def _take_released(self) -> builtins.list[int]:
+        q, out = self._released, []
+        while q:
+            out.append(q.popleft())
+        self._out -= len(out)
+        return out
+
+    def _dropped(self, seg: Any) -> None:
+        if type(seg) is int:
+            self._segs.pop(seg, None)  # unmapped once no view of it is left
+
+    def _stage(self, plan: Plan) -> None:
+        """Copy a small object's bytes into our staging memfd (under the lock)."""
+        if self._staging is None:
+            fd = new_memfd(LARGE, "the store client's staging memfd")
+            try:
+                reserve(fd, LARGE, "the store client's staging memfd")
+                address = _native.mmap(LARGE, fd, 0, writable=True, shared=True)
+                try:
+                    self._call_locked({"k": "stage", "s": LARGE}, [fd])
+                except BaseException:
+                    _native.unmap(address, LARGE, release=True)
+                    raise
+            except BaseException:
+                os.close(fd)
+                raise
+            self._staging = (fd, address)
+        plan.copy_into(self._staging[1])
+
+    def _get_now(self, name: str) -> Any:
+        with self._lock:
+            h, fds = self._call_locked({"k": "get", "n": name}, [])
+            self._out += 1
+        oid, seg, off, size, meta = h["o"], h["i"], h["off"], h["s"], h["m"]
+        private = h.get("p") is True
+        done = _Released(self, oid)
+        try:
+            if size == 0:
+                return build(meta, 0, 0, None, True, done, True)
+            if private:
+                root = self._map(fds, h.get("n"), private=True)
+            else:
+                cached = self._segs.get(seg)
+                if cached is None:
+                    root = self._map(fds, h.get("n"), private=False)
+                    self._segs[seg] = root
+                else:
+                    root = cached
+            if not 0 <= off <= off + size <= root.nbytes:
+                raise ProtocolError(f"the store placed {size} bytes at offset {off} of a "
+                                    f"{root.nbytes}-byte segment")
+            return build(meta, root.address + off, size, root, not private, done, not private)
+        except BaseException:
+            done()  # nothing of it lives on: give the reference back with the next request
+            raise
+        finally:
+            for f in fds:
+                f.close()
+
+    def _map(self, fds: builtins.list[Fd], nbytes: Any, private: bool) -> _native.Lease:
+        if len(fds) != 1 or type(nbytes) is not int or nbytes <= 0:
+            raise ProtocolError("the store sent an object without its segment's fd")
+        fd = fds[0].fileno()
+        check_fd(fd, nbytes, trust_unsealed=False, writable=False)
+        address = _native.mmap(nbytes, fd, 0, writable=private, shared=not private)
+        return _native.Lease(None, address, nbytes, not private, None, unmap=True)
+
+    def _wait(self, name: str, seconds: float) -> None:
+        """Wait on a connection of its own until `name` is sealed (Note [Replies owed])."""
+        try:
+            conn = wire.connect(self.path, timeout=self.timeout, role="store-waiter")
+        except (OSError, ShmshareError) as exc:
+            raise StoreGone(f"the store daemon at {self.path!r} does not answer ({exc})") from exc
+        try:
+            conn.send({"k": "wait", "n": name, "t": seconds}, timeout=self.timeout)
+            h, got = conn.recv(timeout=seconds + (self.timeout or 10.0))
+            for f in got:
+                f.close()
+        except PeerDied as exc:
+            raise self._died(exc) from exc
+        finally:
+            conn.close()
+        if h.get("k") == "err" and h.get("e") != "timeout":
+            raise_for(str(h.get("e")), str(h.get("w")))
+
+    # -- the flusher -----------------------------------------------------------------
+
+    def _flush_loop(self) -> None:
+        wake = self._wake
+        import select
+
+        poller = select.poll()
+        poller.register(wake.r, select.POLLIN)
+        while True:
+            ready = poller.poll(_IDLE_POLL * 1000)
+            if ready:
+                try:
+                    os.read(wake.r, 4096)
+                except (BlockingIOError, OSError):
+                    pass
+                time.sleep(_FLUSH_DELAY)  # a request may carry them sooner
+            self._armed = False
+            self._flush()
+            if self._closed and (self._out <= 0 or self._gone is not None):
+                self._shutdown()
+                return
+
+    def _flush(self) -> None:
+        if not self._lock.acquire(timeout=_IDLE_POLL):
+            return
+        try:
+            if self._gone is not None:
+                self._released.clear()
+                self._unmapped.clear()
+                return
+            conn = self._conn
+            if self._released:
+                conn.send({"k": "rel", "o": self._take_released()}, timeout=self.timeout)
+            while self._unmapped:
+                conn.send({"k": "unmapped", "o": self._unmapped.popleft()}, timeout=self.timeout)
+            while conn.poll(0):
+                got = conn.recv_nowait()
+                if got is None:
+                    break
+                h, fds = got
+                for f in fds:
+                    f.close()
+                if h.get("k") == "drop":
+                    self._dropped(h.get("i"))
+                elif self._owed:
+                    self._owed -= 1
+        except PeerDied as exc:
+            self._died(exc)
+        except (ShmshareError, OSError, ValueError):
+            pass  # a full socket: the next flush tries again
+        finally:
+            self._lock.release()
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            self._conn.close()
+            if self._staging is not None:
+                fd, address = self._staging
+                self._staging = None
+                _native.unmap(address, LARGE, release=True)
+                os.close(fd)
+            self._segs.clear()
+        self._wake.close()
+        _live.discard(self)
+
+
+_live: weakref.WeakSet[Store] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # The parent's connection is the parent's: a child that used it would interleave its frames
+    # with the parent's. Our copies go; the child makes a Store of its own.
+    for store in list(_live):
+        store._gone = "this Store was made before fork(): make a new Store in the child"
+        store._closed = True
+        store._conn.close()
+        store._segs.clear()
+        store._released.clear()
+        store._lock = threading.Lock()
+    _live.clear()
+
+
+_fork.on_fork_in_child(6, _after_fork_in_child)

@@ -1,0 +1,622 @@
+"""The store daemon: one thread, one poll loop, every client's requests in turn.
+
+Note [One thread]
+    Every request is a few dictionary operations, a check of a fd, and at
+    most one copy of less than ``LARGE`` bytes (a small object's bytes read
+    from the client's staging memfd into a pool block): large objects'
+    bytes never pass through the daemon, which only holds their memfds.
+    So one thread serves every client, and no lock guards the table. A
+    reply waits at most ``_REPLY_WAIT`` for room on a client's socket; a
+    client that does not read its replies is dropped (its references go
+    with it), never waited for.
+
+Note [The write seal]
+    A put's memfd arrives sealed ``F_SEAL_WRITE`` already: its writer used
+    ``pwrite`` and never mapped it (Note [Writing a large object]). A
+    created object's memfd is mapped writable by its creator, and the
+    kernel refuses ``F_SEAL_WRITE`` while such a mapping exists (EBUSY). So
+    ``seal`` applies ``F_SEAL_FUTURE_WRITE`` -- no new writable mapping, no
+    ``write()``, no ``mprotect`` to writable -- and the full seal follows
+    once the creator tells that its mapping is gone (``unmapped``), or its
+    connection ends, or at the next get. Until then only the creator's own
+    mapping can still change the bytes. Getters map ``PROT_READ``; a
+    mapping's ``mprotect(PROT_WRITE)`` fails, as does a writable ``mmap``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import select
+import signal
+import socket
+import time
+from typing import Any
+
+from .. import _native, wire
+from .._errors import PeerDied, ProtocolError, ShmshareError, ShmshareTimeout
+from .._fd import Fd
+from ..channel._releases import WakePipe
+from ..channel._trust import check_fd
+from ..memory._shm import ShmSegment, _new_id
+from ..tensors import decode
+from ._objects import Obj, Table
+from ._packing import SEALS
+from ._protocol import (
+    ABORTED,
+    BAD,
+    EXISTS,
+    LARGE,
+    MAX_META,
+    NOT_FOUND,
+    NOT_SEALED,
+    NOT_YOURS,
+    TIMEOUT,
+    StoreError,
+    StoreFull,
+    check_dir,
+    check_name,
+    default_path,
+)
+
+__all__ = ["Server", "serve"]
+
+log = logging.getLogger("shmshare.store")
+
+_REPLY_WAIT = 0.5  # s a reply waits for room on a client's socket before the client is dropped
+_MAX_CLIENTS = 4096
+_LIST_PAGE = 256  # entries per list reply (a frame is at most wire.MAX_FRAME bytes)
+_ACCEPT_PAUSE = 0.2  # s accepting pauses after EMFILE
+
+
+class _Client:
+    __slots__ = ("id", "conn", "pid", "segments", "refs", "staging", "creating", "drops", "future")
+
+    def __init__(self, cid: int, conn: wire.Connection) -> None:
+        self.id = cid
+        self.conn = conn
+        self.pid = conn.peer_cred.pid
+        self.segments: set[int] = set()  # segments whose fd it was sent (it may map them)
+        self.refs: dict[int, int] = {}  # oid -> its gets not given back
+        self.staging: tuple[int, int] | None = None  # its staging memfd (ours), and size
+        self.creating: set[int] = set()  # oids it created and has not sealed
+        self.drops: list[int] = []  # segments gone that it may still map: told in the next reply
+        self.future: set[int] = set()  # oids it sealed while mapping them writable
+
+
+class _Bad(Exception):
+    """A request the daemon refuses: (code, text) go back in an err reply."""
+
+
+class Server:
+    """The store: a listening socket, the table, and the clients (Note [One thread])."""
+
+    def __init__(self, path: str | None = None, limit: int | None = None,
+                 evict: bool = False) -> None:
+        if limit is not None and limit <= 0:
+            raise ValueError(f"--limit must be a positive number of bytes, got {limit}")
+        chosen = path is None
+        self.path = os.fspath(path) if path is not None else default_path()
+        if chosen:
+            check_dir(self.path)
+        _remove_stale(self.path)
+        self.table = Table(limit, evict, self._dropped)
+        self._listener = wire.Listener(self.path, role="store", backlog=256)
+        self._clients: dict[int, _Client] = {}  # socket fd -> client
+        self._waits: dict[str, list[tuple[_Client, float]]] = {}  # name -> (client, deadline)
+        self._wake = WakePipe()
+        self._stop = False
+        self._accept_at = 0.0
+        self._poller = select.poll()
+        self._started = time.time()
+        self.counts = {"put": 0, "get": 0, "create": 0, "delete": 0, "clients": 0}
+
+    def stop(self) -> None:
+        """Ask the loop to end (from a signal handler or another thread)."""
+        self._stop = True
+        self._wake.poke()
+
+    def run(self) -> None:
+        """Serve until :meth:`stop`; then close every client and free every object."""
+        poller = self._poller
+        poller.register(self._listener.fileno(), select.POLLIN)
+        poller.register(self._wake.r, select.POLLIN)
+        listen_fd, wake_fd = self._listener.fileno(), self._wake.r
+        try:
+            while not self._stop:
+                for fd, _ in poller.poll(self._poll_ms()):
+                    if fd == wake_fd:
+                        _drain(wake_fd)
+                    elif fd == listen_fd:
+                        self._accept()
+                    else:
+                        client = self._clients.get(fd)
+                        if client is not None:
+                            self._serve(client)
+                self._expire_waits()
+                if self._accept_at and time.monotonic() >= self._accept_at:
+                    self._accept_at = 0.0
+                    poller.register(listen_fd, select.POLLIN)
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        for client in list(self._clients.values()):
+            self._drop(client, hung_up=False)
+        self.table.close()
+        self._listener.close()
+        self._wake.close()
+
+    # -- connections ---------------------------------------------------------------
+
+    def _poll_ms(self) -> int:
+        soonest = min((d for ws in self._waits.values() for _, d in ws), default=None)
+        if self._accept_at:
+            soonest = min(soonest or self._accept_at, self._accept_at)
+        if soonest is None:
+            return 1000
+        return max(0, min(1000, int((soonest - time.monotonic()) * 1000) + 1))
+
+    def _accept(self) -> None:
+        try:
+            conn = self._listener.accept(timeout=0)
+        except ShmshareTimeout:
+            return
+        except (ShmshareError, OSError) as exc:
+            if getattr(exc, "errno", None) in (errno.EMFILE, errno.ENFILE):
+                log.warning("out of fds, not accepting clients for %.1f s: %s", _ACCEPT_PAUSE, exc)
+                self._poller.unregister(self._listener.fileno())
+                self._accept_at = time.monotonic() + _ACCEPT_PAUSE
+            return  # another uid (refused), or it gave up
+        if len(self._clients) >= _MAX_CLIENTS:
+            log.warning("%d clients connected: refusing pid %s", _MAX_CLIENTS, conn.peer_cred.pid)
+            conn.close()
+            return
+        self.counts["clients"] += 1
+        client = _Client(self.counts["clients"], conn)
+        self._clients[conn.fileno()] = client
+        self._poller.register(conn.fileno(), select.POLLIN)
+        log.debug("client %d (pid %s) connected", client.id, client.pid)
+
+    def _serve(self, client: _Client) -> None:
+        try:
+            while True:
+                got = client.conn.recv_nowait()
+                if got is None:
+                    return
+                header, fds = got
+                try:
+                    self._answer(client, header, fds)
+                finally:
+                    for f in fds:
+                        f.close()
+        except PeerDied:
+            self._drop(client, hung_up=True)
+        except (ProtocolError, ShmshareError, OSError, ValueError, TypeError) as exc:
+            log.info("client %d (pid %s) dropped: %s", client.id, client.pid, exc)
+            self._drop(client, hung_up=False)
+
+    def _drop(self, client: _Client, hung_up: bool) -> None:
+        """The client is gone: its references go, its unsealed objects are aborted."""
+        fd = client.conn.fileno() if not client.conn.closed else -1
+        if self._clients.pop(fd, None) is not None:
+            self._poller.unregister(fd)
+        client.conn.close()
+        table = self.table
+        for oid, n in client.refs.items():
+            obj = table.objects.get(oid)
+            if obj is not None:
+                table.unref(obj, client.id, n)
+        client.refs.clear()
+        for oid in client.creating:
+            obj = table.objects.get(oid)
+            if obj is not None and not obj.sealed:
+                log.info("object %r aborted: its creator (pid %s) left before seal",
+                         obj.name, client.pid)
+                table.unname(obj)
+                self._wake_waiters(obj.name, abort=f"object {obj.name!r} was aborted: its "
+                                   f"creator (pid {client.pid}) went before sealing it")
+        client.creating.clear()
+        for oid in client.future:
+            obj = table.objects.get(oid)
+            if obj is not None:
+                table.write_seal(obj)  # its writable mapping went with it
+        client.future.clear()
+        for ws in self._waits.values():
+            ws[:] = [w for w in ws if w[0] is not client]
+        if client.staging is not None:
+            os.close(client.staging[0])
+            client.staging = None
+        log.debug("client %d (pid %s) gone%s", client.id, client.pid,
+                  "" if hung_up else " (dropped)")
+
+    def _dropped(self, seg_id: int) -> None:
+        """A segment left the store: tell the clients that may map it, so they unmap it."""
+        for client in self._clients.values():
+            if seg_id in client.segments:
+                client.segments.discard(seg_id)
+                try:
+                    client.conn.send({"k": "drop", "i": seg_id}, timeout=0)
+                except (ShmshareError, OSError, ValueError):
+                    client.drops.append(seg_id)  # its socket is full: told in the next reply
+
+    def _reply(self, client: _Client, header: dict[str, Any], fds: list[int] | None = None) -> None:
+        if client.drops:
+            header["d"], client.drops = client.drops, []
+        client.conn.send(header, fds or (), timeout=_REPLY_WAIT)
+
+    # -- requests ------------------------------------------------------------------
+
+    def _answer(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
+        kind = h.get("k")
+        one_way = kind in ("rel", "unmapped")
+        try:
+            handler = _HANDLERS.get(kind) if isinstance(kind, str) else None
+            if handler is None:
+                raise ProtocolError(f"unknown request {kind!r}")
+            handler(self, client, h, fds)
+        except _Bad as exc:
+            if not one_way:
+                code, text = exc.args
+                self._reply(client, {"k": "err", "e": code, "w": text})
+        except StoreFull as exc:
+            self._reply(client, {"k": "err", "e": "full", "w": str(exc)})
+
+    def _put(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
+        name, size, meta, torch = self._new_object(h, client)
+        if h.get("r") is True:
+            old = self.table.names.get(name)
+            if old is not None:
+                self.table.unname(old)
+        elif name in self.table.names:
+            raise _Bad(EXISTS, _exists(name))
+        if fds:
+            obj = self._memfd_object(client, name, size, meta, torch, fds, sealed=True)
+        else:
+            obj = self._arena_object(client, name, size, meta, torch)
+            try:
+                self._read_staged(client, obj, h)
+            except BaseException:
+                self._free_new(obj)
+                raise
+            obj.sealed = True
+        self.table.add(obj)
+        self.counts["put"] += 1
+        self._reply(client, {"k": "ok", "ws": obj.write_seal})
+        self._wake_waiters(name)
+
+    def _create(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
+        name, size, meta, torch = self._new_object(h, client)
+        if name in self.table.names:
+            raise _Bad(EXISTS, _exists(name))
+        if fds:
+            obj = self._memfd_object(client, name, size, meta, torch, fds, sealed=False)
+        else:
+            obj = self._arena_object(client, name, size, meta, torch)
+        self.table.add(obj)
+        client.creating.add(obj.oid)
+        self.counts["create"] += 1
+        self._reply(client, {"k": "ok", "o": obj.oid})
+
+    def _seal(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
+        name = _name(h)
+        obj = self.table.names.get(name)
+        if obj is None or obj.oid not in client.creating:
+            raise _Bad(NOT_YOURS if obj is not None else NOT_FOUND,
+                       f"{name!r} is not an object this client created and has not sealed "
+                       "(sealed already, deleted, or created by another client)")
+        if obj.block is not None:
+            self._read_staged(client, obj, h)
+        client.creating.discard(obj.oid)
+        self.table.seal(obj)
+        if obj.write_seal == "future":
+            client.future.add(obj.oid)
+        self._reply(client, {"k": "ok", "ws": obj.write_seal})
+        self._wake_waiters(name)
+
+    def _unmapped(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
+        obj = self.table.objects.get(h.get("o"))  # type: ignore[arg-type]
+        if obj is not None and obj.creator == client.id and obj.sealed:
+            self.table.write_seal(obj)
+            if obj.write_seal == "full":
+                client.future.discard(obj.oid)
+
+    def _get(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
+        name = _name(h)
+        obj = self.table.names.get(name)
+        if obj is None:
+            raise _Bad(NOT_FOUND, f"no object {name!r} in the store")
+        if not obj.sealed:
+            raise _Bad(NOT_SEALED, f"object {name!r} is not sealed yet (its creator is filling "
+                       "it): pass get(..., timeout=SECONDS) to wait for it")
+        table = self.table
+        if obj.write_seal == "future":
+            table.write_seal(obj)
+        table.ref(obj, client.id)
+        client.refs[obj.oid] = client.refs.get(obj.oid, 0) + 1
+        table.touch(obj)
+        self.counts["get"] += 1
+        reply = {"k": "obj", "o": obj.oid, "i": obj.seg_id, "off": obj.offset, "s": obj.size,
+                 "m": obj.meta}
+        send: list[int] = []
+        if obj.size == 0:
+            pass
+        elif obj.fd >= 0 and obj.torch:
+            reply["p"] = True  # mapped copy-on-write for its tensors, once per get
+            send.append(obj.fd)
+            reply["n"] = obj.size
+        elif obj.seg_id not in client.segments:
+            if obj.block is not None:
+                seg: ShmSegment = obj.block.segment.handle  # type: ignore[assignment]
+                send.append(table.ro_fd(seg))
+                reply["n"] = seg.size
+            else:
+                send.append(obj.fd)
+                reply["n"] = obj.size
+            client.segments.add(obj.seg_id)
+        self._reply(client, reply, send)
+
+    def _release(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
+        oids = h.get("o")
+        if not isinstance(oids, list):
+            raise ProtocolError("a rel frame without a list of object ids")
+        table = self.table
+        for oid in oids:
+            n = client.refs.get(oid, 0) if type(oid) is int else 0
+            if not n:
+                continue  # not its to give back
+            if n == 1:
+                del client.refs[oid]
+            else:
+                client.refs[oid] = n - 1
+            obj = table.objects.get(oid)
+            if obj is not None:
+                table.unref(obj, client.id)
+
+    def _delete(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
+        name = _name(h)
+        obj = self.table.names.get(name)
+        if obj is None:
+            raise _Bad(NOT_FOUND, f"no object {name!r} in the store")
+        for c in self._clients.values():
+            c.creating.discard(obj.oid)
+        self.table.unname(obj)
+        self.counts["delete"] += 1
+        self._reply(client, {"k": "ok"})
+
+    def _info(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
+        name = _name(h)
+        obj = self.table.names.get(name)
+        if obj is None:
+            raise _Bad(NOT_FOUND, f"no object {name!r} in the store")
+        self._reply(client, {"k": "info", "l": obj.entry(time.time())})
+
+    def _list(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
+        after = h.get("a")
+        names = sorted(self.table.names)
+        if isinstance(after, str):
+            import bisect
+
+            names = names[bisect.bisect_right(names, after):]
+        now = time.time()
+        page = names[:_LIST_PAGE]
+        self._reply(client, {"k": "list", "l": [self.table.names[n].entry(now) for n in page],
+                             "more": len(names) > len(page)})
+
+    def _stats(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
+        st = self.table.stats()
+        st.update(self.counts, pid=os.getpid(), path=self.path, connected=len(self._clients),
+                  uptime=round(time.time() - self._started, 3))
+        self._reply(client, {"k": "stats", "s": st})
+
+    def _stage(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
+        size = h.get("s")
+        if len(fds) != 1 or type(size) is not int or not 0 < size <= LARGE:
+            raise _Bad(BAD, f"a staging memfd is one fd of 1..{LARGE} bytes")
+        try:
+            check_fd(fds[0].fileno(), size, trust_unsealed=False, writable=False, backed=0)
+        except ProtocolError as exc:
+            raise _Bad(BAD, str(exc)) from exc
+        if client.staging is not None:
+            os.close(client.staging[0])
+        client.staging = (fds[0].take(), size)
+        self._reply(client, {"k": "ok"})
+
+    def _wait(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
+        name = _name(h)
+        seconds = h.get("t")
+        if not isinstance(seconds, (int, float)) or not seconds >= 0:
+            raise _Bad(BAD, f"a wait needs t >= 0 seconds, got {seconds!r}")
+        obj = self.table.names.get(name)
+        if obj is not None and obj.sealed:
+            self._reply(client, {"k": "ok"})
+            return
+        deadline = time.monotonic() + min(float(seconds), 1e9)
+        self._waits.setdefault(name, []).append((client, deadline))
+
+    # -- helpers -------------------------------------------------------------------
+
+    def _new_object(self, h: dict[Any, Any], client: _Client) -> tuple[str, int, bytes, bool]:
+        name = _name(h)
+        size, meta, torch = h.get("s"), h.get("m"), h.get("t")
+        if type(size) is not int or size < 0 or size >= 1 << 48:
+            raise _Bad(BAD, f"an object's size must be 0..2**48 bytes, got {size!r}")
+        if type(meta) is not bytes or len(meta) > MAX_META:
+            raise _Bad(BAD, f"an object's meta must be at most {MAX_META} bytes")
+        _check_meta(meta, size)
+        return name, size, meta, torch is True
+
+    def _memfd_object(self, client: _Client, name: str, size: int, meta: bytes, torch: bool,
+                      fds: list[Fd], sealed: bool) -> Obj:
+        if len(fds) != 1 or size < 1:
+            raise _Bad(BAD, "a memfd object comes with exactly one fd and at least one byte")
+        fd = fds[0].fileno()
+        try:
+            check_fd(fd, size, trust_unsealed=False, writable=False, backed=size)
+        except ProtocolError as exc:
+            raise _Bad(BAD, str(exc)) from exc
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        need = SEALS | (fcntl.F_SEAL_WRITE if sealed else 0)
+        if seals & need != need or (not sealed and os.fstat(fd).st_size != size):
+            raise _Bad(BAD, f"the memfd of {name!r} must be sealed F_SEAL_SHRINK|F_SEAL_GROW"
+                       + ("|F_SEAL_WRITE" if sealed else "") + f" (it has {seals:#x})")
+        charge = self.table.charge_memfd(size, f"object {name!r}")
+        return Obj(self.table.new_oid(), name, size, meta, torch, _new_id(), 0, charge,
+                   client.id, fd=fds[0].take(), sealed=sealed,
+                   write_seal="full" if sealed else "none")
+
+    def _arena_object(self, client: _Client, name: str, size: int, meta: bytes,
+                      torch: bool) -> Obj:
+        if size >= LARGE:
+            raise _Bad(BAD, f"an object of {size} bytes (>= {LARGE}) comes with its own memfd")
+        oid = self.table.new_oid()
+        if size == 0:
+            return Obj(oid, name, 0, meta, torch, 0, 0, 0, client.id)
+        block = self.table.malloc(size, f"object {name!r}")
+        seg: ShmSegment = block.segment.handle  # type: ignore[assignment]
+        return Obj(oid, name, size, meta, torch, seg.id, block.address - seg.address, block.size,
+                   client.id, block=block)
+
+    def _read_staged(self, client: _Client, obj: Obj, h: dict[Any, Any]) -> None:
+        """Copy a small object's bytes from the client's staging memfd into its block."""
+        if obj.size == 0:
+            return
+        staged = h.get("st")
+        if client.staging is None or staged != obj.size or obj.size > client.staging[1]:
+            raise _Bad(BAD, f"{obj.size} bytes of {obj.name!r} were to be staged first")
+        assert obj.block is not None
+        dst = memoryview(_native.Lease(None, obj.block.address, obj.size))
+        got = os.preadv(client.staging[0], [dst], 0)  # never maps the client's memory
+        if got != obj.size:
+            raise _Bad(BAD, f"the staging memfd held {got} of {obj.size} bytes")
+
+    def _free_new(self, obj: Obj) -> None:
+        """Give back the block of an object that never made it into the table."""
+        if obj.block is not None:
+            block, obj.block = obj.block, None
+            self.table.arena.free(block)
+
+    def _wake_waiters(self, name: str, abort: str | None = None) -> None:
+        ws = self._waits.pop(name, None)
+        if not ws:
+            return
+        for client, _ in ws:
+            if client.conn.closed:
+                continue
+            try:
+                if abort is None:
+                    self._reply(client, {"k": "ok"})
+                else:
+                    self._reply(client, {"k": "err", "e": ABORTED, "w": abort})
+            except (ShmshareError, OSError, ValueError):
+                self._drop(client, hung_up=False)
+
+    def _expire_waits(self) -> None:
+        if not self._waits:
+            return
+        now = time.monotonic()
+        for name in list(self._waits):
+            ws = self._waits[name]
+            late = [w for w in ws if w[1] <= now]
+            if not late:
+                continue
+            ws[:] = [w for w in ws if w[1] > now]
+            if not ws:
+                del self._waits[name]
+            for client, _ in late:
+                try:
+                    self._reply(client, {"k": "err", "e": TIMEOUT,
+                                         "w": f"no sealed object {name!r} came in time"})
+                except (ShmshareError, OSError, ValueError):
+                    self._drop(client, hung_up=False)
+
+
+_HANDLERS: dict[str, Any] = {
+    "put": Server._put, "create": Server._create, "seal": Server._seal, "get": Server._get,
+    "rel": Server._release, "unmapped": Server._unmapped, "del": Server._delete,
+    "info": Server._info, "list": Server._list, "stats": Server._stats, "stage": Server._stage,
+    "wait": Server._wait,
+}
+
+
+def _name(h: dict[Any, Any]) -> str:
+    try:
+        return check_name(h.get("n"))
+    except (TypeError, ValueError) as exc:
+        raise _Bad(BAD, str(exc)) from exc
+
+
+def _exists(name: str) -> str:
+    return (f"the store has an object {name!r} already: delete it first, or "
+            "put(..., replace=True)")
+
+
+def _check_meta(meta: bytes, size: int) -> None:
+    """Refuse meta whose arrays do not lie inside the object (a getter trusts it)."""
+    def view(seg: int, block: int, offset: int, lay: Any) -> None:
+        if lay.dtype.hasobject:
+            raise _Bad(BAD, f"an array of dtype {lay.dtype} holds object references")
+        if seg == 0:
+            if 0 not in lay.shape and (lay.dtype.itemsize or lay.dtype.kind in "SU"):
+                raise _Bad(BAD, f"an empty array's descriptor has shape {lay.shape}")
+            return
+        start = offset + lay.lo
+        if seg != 1 or start < 0 or start + lay.nbytes > size:
+            raise _Bad(BAD, f"an array of {lay.nbytes} bytes at offset {start} lies outside "
+                       f"its object of {size} bytes")
+
+    try:
+        decode(meta, view)
+    except ValueError as exc:
+        raise _Bad(BAD, f"malformed meta: {exc}") from exc
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+def _remove_stale(path: str) -> None:
+    """Remove a socket file nobody listens on (a killed daemon's); refuse a live one."""
+    if not os.path.lexists(path):
+        return
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        s.settimeout(1.0)
+        s.connect(path)
+    except ConnectionRefusedError:
+        os.unlink(path)  # a socket nobody listens on: a killed daemon's
+        return
+    except OSError:
+        return  # not a socket, or not ours: the listener's own error says what it is
+    finally:
+        s.close()
+    raise StoreError(f"a store daemon already listens on {path!r}: stop it first (or choose "
+                     "another --socket)")
+
+
+def serve(path: str | None = None, limit: int | None = None, evict: bool = False,
+          ready: Any = None) -> int:
+    """Run the store until SIGINT or SIGTERM; `ready(daemon)` is called once it listens."""
+    daemon = Server(path, limit, evict)
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def stop(signum: int, frame: Any) -> None:
+        log.info("signal %d: stopping", signum)
+        daemon.stop()
+
+    for s in old:
+        signal.signal(s, stop)
+    try:
+        if ready is not None:
+            ready(daemon)
+        daemon.run()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return 0

@@ -1,0 +1,159 @@
+"""Starting the daemon: ``shmshare serve`` in the foreground or detached, and ``Daemon``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from ._daemon import Server, serve
+from ._protocol import StoreError
+
+__all__ = ["Daemon", "main_serve"]
+
+_READY = "shmshare store listening on "
+
+
+class Daemon:
+    """A store daemon run as a child process (``python -m shmshare serve``).
+
+    ``Daemon.start()`` returns once it listens; ``stop()`` ends it with
+    SIGTERM (every object freed, the socket removed) and ``kill()`` with
+    SIGKILL. A context manager stops it on exit.
+    """
+
+    def __init__(self, proc: subprocess.Popen[str], path: str) -> None:
+        self.proc = proc
+        self.pid = proc.pid
+        self.path = path
+
+    @classmethod
+    def start(cls, path: str | os.PathLike[str] | None = None, limit: int | None = None,
+              evict: bool = False, timeout: float = 10.0, log_level: str = "warning",
+              env: dict[str, str] | None = None) -> Daemon:
+        """Run a daemon and wait (at most `timeout` s) until it listens."""
+        cmd = [sys.executable, "-m", "shmshare", "serve", "--log-level", log_level]
+        if path is not None:
+            cmd += ["--socket", os.fspath(path)]
+        if limit is not None:
+            cmd += ["--limit", str(int(limit))]
+        if evict:
+            cmd.append("--evict")
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                                env=env)
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([proc.stdout], [], [], left)[0]:
+                    raise StoreError(f"the store daemon (pid {proc.pid}) did not start listening "
+                                     f"within {timeout} s")
+                line = proc.stdout.readline()
+                if not line:
+                    rc = proc.wait(timeout=5)
+                    raise StoreError(f"the store daemon exited with status {rc} before it "
+                                     "listened (its error is on stderr above)")
+                if line.startswith(_READY):
+                    where = line[len(_READY):].rsplit(" (pid", 1)[0]
+                    return cls(proc, where)
+        except BaseException:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+            proc.stdout.close()
+            raise
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM, and wait for the exit status (SIGKILL after `timeout` s)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._close_pipe()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL (the socket file stays; the next daemon on the path removes it)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def __enter__(self) -> Daemon:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"<Daemon pid {self.pid} at {self.path!r}>"
+
+
+def main_serve(socket_path: str | None, limit: int | None, evict: bool, log_level: str,
+               detach: bool) -> int:
+    """``shmshare serve``: run the store in the foreground, or detached (printing its socket)."""
+    logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s shmshare-store[%(process)d] %(levelname)s %(message)s")
+    if detach:
+        return _detach(socket_path, limit, evict)
+
+    def ready(server: Server) -> None:
+        print(f"{_READY}{server.path} (pid {os.getpid()})", flush=True)
+
+    try:
+        return serve(socket_path, limit, evict, ready)
+    except StoreError as exc:
+        print(f"shmshare serve: {exc}", file=sys.stderr)
+        return 1
+
+
+def _detach(socket_path: str | None, limit: int | None, evict: bool) -> int:
+    """Fork twice (a new session, no terminal), serve there; print the socket once it listens."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid:
+        os.close(w)
+        with os.fdopen(r) as f:
+            got = f.read()
+        os.waitpid(pid, 0)
+        if not got.startswith(_READY):
+            print(f"shmshare serve --detach: {got.strip() or 'the daemon did not start'}",
+                  file=sys.stderr)
+            return 1
+        print(got.strip())
+        return 0
+    os.close(r)
+    try:
+        os.setsid()
+        if os.fork():
+            os._exit(0)
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.close(null)
+
+        def ready(server: Server) -> None:
+            os.write(w, f"{_READY}{server.path} (pid {os.getpid()})\n".encode())
+            os.close(w)
+
+        serve(socket_path, limit, evict, ready)
+    except BaseException as exc:  # noqa: BLE001 - told to the parent, then this process ends
+        try:
+            os.write(w, f"{exc}\n".encode())
+        except OSError:
+            pass
+        os._exit(1)
+    os._exit(0)

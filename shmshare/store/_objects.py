@@ -1,0 +1,282 @@
+"""The daemon's objects: names, references, memory, the limit and eviction.
+
+Note [When an object's memory comes back]
+    A name maps to one object until ``delete`` (or eviction, or its
+    creator's death before ``seal``). The object itself lives on while any
+    client holds views from a ``get`` of it: each get is one reference of
+    that client's, given back by a ``rel`` frame when the get's last view
+    dies, or all at once when the client's connection ends. An object with
+    no name and no reference is *freed*: its pool block goes back to the
+    daemon's caching allocator, or the daemon closes its memfd. Its bytes
+    count against ``--limit`` until then. A client may still map a freed
+    memfd for a moment (the kernel keeps the pages for that mapping); the
+    daemon tells it (a ``drop`` frame) so it unmaps.
+
+Note [Eviction]
+    With ``--evict``, an object that does not fit first makes room by
+    deleting sealed objects that no client references, least recently put
+    or got first (Ray's LRU of unpinned objects). Referenced objects, and
+    objects being created, are never evicted: eviction never takes memory
+    from under a view. Without ``--evict`` the put fails with
+    :class:`StoreFull`, naming what the store holds.
+"""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..memory import CachingAllocator, OutOfMemoryError, ShmProvider
+from ..memory._block import Block
+from ..memory._policy import format_size
+from ._protocol import StoreFull
+
+__all__ = ["Obj", "Table"]
+
+_F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_ids = itertools.count(1)
+_TRIM_AT = 32 << 20  # cached arena bytes past which freed segments go back to the host
+
+
+@dataclass(eq=False)
+class Obj:
+    """One object of the store."""
+
+    oid: int  # unique in this daemon, never reused
+    name: str
+    size: int  # bytes of the object
+    meta: bytes  # the value's description (Note [An object's layout])
+    torch: bool  # holds torch tensors
+    seg_id: int  # the segment its bytes lie in (an arena segment, or its own memfd)
+    offset: int  # where in that segment
+    charge: int  # bytes counted against the limit
+    creator: int  # client id that made it
+    block: Block | None = None  # arena objects: the pool block
+    fd: int = -1  # memfd objects: the daemon's fd of it (owned)
+    sealed: bool = False
+    write_seal: str = "none"  # "full" (F_SEAL_WRITE), "future" (F_SEAL_FUTURE_WRITE), "none"
+    refs: dict[int, int] = field(default_factory=dict)  # client id -> gets not given back
+    created: float = field(default_factory=time.time)
+    named: bool = True  # still under its name (not deleted, evicted or aborted)
+
+    @property
+    def kind(self) -> str:
+        return "arena" if self.block is not None else "memfd"
+
+    @property
+    def nrefs(self) -> int:
+        return sum(self.refs.values())
+
+    def entry(self, now: float) -> list[Any]:
+        """The object as ``info``/``list`` tell it."""
+        return [self.name, self.size, self.sealed, self.nrefs, round(now - self.created, 3),
+                self.kind, self.write_seal, len(self.refs)]
+
+
+class Table:
+    """Names, objects, the arena (the daemon's caching pool) and the limit."""
+
+    def __init__(self, limit: int | None, evict: bool, on_drop: Any) -> None:
+        self.limit = limit
+        self.evict = evict
+        self._on_drop = on_drop  # on_drop(seg_id): a segment clients may map is gone
+        self.names: dict[str, Obj] = {}
+        self.objects: dict[int, Obj] = {}  # oid -> every object not freed yet
+        self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU
+        self.memfd_bytes = 0  # charged by memfd objects
+        self.provider = ShmProvider(None, "memfd")
+        self.provider.listeners.append(self._on_segment)
+        self.arena = CachingAllocator(self.provider, "expandable_segments:False")
+        self.ro_fds: dict[int, int] = {}  # arena segment id -> a read-only fd of it, for getters
+        self.evicted = 0
+        self.freed = 0
+
+    # -- memory ------------------------------------------------------------------
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes the store holds: memfd objects, and the arena's segments."""
+        return self.memfd_bytes + self.provider.used
+
+    def charge_memfd(self, size: int, what: str) -> int:
+        """Count a memfd object of `size` against the limit; the bytes charged."""
+        charge = -(-size // _PAGE) * _PAGE
+        self._make_room(charge, what)
+        self.memfd_bytes += charge
+        return charge
+
+    def malloc(self, size: int, what: str) -> Block:
+        """A block of the arena for an object of `size` bytes (StoreFull past the limit)."""
+        while True:
+            if self.limit is not None:
+                self.provider.limit = max(1, self.limit - self.memfd_bytes)
+            try:
+                return self.arena.malloc(size)
+            except OutOfMemoryError as exc:
+                if not self._evict_one():
+                    raise self._full(size, what) from exc
+
+    def _make_room(self, charge: int, what: str) -> None:
+        if self.limit is None:
+            return
+        while self.held_bytes + charge > self.limit:
+            if self._cached_arena() and self._trim():
+                continue
+            if not self._evict_one():
+                raise self._full(charge, what)
+
+    def _evict_one(self) -> bool:
+        if not self.evict or not self._idle:
+            return False
+        oid, _ = self._idle.popitem(last=False)
+        obj = self.objects[oid]
+        self.evicted += 1
+        self.unname(obj)
+        return True
+
+    def _full(self, need: int, what: str) -> StoreFull:
+        named = [o for o in self.objects.values() if o.named]
+        held = sum(o.size for o in self.objects.values() if o.refs)
+        hint = ("nothing unreferenced is left to evict: getters hold views of the rest"
+                if self.evict else "delete objects, raise --limit, or run `shmshare serve "
+                "--evict` to evict unreferenced objects, least recently used first")
+        return StoreFull(
+            f"{what} needs {format_size(need)}, and the store's --limit is "
+            f"{format_size(self.limit or 0)}: it holds {format_size(self.held_bytes)} "
+            f"({len(named)} objects, {format_size(held)} of them referenced by getters' views, "
+            f"{len(self.objects) - len(named)} deleted but still viewed); {hint}")
+
+    def _cached_arena(self) -> int:
+        st = self.arena.memory_stats()
+        return st["reserved_bytes.all.current"] - st["allocated_bytes.all.current"]
+
+    def _trim(self) -> bool:
+        before = self.provider.used
+        self.arena.empty_cache()
+        return self.provider.used < before
+
+    def _on_segment(self, kind: str, rec: Any, offset: int, nbytes: int) -> None:
+        if kind == "segment_free":
+            fd = self.ro_fds.pop(rec.id, -1)
+            if fd >= 0:
+                os.close(fd)
+            self._on_drop(rec.id)
+
+    def ro_fd(self, seg: Any) -> int:
+        """A read-only fd of an arena segment (a getter can map it ``PROT_READ`` only)."""
+        fd = self.ro_fds.get(seg.id, -1)
+        if fd < 0:
+            fd = os.open(f"/proc/self/fd/{seg.fd}", os.O_RDONLY | os.O_CLOEXEC)
+            self.ro_fds[seg.id] = fd
+        return fd
+
+    # -- lifetimes -----------------------------------------------------------------
+
+    def new_oid(self) -> int:
+        return next(_ids)
+
+    def add(self, obj: Obj) -> None:
+        self.names[obj.name] = obj
+        self.objects[obj.oid] = obj
+        if obj.sealed:
+            self._idle[obj.oid] = None
+
+    def seal(self, obj: Obj) -> None:
+        obj.sealed = True
+        if obj.fd >= 0:
+            self.write_seal(obj)
+        if not obj.refs and obj.named:
+            self._idle[obj.oid] = None
+
+    def write_seal(self, obj: Obj) -> None:
+        """Seal a memfd object against writes: fully once no writable mapping is left, else
+        against new ones (its creator still maps it: Note [The write seal])."""
+        if obj.write_seal == "full" or obj.fd < 0:
+            return
+        try:
+            fcntl.fcntl(obj.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+            obj.write_seal = "full"
+            return
+        except OSError:
+            pass  # EBUSY: a writable mapping of it is still there
+        if obj.write_seal == "none":
+            fcntl.fcntl(obj.fd, fcntl.F_ADD_SEALS, _F_SEAL_FUTURE_WRITE)
+            obj.write_seal = "future"
+
+    def ref(self, obj: Obj, client: int) -> None:
+        obj.refs[client] = obj.refs.get(client, 0) + 1
+        self._idle.pop(obj.oid, None)
+
+    def unref(self, obj: Obj, client: int, n: int = 1) -> None:
+        have = obj.refs.get(client, 0)
+        if have <= n:
+            obj.refs.pop(client, None)
+        else:
+            obj.refs[client] = have - n
+        if obj.refs:
+            return
+        if not obj.named:
+            self._free(obj)
+        elif obj.sealed:
+            self._idle[obj.oid] = None  # now the most recently used
+
+    def touch(self, obj: Obj) -> None:
+        if obj.oid in self._idle:
+            self._idle.move_to_end(obj.oid)
+
+    def unname(self, obj: Obj) -> None:
+        """Take the object's name away (delete, evict, abort); free it unless it is viewed."""
+        if obj.named:
+            obj.named = False
+            if self.names.get(obj.name) is obj:
+                del self.names[obj.name]
+        self._idle.pop(obj.oid, None)
+        if not obj.refs:
+            self._free(obj)
+
+    def _free(self, obj: Obj) -> None:
+        if self.objects.pop(obj.oid, None) is None:
+            return
+        self.freed += 1
+        if obj.block is not None:
+            block, obj.block = obj.block, None
+            self.arena.free(block)
+            if self._cached_arena() > _TRIM_AT:
+                self._trim()
+        if obj.fd >= 0:
+            fd, obj.fd = obj.fd, -1
+            os.close(fd)
+            self.memfd_bytes -= obj.charge
+            self._on_drop(obj.seg_id)
+
+    def close(self) -> None:
+        """Free everything (the daemon is stopping)."""
+        for obj in list(self.objects.values()):
+            obj.refs.clear()
+            obj.named = False
+            self._free(obj)
+        self.names.clear()
+        self._idle.clear()
+        self.arena.empty_cache()
+        for fd in self.ro_fds.values():
+            os.close(fd)
+        self.ro_fds.clear()
+        self.provider.close()
+
+    def stats(self) -> dict[str, Any]:
+        st = self.arena.memory_stats()
+        return {
+            "objects": sum(1 for o in self.objects.values() if o.named),
+            "deleted_viewed": sum(1 for o in self.objects.values() if not o.named),
+            "held_bytes": self.held_bytes, "memfd_bytes": self.memfd_bytes,
+            "arena_reserved_bytes": st["reserved_bytes.all.current"],
+            "arena_allocated_bytes": st["allocated_bytes.all.current"],
+            "limit": self.limit, "evict": self.evict, "evicted": self.evicted,
+            "freed": self.freed,
+        }

@@ -1,0 +1,223 @@
+"""A value as one object's bytes: where each array goes, how it is written, and the views back.
+
+Note [An object's layout]
+    An object is one run of bytes: every array of the value, C order, each
+    starting on a 64-byte boundary, in the order the value's walk meets
+    them. The meta (``tensors.encode``) says where: segment 1 and an offset
+    from the object's first byte, so the bytes can sit anywhere (a block of
+    the daemon's pool, or a memfd of their own) without the meta changing.
+    Empty arrays take no bytes (segment 0).
+
+Note [Writing a large object]
+    A put of an object of ``LARGE`` bytes or more writes the arrays into a
+    fresh memfd with ``pwrite``, never through a mapping: tmpfs allocates
+    each page as the write fills it, so the bytes are copied once and no
+    page is zeroed first or faulted in, and the writer never has a writable
+    mapping -- the memfd is sealed ``F_SEAL_WRITE`` before it leaves the
+    process. ``posix_fallocate`` then fills the holes the padding left, so
+    a getter's read can never allocate (Note [Trust no fd]). Large writes
+    go on two threads: ``pwrite`` releases the GIL.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import secrets
+import threading
+from typing import Any
+
+import numpy as np
+
+from .. import _native, tensors
+from .._errors import SegmentError, making_fds
+from ._protocol import ALIGN, MAX_META, StoreError
+
+__all__ = ["Plan", "write_memfd", "new_memfd", "reserve", "build", "one_array_meta"]
+
+_WRITE_MAX = 1 << 30  # bytes per pwrite call (Linux writes at most 0x7ffff000 at once)
+_TWO_THREADS = 64 << 20  # objects from this size are written on two threads
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # every memfd of the store, from birth
+
+
+def _c_strides(itemsize: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, step = [], itemsize
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+class Plan:
+    """Where each array of `value` goes in its object (Note [An object's layout])."""
+
+    __slots__ = ("arrays", "size", "torch", "meta")
+
+    def __init__(self, value: Any) -> None:
+        self.arrays: list[tuple[np.ndarray, int]] = []  # (array, offset in the object)
+        self.size = 0  # bytes of the object
+        self.torch = False  # holds torch tensors (a getter maps them copy-on-write)
+        self.meta = tensors.encode(value, self._place)
+        if len(self.meta) > MAX_META:
+            raise ValueError(f"the value's description is {len(self.meta)} bytes (its arrays' "
+                             f"descriptors and plain values); the store takes at most {MAX_META}: "
+                             "put fewer arrays or less plain data per object")
+
+    def _place(self, obj: Any) -> Any:
+        arr, tdt = tensors.as_numpy(obj)
+        dt = arr.dtype
+        tensors.check_shareable(dt)
+        if tdt is not None:
+            self.torch = True
+        shape = arr.shape
+        strides = _c_strides(dt.itemsize, shape)
+        tbytes = (tdt or "").encode()
+        if arr.nbytes == 0:
+            return tensors.pack_desc(0, 0, 0, tensors.desc_dtype_bytes(dt), shape, strides, tbytes)
+        offset = -(-self.size // ALIGN) * ALIGN
+        self.arrays.append((arr, offset))
+        self.size = offset + arr.nbytes
+        return tensors.pack_desc(1, 0, offset, tensors.desc_dtype_bytes(dt), shape, strides, tbytes)
+
+    def copy_into(self, address: int) -> None:
+        """Copy every array to `address` + its offset (a mapping of the object's bytes)."""
+        for arr, offset in self.arrays:
+            raw = _native.Lease(None, address + offset, arr.nbytes)
+            dst = np.ndarray(arr.shape, arr.dtype, buffer=raw)  # type: ignore[arg-type]
+            _copy(dst, arr)
+
+
+def one_array_meta(shape: tuple[int, ...], dtype: np.dtype, torch_dtype: str | None,
+                   has_bytes: bool) -> bytes:
+    """The meta of an object that is one C-order array at offset 0 (``create``)."""
+    ext = tensors.pack_desc(1 if has_bytes else 0, 0, 0, tensors.desc_dtype_bytes(dtype), shape,
+                            _c_strides(dtype.itemsize, shape), (torch_dtype or "").encode())
+    return tensors.encode(ext, _no_arrays)
+
+
+def _no_arrays(obj: Any) -> Any:
+    raise TypeError("no array here")
+
+
+def _copy(dst: np.ndarray, src: np.ndarray) -> None:
+    if src.dtype.fields is not None or src.dtype.subdtype is not None:
+        void = np.dtype((np.void, src.dtype.itemsize))  # whole items, padding included
+        np.copyto(dst.view(void), src.view(void), casting="no")
+    else:
+        np.copyto(dst, src, casting="no")
+
+
+def new_memfd(size: int, what: str) -> int:
+    """A memfd of `size` bytes, sealed against shrinking and growing; the caller owns it."""
+    fd = making_fds("memfd_create", os.memfd_create,
+                    f"shmshare_{os.getpid()}_{secrets.token_hex(4)}",
+                    os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+    except OSError as exc:
+        os.close(fd)
+        raise SegmentError(exc.errno, f"cannot make a {size}-byte memfd for {what}: "
+                           f"{exc.strerror}") from exc
+    return fd
+
+
+def reserve(fd: int, size: int, what: str) -> None:
+    """Give every page of the memfd its memory now: ENOSPC here, never SIGBUS later."""
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as exc:
+        raise SegmentError(exc.errno, f"cannot reserve {size} bytes of shared memory for {what}: "
+                           f"{exc.strerror} (the host's memory, or the memory cgroup's limit, is "
+                           "used up: free some, or put less)") from exc
+
+
+def write_memfd(plan: Plan, name: str) -> int:
+    """Write the plan's arrays into a new memfd sealed against writes (Note [Writing a large
+    object]); return the fd (the caller owns it)."""
+    what = f"object {name!r}"
+    fd = new_memfd(plan.size, what)
+    try:
+        jobs = [(arr if arr.flags.c_contiguous else np.ascontiguousarray(arr), off)
+                for arr, off in plan.arrays]
+        failed: list[BaseException] = []
+        if plan.size >= _TWO_THREADS:
+            half = plan.size // 2
+            first = [(a, o) for a, o in jobs if o < half]
+            rest = [(a, o) for a, o in jobs if o >= half]
+            if not rest and len(first) == 1:  # one big array: its two halves
+                a, o = first[0]
+                flat = a.reshape(-1).view(np.uint8)
+                cut = (half // _native.PAGE_SIZE) * _native.PAGE_SIZE
+                first, rest = [(flat[:cut], o)], [(flat[cut:], o + cut)]
+            t = threading.Thread(target=_write_all, args=(fd, rest, failed), daemon=True)
+            t.start()
+            _write_all(fd, first, failed)
+            t.join()
+        else:
+            _write_all(fd, jobs, failed)
+        if failed:
+            raise failed[0]
+        reserve(fd, plan.size, what)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+    except OSError as exc:
+        os.close(fd)
+        if isinstance(exc, SegmentError):
+            raise
+        raise SegmentError(exc.errno, f"cannot write {plan.size} bytes into the memfd of {what}: "
+                           f"{exc.strerror}") from exc
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _write_all(fd: int, jobs: list[tuple[np.ndarray, int]], failed: list[BaseException]) -> None:
+    try:
+        for arr, offset in jobs:
+            mv = memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # numpy types Buffer from 3.12
+            done, n = 0, len(mv)
+            while done < n:
+                done += os.pwrite(fd, mv[done:done + _WRITE_MAX], offset + done)
+    except BaseException as exc:  # noqa: BLE001 - raised again by write_memfd, on its thread
+        failed.append(exc)
+
+
+def build(meta: bytes, address: int, size: int, root: Any, readonly: bool, on_release: Any,
+          torch_copy: bool) -> Any:
+    """The value `meta` describes, as views of `size` bytes at `address` (kept alive by `root`).
+
+    One lease covers the object: `on_release` runs once every view is gone.
+    Torch tensors share the mapping unless `torch_copy` (then each is a
+    private copy: torch has no read-only tensors).
+    """
+    lease = _native.Lease(root, address, size, readonly, on_release)
+
+    def view(seg: int, block: int, offset: int, lay: tensors.Layout) -> Any:
+        dt = lay.dtype
+        if dt.hasobject:
+            raise StoreError(f"an array of dtype {dt} in an object: refused")
+        if seg == 0:
+            if 0 not in lay.shape and (dt.itemsize or dt.kind in "SU"):
+                raise StoreError(f"an empty array's descriptor has shape {lay.shape}")
+            arr = np.empty(lay.shape, dt)
+        else:
+            start = offset + lay.lo
+            if seg != 1 or start < 0 or start + lay.nbytes > size:
+                raise StoreError(f"an array of {lay.nbytes} bytes at offset {start} lies outside "
+                                 f"its object of {size} bytes")
+            if lay.dense:
+                arr = np.ndarray(lay.shape, dt, buffer=lease, offset=offset)  # type: ignore[arg-type]
+            else:
+                arr = np.ndarray(lay.shape, dt, buffer=lease, offset=offset,  # type: ignore[arg-type]
+                                 strides=lay.strides)
+            if not readonly and lay.torch_dtype is None:
+                arr.flags.writeable = False  # a copy-on-write mapping: numpy arrays stay read-only
+        if lay.torch_dtype is None:
+            return arr
+        return tensors.as_torch(arr.copy() if torch_copy else arr, lay.torch_dtype)
+
+    try:
+        return tensors.decode(meta, view)
+    except ValueError as exc:
+        raise StoreError(f"the store sent a malformed object: {exc}") from exc

@@ -1,0 +1,155 @@
+"""What the store's daemon and its clients say to each other, and where they meet.
+
+Note [The store's frames]
+    One msgpack header per frame on a ``wire`` connection (never a pickle);
+    the key ``"k"`` names the kind. A client sends a request and reads its
+    reply before the next one (one connection, requests in order), except
+    the one-way frames ``rel`` and ``unmapped``, which the daemon never
+    answers. The daemon's only unsolicited frame is ``drop``: a segment the
+    client maps is gone from the store, so the client may unmap it.
+
+    =========  ===========================================  =================
+    request    header (and fds)                             reply
+    =========  ===========================================  =================
+    put        n name, m meta, s size, t torch?, r replace  ok
+               + the object's memfd (size >= LARGE), or
+               st: bytes staged (smaller)
+    stage      s size + the client's staging memfd          ok
+    create     n, m, s, t (+ the memfd when >= LARGE)       ok
+    seal       n (+ st when small)                          ok, ws write seal
+    get        n name                                       obj: o id, i segment, off, s,
+                                                            m meta, p private? (+ fd)
+    wait       n name, t seconds (a second connection)      ok, or err
+    del        n                                            ok
+    info       n                                            info: the entry
+    list       a after (name), c count                      list: l entries, more
+    stats      --                                           stats: the daemon's figures
+    rel        o: object ids, one per get let go of         (none)
+    unmapped   o: an object whose creator unmapped it       (none)
+    =========  ===========================================  =================
+
+    An ``err`` reply carries ``e`` (a code below) and ``w`` (the text, with
+    the fix). Meta is the :func:`shmshare.tensors.encode` bytes of the
+    value with every array's descriptor relative to the object's first
+    byte (segment 1), so a getter needs no more than (segment, offset) and
+    the meta to rebuild it.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from .._errors import ShmshareError
+
+__all__ = ["LARGE", "MAX_META", "MAX_NAME", "StoreError", "StoreFull", "StoreGone", "ObjectExists",
+           "default_path", "check_name", "check_dir", "raise_for"]
+
+LARGE = 1 << 20  # bytes from which an object owns its memfd (sealed against writes)
+MAX_META = 96 * 1024  # bytes of a value's description (its arrays' descriptors, plain values)
+MAX_NAME = 1024  # bytes of a name, UTF-8
+ALIGN = 64  # each array of an object starts on a 64-byte boundary
+
+# error codes of an "err" reply
+NOT_FOUND, NOT_SEALED, EXISTS, FULL, BAD, TIMEOUT, ABORTED, NOT_YOURS = (
+    "not_found", "not_sealed", "exists", "full", "bad", "timeout", "aborted", "not_yours")
+
+
+class StoreError(ShmshareError):
+    """The store refused a request, or could not be reached."""
+
+
+class StoreFull(StoreError, MemoryError):
+    """An object does not fit in the store's ``--limit`` (and nothing could be evicted)."""
+
+
+class StoreGone(StoreError, ConnectionError):
+    """The store daemon went away (exited or was killed); objects it held are gone too."""
+
+
+class ObjectExists(StoreError, KeyError):
+    """A put or create named an object the store already has."""
+
+    def __str__(self) -> str:  # KeyError's str() would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+def raise_for(code: str, text: str) -> None:
+    """Raise the exception an ``err`` reply of `code` means."""
+    if code in (NOT_FOUND, NOT_SEALED, ABORTED):
+        raise _Missing(text)
+    if code == EXISTS:
+        raise ObjectExists(text)
+    if code == FULL:
+        raise StoreFull(text)
+    if code == TIMEOUT:
+        from .._errors import ShmshareTimeout
+
+        raise ShmshareTimeout(text)
+    if code == BAD:
+        raise ValueError(text)
+    raise StoreError(text)
+
+
+class _Missing(StoreError, KeyError):
+    """No sealed object of that name (KeyError, as a dict says it)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+def check_name(name: object) -> str:
+    """Return `name` if it is a store name (a non-empty str of at most MAX_NAME bytes)."""
+    if not isinstance(name, str):
+        raise TypeError(f"a store name is a str, got {type(name).__name__} {name!r:.80}")
+    if not name:
+        raise ValueError("a store name cannot be empty")
+    try:
+        n = len(name.encode())
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"a store name must be valid UTF-8 (lone surrogates are not): {exc}") from exc
+    if n > MAX_NAME:
+        raise ValueError(f"a store name is at most {MAX_NAME} bytes of UTF-8, got {n}")
+    return name
+
+
+def default_path() -> str:
+    """The per-user socket: ``$XDG_RUNTIME_DIR/shmshare/store.sock``, else
+    ``/tmp/shmshare-<uid>/store.sock`` (``SHMSHARE_STORE`` overrides both)."""
+    env = os.environ.get("SHMSHARE_STORE")
+    if env:
+        return env
+    run = os.environ.get("XDG_RUNTIME_DIR")
+    if run and os.path.isabs(run) and _owned_dir(run):
+        return os.path.join(run, "shmshare", "store.sock")
+    return os.path.join("/tmp", f"shmshare-{os.getuid()}", "store.sock")
+
+
+def _owned_dir(path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+
+
+def check_dir(sock_path: str) -> None:
+    """Refuse the default socket's directory if another user owns it or others may write it
+    (someone could stand in for the store there): it must be ours and 0700, or not exist yet.
+    A path given on purpose is the user's choice; the peer uid is checked on both ends anyway."""
+    d = os.path.dirname(os.path.abspath(sock_path))
+    try:
+        st = os.lstat(d)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise StoreError(f"{d!r}, the store socket's directory, is not a directory (a symlink or "
+                         "a file): remove it, or choose another --socket")
+    if st.st_uid != os.getuid():
+        raise StoreError(f"{d!r}, the store socket's directory, belongs to uid {st.st_uid}, not "
+                         f"to us (uid {os.getuid()}): someone else may stand in for the store "
+                         "there; remove it, or choose another --socket")
+    if st.st_mode & 0o077:
+        raise StoreError(f"{d!r}, the store socket's directory, has mode "
+                         f"{stat.S_IMODE(st.st_mode):04o}: others could replace the socket; "
+                         "`chmod 700` it")
