@@ -252,6 +252,8 @@ class Server:
     def _answer(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
         kind = h.get("k")
         one_way = kind in ("rel", "unmapped")
+        if "rl" in h:  # releases carried by a request (Note [A client's mappings])
+            self._release(client, {"o": h["rl"]}, fds)
         try:
             handler = _HANDLERS.get(kind) if isinstance(kind, str) else None
             if handler is None:

@@ -119,17 +119,26 @@ class Table:
             try:
                 return self.arena.malloc(size)
             except OutOfMemoryError as exc:
-                if not self._evict_one():
+                if not self._could_fit(size) or not self._evict_one():
                     raise self._full(size, what) from exc
 
     def _make_room(self, charge: int, what: str) -> None:
         if self.limit is None:
             return
+        if self.held_bytes + charge > self.limit and not self._could_fit(charge):
+            raise self._full(charge, what)
         while self.held_bytes + charge > self.limit:
             if self._cached_arena() and self._trim():
                 continue
             if not self._evict_one():
                 raise self._full(charge, what)
+
+    def _could_fit(self, need: int) -> bool:
+        """Whether evicting every unreferenced object (and trimming the pool) could make room:
+        nothing is evicted for a put that would fail all the same."""
+        assert self.limit is not None
+        idle = sum(self.objects[oid].charge for oid in self._idle) if self.evict else 0
+        return self.held_bytes - idle - self._cached_arena() + need <= self.limit
 
     def _evict_one(self) -> bool:
         if not self.evict or not self._idle:

@@ -201,6 +201,8 @@ def build(meta: bytes, address: int, size: int, root: Any, readonly: bool, on_re
             if 0 not in lay.shape and (dt.itemsize or dt.kind in "SU"):
                 raise StoreError(f"an empty array's descriptor has shape {lay.shape}")
             arr = np.empty(lay.shape, dt)
+            if lay.torch_dtype is None:
+                arr.flags.writeable = False  # as every array a get gives
         else:
             start = offset + lay.lo
             if seg != 1 or start < 0 or start + lay.nbytes > size:
