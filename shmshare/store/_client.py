@@ -28,6 +28,7 @@ from __future__ import annotations
 import builtins
 import collections
 import os
+import select
 import threading
 import time
 import weakref
@@ -145,8 +146,10 @@ class Store:
         self._staging: tuple[int, int] | None = None  # (fd, address) of our staging memfd
         self._creating: dict[str, tuple[int, Any]] = {}  # name -> (oid, buffer or None)
         self._gone: str | None = None  # why the connection is unusable
-        self._flusher = threading.Thread(target=self._flush_loop, name="shmshare-store-flusher",
-                                         daemon=True)
+        # the thread holds the Store only weakly: a Store dropped unclosed (and with no view
+        # left, since views hold it) is collected, and the thread then ends
+        self._flusher = threading.Thread(target=_flush_loop, args=(weakref.ref(self), self._wake),
+                                         name="shmshare-store-flusher", daemon=True)
         self._flusher.start()
         _live.add(self)
 
@@ -297,7 +300,22 @@ class Store:
         self._segs.clear()  # views keep their own mappings
         self._wake.poke()
         if threading.current_thread() is not self._flusher:
-            self._flusher.join(1.0 if self._out == 0 else 0)
+            self._flusher.join(1.0 if self._idle() else 0)
+
+    def _idle(self) -> bool:
+        """No view of a get is alive (their releases may still be queued), or no daemon."""
+        return self._out - len(self._released) <= 0 or self._gone is not None
+
+    def __del__(self) -> None:
+        # collected unclosed, so no view is left (each holds the Store): end the connection
+        # (its own finalizer would too) and let the flusher see the Store gone
+        try:
+            if not self._closed:
+                self._closed = True
+                self._conn.close()
+                self._wake.poke()
+        except Exception:  # noqa: BLE001, S110 - a half-built Store, or interpreter shutdown
+            pass
 
     @property
     def closed(self) -> bool:
@@ -446,26 +464,6 @@ class Store:
 
     # -- the flusher -----------------------------------------------------------------
 
-    def _flush_loop(self) -> None:
-        wake = self._wake
-        import select
-
-        poller = select.poll()
-        poller.register(wake.r, select.POLLIN)
-        while True:
-            ready = poller.poll(_IDLE_POLL * 1000)
-            if ready:
-                try:
-                    os.read(wake.r, 4096)
-                except (BlockingIOError, OSError):
-                    pass
-                time.sleep(_FLUSH_DELAY)  # a request may carry them sooner
-            self._armed = False
-            self._flush()
-            if self._closed and (self._out <= 0 or self._gone is not None):
-                self._shutdown()
-                return
-
     def _flush(self) -> None:
         if not self._lock.acquire(timeout=_IDLE_POLL):
             return
@@ -498,6 +496,7 @@ class Store:
             self._lock.release()
 
     def _shutdown(self) -> None:
+        """Close for good: the connection, the staging memfd, the cached mappings."""
         with self._lock:
             self._conn.close()
             if self._staging is not None:
@@ -506,8 +505,32 @@ class Store:
                 _native.unmap(address, LARGE, release=True)
                 os.close(fd)
             self._segs.clear()
-        self._wake.close()
         _live.discard(self)
+
+
+def _flush_loop(ref: weakref.ref[Store], wake: WakePipe) -> None:
+    """The flusher: releases of an idle client, drop frames, and the end after close()."""
+    poller = select.poll()
+    poller.register(wake.r, select.POLLIN)
+    while True:
+        ready = poller.poll(_IDLE_POLL * 1000)
+        store = ref()
+        if store is None:
+            wake.close()  # a Store collected unclosed leaves its pipe to us
+            return
+        if ready:
+            try:
+                os.read(wake.r, 4096)
+            except OSError:
+                pass
+            time.sleep(_FLUSH_DELAY)  # a request may carry them sooner
+        store._armed = False  # disarm first, then look: a release racing with us re-arms
+        store._flush()
+        if store._closed and store._idle():
+            store._shutdown()
+            wake.close()
+            return
+        del store
 
 
 _live: weakref.WeakSet[Store] = weakref.WeakSet()
