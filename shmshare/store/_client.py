@@ -140,6 +140,7 @@ class Store:
         self._segs: dict[int, _native.Lease] = {}  # segment id -> its read-only mapping
         self._released: collections.deque[int] = collections.deque()
         self._unmapped: collections.deque[int] = collections.deque()
+        self._drops: collections.deque[int] = collections.deque()  # segments the daemon dropped
         self._armed = False  # the flusher is awake and will look at the queues again
         self._wake = WakePipe()
         self._out = 0  # gets whose views are still alive
@@ -385,8 +386,13 @@ class Store:
         return out
 
     def _dropped(self, seg: Any) -> None:
+        # The mapping goes on the flusher's thread: the munmap of a large object frees its
+        # pages (a tenth of a second per GiB), which a get must not wait for
         if type(seg) is int:
-            self._segs.pop(seg, None)  # unmapped once no view of it is left
+            self._drops.append(seg)
+            if not self._armed:
+                self._armed = True
+                self._wake.poke()
 
     def _stage(self, plan: Plan) -> None:
         """Copy a small object's bytes into our staging memfd (under the lock)."""
@@ -465,6 +471,13 @@ class Store:
     # -- the flusher -----------------------------------------------------------------
 
     def _flush(self) -> None:
+        gone: builtins.list[Any] = []  # mappings to let go of, outside the lock
+        try:
+            self._flush_locked(gone)
+        finally:
+            del gone  # unmapped here (unless a view still holds one)
+
+    def _flush_locked(self, gone: builtins.list[Any]) -> None:
         if not self._lock.acquire(timeout=_IDLE_POLL):
             return
         try:
@@ -488,6 +501,10 @@ class Store:
                     self._dropped(h.get("i"))
                 elif self._owed:
                     self._owed -= 1
+            while self._drops:
+                root = self._segs.pop(self._drops.popleft(), None)
+                if root is not None:
+                    gone.append(root)
         except PeerDied as exc:
             self._died(exc)
         except (ShmshareError, OSError, ValueError):

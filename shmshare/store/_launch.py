@@ -17,6 +17,7 @@ from ._protocol import StoreError
 __all__ = ["Daemon", "main_serve"]
 
 _READY = "shmshare store listening on "
+_PARENT = "SHMSHARE_SERVE_PARENT"  # set by Daemon.start: the pid the daemon dies with
 
 
 class Daemon:
@@ -35,8 +36,14 @@ class Daemon:
     @classmethod
     def start(cls, path: str | os.PathLike[str] | None = None, limit: int | None = None,
               evict: bool = False, timeout: float = 10.0, log_level: str = "warning",
-              env: dict[str, str] | None = None) -> Daemon:
-        """Run a daemon and wait (at most `timeout` s) until it listens."""
+              env: dict[str, str] | None = None, die_with_parent: bool = True) -> Daemon:
+        """Run a daemon and wait (at most `timeout` s) until it listens.
+
+        With `die_with_parent` the daemon gets SIGTERM when the thread that
+        started it ends (``PR_SET_PDEATHSIG``: the kernel's rule is the
+        thread's, not the process's), so a killed test or script leaves no
+        daemon behind.
+        """
         cmd = [sys.executable, "-m", "shmshare", "serve", "--log-level", log_level]
         if path is not None:
             cmd += ["--socket", os.fspath(path)]
@@ -44,8 +51,12 @@ class Daemon:
             cmd += ["--limit", str(int(limit))]
         if evict:
             cmd.append("--evict")
+        child_env = dict(os.environ if env is None else env)
+        child_env.pop(_PARENT, None)
+        if die_with_parent:
+            child_env[_PARENT] = str(os.getpid())
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                                env=env)
+                                env=child_env)
         assert proc.stdout is not None
         deadline = time.monotonic() + timeout
         try:
@@ -109,6 +120,9 @@ def main_serve(socket_path: str | None, limit: int | None, evict: bool, log_leve
                         format="%(asctime)s shmshare-store[%(process)d] %(levelname)s %(message)s")
     if detach:
         return _detach(socket_path, limit, evict)
+    parent = os.environ.pop(_PARENT, None)
+    if parent is not None and not _die_with(parent):
+        return 1
 
     def ready(server: Server) -> None:
         print(f"{_READY}{server.path} (pid {os.getpid()})", flush=True)
@@ -118,6 +132,18 @@ def main_serve(socket_path: str | None, limit: int | None, evict: bool, log_leve
     except StoreError as exc:
         print(f"shmshare serve: {exc}", file=sys.stderr)
         return 1
+
+
+def _die_with(parent: str) -> bool:
+    """SIGTERM when our parent goes (PR_SET_PDEATHSIG); False if it is gone already."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_set_pdeathsig = 1
+    if libc.prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) != 0:
+        logging.getLogger("shmshare.store").warning("prctl(PR_SET_PDEATHSIG) failed: errno %d",
+                                                    ctypes.get_errno())
+    return str(os.getppid()) == parent  # it may have gone before the prctl
 
 
 def _detach(socket_path: str | None, limit: int | None, evict: bool) -> int:
