@@ -27,31 +27,41 @@ and 1 GiB from this process (the producer) to a client process:
     object in a loop for a fixed time, dropping the view each time, all
     starting at one instant; the table shows the sum over the 4.
 
+Ray's arena is one mapping, reused: once its pages have been touched they
+stay resident in the store and mapped in each client, so a warm put is a
+copy into resident memory and a warm get reads mapped pages. A shmshare
+object of 1 MiB or more owns a new memfd: its pages are allocated by the
+put, faulted in by the client's first read, and freed after the delete.
+Each round line shows the untimed warm-up put and get of its size (the
+first at a size in round 1 is Ray's cold arena).
+
 Every cell runs in ``--rounds`` rounds (default 3, ``--quick`` 1), the paths
 interleaved within each size so that other work on the machine spreads over
 all of them; a round's figure is the median over its puts/gets (after one
-untimed warm-up), and the tables show the median over the rounds.
-Sizes that do not fit twice in the available memory and in ``/dev/shm`` are
-left out with the reason. The last block, between ``=== bench_store ratios ===``
-and ``=== end ===``, has one ``RATIO name value target verdict`` line per
-target of the issue ("1 GB put >= 2x faster than Ray's on /dev/shm here;
-small get >= 2x Ray's rate (4 clients)") and ``FIGURE`` lines for the rest;
-speeds are shmshare's as a multiple of the other's (for latencies: the
-other's time / shmshare's). Verdicts are informational: times are never
-asserted. Without Ray (``import ray`` fails) or the store, those rows are left
-out with a line saying why. A cell that fails prints its traceback; the
-others still run (exit 1).
+untimed warm-up), and the tables show the median over the rounds. A size
+whose cells would not fit (at peak: the source array, the stdlib copy, the
+daemon's limit of three objects and Ray's arena in memory; the arena and the
+stdlib copy in ``/dev/shm``) is left out with the reason. The last block,
+between ``=== bench_store ratios ===`` and ``=== end ===``, has one ``RATIO
+name value target verdict`` line per target of the issue ("1 GB put >= 2x
+faster than Ray's on /dev/shm here; small get >= 2x Ray's rate (4 clients)")
+and ``FIGURE`` lines for the rest; speeds are shmshare's as a multiple of
+the other's (for latencies: the other's time / shmshare's). Verdicts are
+informational: times are never asserted. Without Ray (``import ray`` fails)
+or the store, those rows are left out with a line saying why. A cell that
+fails prints its traceback; the others still run (exit 1).
 
 Every process the bench starts dies with it: the clients set
 ``PR_SET_PDEATHSIG``, and a reaper child SIGKILLs the daemon and Ray's
 processes (two of which, Ray's agents, outlive a killed driver otherwise)
 should this process die without cleaning up. Every wait is bounded (``WAIT``).
 
-Ray is not a dependency of shmshare; run with a Python that has both, this
-checkout first on the path (the C extension built in place), e.g.
+Ray is not a dependency of shmshare; run with a Python that has both. The
+checkout this script is in comes first (``sys.path``, and ``PYTHONPATH`` for
+the daemon's process), with its C extension built in place, e.g.
 ``python setup.py build_ext --inplace && /path/to/venv-with-ray/bin/python
 scripts/bench_store.py [--quick] [--sizes 4K,64M] [--rounds N] [--secs S]``.
-About 3 minutes on 2 CPUs (``--quick``: about 1).
+About 80 s on 2 CPUs (``--quick``: about 30 s), Ray's start included.
 """
 
 from __future__ import annotations
