@@ -670,7 +670,7 @@ def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def set_up(sizes: list[int], reaper: Reaper, folder: str, stack: list[Callable[[], None]]) -> list[Side]:
+def set_up(sizes: list[int], reaper: Reaper, folder: str, stack: list[Callable[[], object]]) -> list[Side]:
     """Start the daemon, fork the clients, then start Ray; return the paths, cleanups pushed on `stack`."""
     top = max(sizes)
     daemon, path = None, None
@@ -720,7 +720,7 @@ def run(args: argparse.Namespace) -> int:
     reaper = Reaper()
     folder = tempfile.mkdtemp(prefix="bench_store-")
     reaper.watch(folder=folder)
-    stack: list[Callable[[], None]] = []
+    stack: list[Callable[[], object]] = []
     failed = 0
     try:
         paths = set_up(sizes, reaper, folder, stack)
