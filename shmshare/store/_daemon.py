@@ -268,11 +268,8 @@ class Server:
 
     def _put(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
         name, size, meta, torch = self._new_object(h, client)
-        if h.get("r") is True:
-            old = self.table.names.get(name)
-            if old is not None:
-                self.table.unname(old)
-        elif name in self.table.names:
+        replace = h.get("r") is True
+        if not replace and name in self.table.names:
             raise _Bad(EXISTS, _exists(name))
         if fds:
             obj = self._memfd_object(client, name, size, meta, torch, fds, sealed=True)
@@ -284,6 +281,11 @@ class Server:
                 self._free_new(obj)
                 raise
             obj.sealed = True
+        old = self.table.names.get(name) if replace else None
+        if old is not None:  # only now: a put that fails leaves the old object as it was
+            for c in self._clients.values():
+                c.creating.discard(old.oid)
+            self.table.unname(old)
         self.table.add(obj)
         self.counts["put"] += 1
         self._reply(client, {"k": "ok", "ws": obj.write_seal})
@@ -448,6 +450,7 @@ class Server:
         if type(meta) is not bytes or len(meta) > MAX_META:
             raise _Bad(BAD, f"an object's meta must be at most {MAX_META} bytes")
         _check_meta(meta, size)
+        self.table.room_for_meta(len(meta), f"object {name!r}")
         return name, size, meta, torch is True
 
     def _memfd_object(self, client: _Client, name: str, size: int, meta: bytes, torch: bool,

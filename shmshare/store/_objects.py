@@ -90,6 +90,7 @@ class Table:
         self.objects: dict[int, Obj] = {}  # oid -> every object not freed yet
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU
         self.memfd_bytes = 0  # charged by memfd objects
+        self.meta_bytes = 0  # of every object's meta
         self.provider = ShmProvider(None, "memfd")
         self.provider.listeners.append(self._on_segment)
         self.arena = CachingAllocator(self.provider, "expandable_segments:False")
@@ -101,8 +102,9 @@ class Table:
 
     @property
     def held_bytes(self) -> int:
-        """Bytes the store holds: memfd objects, and the arena's segments."""
-        return self.memfd_bytes + self.provider.used
+        """Bytes the store holds: memfd objects, the arena's segments, and the objects' meta
+        (a value's description is the daemon's own memory: a flood of them counts too)."""
+        return self.memfd_bytes + self.provider.used + self.meta_bytes
 
     def charge_memfd(self, size: int, what: str) -> int:
         """Count a memfd object of `size` against the limit; the bytes charged."""
@@ -111,11 +113,15 @@ class Table:
         self.memfd_bytes += charge
         return charge
 
+    def room_for_meta(self, nbytes: int, what: str) -> None:
+        """StoreFull unless `nbytes` of meta fit (evicting if asked)."""
+        self._make_room(nbytes, what)
+
     def malloc(self, size: int, what: str) -> Block:
         """A block of the arena for an object of `size` bytes (StoreFull past the limit)."""
         while True:
             if self.limit is not None:
-                self.provider.limit = max(1, self.limit - self.memfd_bytes)
+                self.provider.limit = max(1, self.limit - self.memfd_bytes - self.meta_bytes)
             try:
                 return self.arena.malloc(size)
             except OutOfMemoryError as exc:
@@ -191,6 +197,7 @@ class Table:
         return next(_ids)
 
     def add(self, obj: Obj) -> None:
+        self.meta_bytes += len(obj.meta)
         self.names[obj.name] = obj
         self.objects[obj.oid] = obj
         if obj.sealed:
@@ -253,6 +260,7 @@ class Table:
         if self.objects.pop(obj.oid, None) is None:
             return
         self.freed += 1
+        self.meta_bytes -= len(obj.meta)
         if obj.block is not None:
             block, obj.block = obj.block, None
             self.arena.free(block)
@@ -284,6 +292,7 @@ class Table:
             "objects": sum(1 for o in self.objects.values() if o.named),
             "deleted_viewed": sum(1 for o in self.objects.values() if not o.named),
             "held_bytes": self.held_bytes, "memfd_bytes": self.memfd_bytes,
+            "meta_bytes": self.meta_bytes,
             "arena_reserved_bytes": st["reserved_bytes.all.current"],
             "arena_allocated_bytes": st["allocated_bytes.all.current"],
             "limit": self.limit, "evict": self.evict, "evicted": self.evicted,
