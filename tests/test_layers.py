@@ -14,6 +14,7 @@ LAYERS = {
     "_registry": 0,  # what pools and lease holders report, held weakly (Note [Reporters])
     "segment": 1,
     "wire": 2, "_sockets": 2, "_listen": 2,  # _sockets.py: wire's kernel side (SCM_RIGHTS, SO_PEERCRED)
+    "_statsd": 2,  # the opt-in stats socket: wire frames answering from _registry
     "memory": 3, "cuda": 3,
     "tensors": 4,
     "channel": 5,
