@@ -193,6 +193,13 @@ class _Server:
             os.write(self._w, b"x")
         if threading.current_thread() is not self._thread:
             self._thread.join(2.0)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            # Stuck in a reporter: its fds are its own to close when it ends (a number closed
+            # under it could be someone else's by then); the file goes now, and only now.
+            self._listener._pid = -1  # its late close() must not unlink a newer server's file
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            return
         self._shut()
 
     def forget_in_child(self) -> None:
@@ -231,8 +238,7 @@ class _Server:
         except BaseException:  # noqa: BLE001, S110 -- never the process's trouble: the socket goes
             pass
         finally:
-            if not self._stop:
-                self._shut()  # broken: no socket left that nobody answers
+            self._shut()  # stopped, or broken: no socket left that nobody answers
 
     def _loop(self) -> None:
         poller = select.poll()

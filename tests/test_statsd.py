@@ -250,6 +250,56 @@ def test_a_reply_too_large_for_one_frame_is_cut_but_its_totals_are_whole():
     assert not [e for e in _registry.entries() if e[0] == "pools" and isinstance(e[1], Big)]
 
 
+def test_a_failing_reporter_says_why_and_a_stuck_one_does_not_keep_the_socket():
+    class Odd:
+        pass
+
+    def broken(o: object) -> dict[str, object]:
+        raise ZeroDivisionError("no figures today")
+
+    stuck = threading.Event()
+
+    def slow(o: object) -> dict[str, object]:
+        stuck.wait(5)
+        return {}
+
+    odd, late = Odd(), Odd()
+    _registry.register("owners", odd, broken)
+    path = _statsd.serve_stats()
+    try:
+        reply = _statsd.ask(path)[1]
+        assert {"error": "ZeroDivisionError: no figures today"} in reply["owners"]
+        assert "totals" in reply  # the others are there all the same
+        _registry.register("owners", late, slow)
+        with contextlib.suppress(Exception):
+            _statsd.ask(path, timeout=0.3)  # the thread is now stuck in `slow`
+        t0 = time.monotonic()
+        _statsd.stop_stats()
+        assert time.monotonic() - t0 < 4 and not os.path.exists(path)  # gone though it is stuck
+    finally:
+        stuck.set()
+        _statsd.stop_stats()
+        for t in threading.enumerate():
+            if t.name == "shmshare-stats":
+                t.join(10)  # it closes its own fds as it ends
+    del odd, late
+
+
+def test_an_error_in_the_thread_removes_the_socket(monkeypatch):
+    def boom(now: float) -> None:
+        raise RuntimeError("a bug")
+
+    path = _statsd.serve_stats()
+    try:
+        monkeypatch.setattr(_statsd._registry, "tick", boom)
+        t0 = time.monotonic()
+        while _statsd.stats_socket() is not None and time.monotonic() - t0 < 5:
+            time.sleep(0.05)
+        assert _statsd.stats_socket() is None and not os.path.exists(path)
+    finally:
+        _statsd.stop_stats()
+
+
 def test_a_stale_socket_is_swept_by_the_next_server():
     d = _statsd._make_dir()
     stale = os.path.join(d, "999999999.sock")
