@@ -20,6 +20,7 @@ from ._errors import (
     ShmshareError,
     ShmshareTimeout,
 )
+from ._statsd import serve_stats, stats_socket, stop_stats
 from .channel import Receiver, Sender, channel, connect, listen
 from .loader import DataLoader
 from .segment import Flags, Segment
@@ -35,6 +36,9 @@ __all__ = [
     "Receiver",
     "DataLoader",
     "Store",
+    "serve_stats",
+    "stop_stats",
+    "stats_socket",
     "Flags",
     "Segment",
     "ShmshareError",

@@ -11,6 +11,15 @@ Note [Stat reads /proc, not the processes]
     out) is each process's own business; ``stat`` reports what the kernel
     says each one pins. Processes of other users are skipped unless we may
     read them (root).
+
+    A process that opted in to the stats socket (Note [The stats socket] in
+    ``_statsd.py``: ``SHMSHARE_STATS=1`` or ``shmshare.serve_stats()``) is
+    also asked for what only it knows: its pools by kind (shm, pinned,
+    device, ...: reserved, allocated, peaks) and its leases out with the age
+    of the oldest. Every socket is asked at once, each step bounded by
+    ASK_TIMEOUT, so a stopped or hung process costs stat half a second and a
+    note, never a hang. The answer is matched to /proc by the pid the kernel
+    gives for the socket's peer (``SO_PEERCRED``, in stat's pid namespace).
 """
 
 from __future__ import annotations
@@ -18,12 +27,16 @@ from __future__ import annotations
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _procfs
+from . import _procfs, _statsd
+from ._errors import ShmshareTimeout
 
-__all__ = ["Segment", "Process", "Report", "scan", "render", "main_stat"]
+__all__ = ["Segment", "Process", "Report", "scan", "ask_stats", "render", "main_stat", "ASK_TIMEOUT"]
+
+ASK_TIMEOUT = 0.5  # s for each step of asking one stats socket (connect, request, reply)
 
 # shmshare's names: memfds "shmshare_<pid>_<hex>", POSIX shm "/dev/shm/shmshare_<pid>_<hex>"
 _MARKS = ("/memfd:shmshare_", "/dev/shm/shmshare_")
@@ -60,6 +73,7 @@ class Process:
     fds: int = 0  # fds it holds of shmshare segments
     segments: set[tuple[str, int]] = field(default_factory=set)
     shares_with: set[int] = field(default_factory=set)
+    stats: dict[str, Any] | None = None  # its stats socket's answer, if it has one (_statsd.py)
 
 
 @dataclass
@@ -69,24 +83,34 @@ class Report:
     processes: list[Process]
     segments: list[Segment]
     skipped: int  # processes we may not read (other users', without root)
+    unanswered: list[dict[str, Any]] = field(default_factory=list)  # stats sockets silent: why
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "processes": [
-                {"pid": p.pid, "command": p.command, "mapped_bytes": p.mapped_bytes,
-                 "resident_bytes": p.resident_bytes, "fds": p.fds,
-                 "segments": len(p.segments), "shares_with": sorted(p.shares_with)}
-                for p in self.processes],
+            "processes": [_process_json(p) for p in self.processes],
             "segments": [
                 {"dev": s.dev, "inode": s.inode, "name": s.name, "size": s.size,
                  "mapped_by": sorted(s.mapped_by), "fd_holders": sorted(s.fd_holders)}
                 for s in self.segments],
             "skipped_processes": self.skipped,
+            "stats_unanswered": self.unanswered,
         }
 
 
-def scan(pids: list[int] | None = None) -> Report:
-    """Read /proc for every process (or those in `pids`) that holds shmshare memory."""
+def _process_json(p: Process) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "pid": p.pid, "command": p.command, "mapped_bytes": p.mapped_bytes,
+        "resident_bytes": p.resident_bytes, "fds": p.fds, "segments": len(p.segments),
+        "shares_with": sorted(p.shares_with)}
+    if p.stats is not None:
+        out["stats"] = p.stats
+    return out
+
+
+def scan(pids: list[int] | None = None, ask: bool = True) -> Report:
+    """Read /proc for every process (or those in `pids`) that holds shmshare memory; with `ask`,
+    add what the processes with a stats socket say (each listed, with or without memory)."""
+    want = None if pids is None else set(pids)
     if pids is None:
         pids = sorted(int(n) for n in os.listdir("/proc") if n.isdigit())
     procs: dict[int, Process] = {}
@@ -131,8 +155,63 @@ def scan(pids: list[int] | None = None) -> Report:
         for key in proc.segments:
             proc.shares_with |= segs[key].pids
         proc.shares_with.discard(proc.pid)
+    answers, unanswered = ask_stats(want) if ask else ({}, [])
+    for pid, stats in answers.items():
+        if want is not None and pid not in want:
+            continue
+        got = procs.get(pid)
+        if got is None:
+            got = procs[pid] = Process(pid, _command(pid))
+        got.stats = stats
     return Report(sorted(procs.values(), key=lambda p: -p.mapped_bytes),
-                  sorted(segs.values(), key=lambda s: -s.size), skipped)
+                  sorted(segs.values(), key=lambda s: -s.size), skipped, unanswered)
+
+
+def ask_stats(pids: set[int] | None = None, timeout: float = ASK_TIMEOUT
+              ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
+    """Ask every stats socket at once (only ``<pid>.sock`` of `pids`, if given).
+
+    Returns ({pid: its answer}, [{"socket", "why"} of each that did not answer]); sockets
+    nobody listens on (a process killed) are left out. Takes about `timeout` s when one hangs.
+    """
+    paths = _statsd.stats_sockets(all_users=os.getuid() == 0)
+    if pids is not None:
+        paths = [p for p in paths if _name_pid(p) in pids]
+    if not paths:
+        return {}, []
+    with ThreadPoolExecutor(max_workers=min(16, len(paths)), thread_name_prefix="shmshare-stat") as pool:
+        got = list(pool.map(lambda p: _ask_one(p, timeout), paths))
+    answers: dict[int, dict[str, Any]] = {}
+    unanswered = []
+    for path, (pid, reply, why) in zip(paths, got, strict=True):
+        if reply is not None:
+            reply = {k: v for k, v in reply.items() if k not in ("k", "v")}
+            answers[pid] = reply
+        elif why is not None:
+            unanswered.append({"socket": path, "pid": _name_pid(path), "why": why})
+    return answers, unanswered
+
+
+def _ask_one(path: str, timeout: float) -> tuple[int, dict[str, Any] | None, str | None]:
+    """(pid, reply, None), or (0, None, why it did not answer), or (0, None, None): stale."""
+    try:
+        uid = os.lstat(path).st_uid
+        pid, reply = _statsd.ask(path, timeout, allow_uids=(uid,))
+        return pid, reply, None
+    except ConnectionRefusedError:
+        return 0, None, None  # nobody listens: a process killed (the next server removes it)
+    except FileNotFoundError:
+        return 0, None, None  # it exited meanwhile
+    except ShmshareTimeout:
+        return 0, None, f"no answer within {timeout} s (stopped, or busy)"
+    except Exception as exc:  # noqa: BLE001 -- whatever one socket does, stat reports the rest
+        return 0, None, f"{type(exc).__name__}: {exc}"[:200]
+
+
+def _name_pid(path: str) -> int:
+    name = os.path.basename(path)
+    head = name.split("-", 1)[0].split(".", 1)[0]
+    return int(head) if head.isdigit() else 0
 
 
 def _command(pid: int) -> str:
@@ -186,9 +265,40 @@ def render(report: Report, width: int = 100) -> str:
             lines.append(row[:width])
         total = sum(s.size for s in report.segments)
         lines.append(f"{len(report.segments)} segments, {_size(total)} in all")
+    lines += _render_pools(report, width)
     if report.skipped:
         lines.append(f"({report.skipped} processes of other users not read: run as root to see them)")
     return "\n".join(lines)
+
+
+_KIND_ORDER = {"shm": 0, "pinned": 1, "device": 2, "host": 3, "simulated": 4}
+
+
+def _render_pools(report: Report, width: int) -> list[str]:
+    """The pools of the processes that answered on their stats socket, a row per pool kind."""
+    answered = [p for p in report.processes if p.stats is not None]
+    if not answered and not report.unanswered:
+        return []
+    lines = ["", "pools, from the processes' stats sockets (SHMSHARE_STATS=1 or shmshare.serve_stats()):",
+             f"{'PID':>7}  {'KIND':<9}  {'POOLS':>5}  {'RESERVED':>8}  {'ALLOCATED':>9}  "
+             f"{'PEAK RES':>8}  {'LEASES':>6}  {'OLDEST':>7}"]
+    for p in answered:
+        assert p.stats is not None
+        by_kind = (p.stats.get("totals") or {}).get("by_kind") or {}
+        if not by_kind:
+            lines.append(f"{p.pid:>7}  (no pool)")
+        for kind in sorted(by_kind, key=lambda k: (_KIND_ORDER.get(k, 9), k)):
+            t = by_kind[kind]
+            age = t.get("oldest_lease_s")
+            row = (f"{p.pid:>7}  {kind:<9}  {t.get('pools', 0):>5}  {_size(t.get('reserved_bytes', 0)):>8}  "
+                   f"{_size(t.get('allocated_bytes', 0)):>9}  {_size(t.get('peak_reserved_bytes', 0)):>8}  "
+                   f"{t.get('leases_out') or '-':>6}  {'-' if age is None else f'{age:.1f}s':>7}")
+            lines.append(row[:width])
+        if p.stats.get("truncated"):
+            lines.append(f"{'':>7}  ({p.stats['truncated']} entries cut from its answer; totals are whole)")
+    for u in report.unanswered:
+        lines.append(f"(pid {u['pid']}: {u['why']})"[:width])
+    return lines
 
 
 def main_stat(as_json: bool, watch: float | None, pids: list[int] | None) -> int:

@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     doc.add_argument("--json", action="store_true", help="print a machine-readable report")
     swp = sub.add_parser("sweep", help="remove /dev/shm/shmshare_* names whose creator died")
     swp.add_argument("--dry-run", action="store_true", help="list them, remove nothing")
-    st = sub.add_parser("stat", help="what every process holds of shmshare memory, from /proc")
+    st = sub.add_parser("stat", help="what every process holds of shmshare memory, from /proc; "
+                        "pools and leases of those with a stats socket (SHMSHARE_STATS=1)")
     st.add_argument("--json", action="store_true", help="print a machine-readable report")
     st.add_argument("--watch", type=_parse_seconds, default=None, metavar="SECONDS",
                     help="refresh every SECONDS until Ctrl-C")

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -121,3 +122,112 @@ def test_a_pid_that_is_gone_is_no_error():
     child.wait(10)
     report = _stat.scan([child.pid])
     assert report.processes == []
+
+
+# A child with the stats socket on: a simulated-device pool, a host pool and a channel whose
+# receiver keeps three arrays (three leases out), and one multiprocessing handle never
+# unpickled. It prints its own figures, then waits to be killed.
+_STATS_CHILD = r"""
+import json, pickle, signal, time
+import numpy as np
+import shmshare
+import shmshare.multiprocessing as smp
+from multiprocessing.reduction import ForkingPickler
+from shmshare.memory import CachingAllocator, CachingHostAllocator, HostFallbackProvider, SimulatedDevice
+
+dev = CachingAllocator(SimulatedDevice(1 << 30))
+blocks = [dev.malloc(3 << 20), dev.malloc(1 << 10)]
+host = CachingHostAllocator(HostFallbackProvider())
+pinned = host.allocate(5000)
+tx, rx = shmshare.channel()
+for n in (1000, 20000, 300000):
+    tx.send(np.ones(n, np.uint8))
+kept = [rx.recv(timeout=30) for _ in range(3)]
+handle = ForkingPickler.dumps(np.arange(4096, dtype=np.float64))
+ds = dev.memory_stats()
+tx_stats = tx.statistics()
+print(json.dumps({
+    "dev": [ds["reserved_bytes.all.current"], ds["allocated_bytes.all.current"]],
+    "host": host.host_memory_stats()["allocated_bytes.current"],
+    "leases": tx_stats.leases_out, "bytes_leased": tx_stats.bytes_leased,
+    "shm": [tx_stats.reserved_bytes, tx_stats.allocated_bytes],
+    "owner": smp.statistics().handles_unclaimed, "made": time.monotonic()}), flush=True)
+signal.pause()
+"""
+
+
+def _stats_child() -> tuple[subprocess.Popen[str], dict]:
+    env = dict(os.environ, SHMSHARE_STATS="1")
+    child = subprocess.Popen([sys.executable, "-c", _STATS_CHILD], stdout=subprocess.PIPE, text=True,
+                             env=env)
+    try:
+        import select
+
+        assert child.stdout is not None
+        ready, _, _ = select.select([child.stdout], [], [], WAIT)
+        assert ready, "the child said nothing"
+        return child, json.loads(child.stdout.readline())
+    except BaseException:
+        child.kill()
+        child.wait(10)
+        raise
+
+
+def _stat_json(pid: int, timeout: float = WAIT) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "SHMSHARE_STATS"}
+    out = subprocess.run([sys.executable, "-m", "shmshare", "stat", "--json", "--pid", str(pid)],
+                         capture_output=True, text=True, timeout=timeout, env=env)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def test_stat_shows_the_pools_and_leases_a_process_reports_on_its_stats_socket():
+    child, own = _stats_child()
+    try:
+        time.sleep(1.5)  # the leases are at least this old when stat asks
+        got = _stat_json(child.pid)
+        (proc,) = got["processes"]
+        assert proc["pid"] == child.pid and proc["fds"] >= 1  # /proc's part, as before
+        stats = proc["stats"]
+        kinds = stats["totals"]["by_kind"]
+        assert [kinds["simulated"]["reserved_bytes"], kinds["simulated"]["allocated_bytes"]] == own["dev"]
+        assert own["dev"][1] == (3 << 20) + (1 << 10)
+        assert kinds["host"]["allocated_bytes"] == own["host"] == 8192  # 5000 B, as a power of two
+        (sender,) = stats["senders"]
+        assert sender["leases_out"] == own["leases"] == 3
+        assert sender["bytes_leased"] == own["bytes_leased"]
+        assert sender["oldest_lease_s"] >= 1.5 - stats["tick_s"]
+        (owner,) = stats["owners"]
+        assert owner["handles_unclaimed"] == own["owner"] == 1 and owner["handles_claimed"] == 0
+        assert owner["oldest_unclaimed_s"] >= 1.5
+        shm = kinds["shm"]  # the channel's pool and the owner's
+        assert shm["pools"] == 2 and shm["leases_out"] == 4
+        assert shm["reserved_bytes"] >= own["shm"][0] and shm["allocated_bytes"] >= own["shm"][1]
+        assert stats["totals"]["oldest_lease_s"] >= 1.5 - stats["tick_s"]
+        text = _stat.render(_stat.scan([child.pid]))
+        assert "simulated" in text and "host" in text and f"{child.pid:>7}  shm" in text
+        assert got["stats_unanswered"] == []
+    finally:
+        child.kill()
+        child.wait(10)
+        child.stdout.close()
+
+
+def test_a_stopped_process_does_not_hang_stat():
+    child, _ = _stats_child()
+    try:
+        os.kill(child.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        got = _stat_json(child.pid, timeout=10)
+        assert time.monotonic() - t0 < 8
+        (proc,) = got["processes"]  # seen from /proc all the same
+        assert proc["pid"] == child.pid and "stats" not in proc
+        (silent,) = got["stats_unanswered"]
+        assert silent["pid"] == child.pid and "no answer" in silent["why"]
+        report = _stat.scan([child.pid])
+        assert "no answer" in _stat.render(report)
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+        child.kill()
+        child.wait(10)
+        child.stdout.close()

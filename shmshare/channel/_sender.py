@@ -32,20 +32,14 @@ from typing import Any
 
 import numpy as np
 
-from .. import _fork, _native, tensors, wire
-from .._errors import (
-    PeerDied,
-    PeerRefused,
-    PoolExhausted,
-    ProtocolError,
-    ShmshareError,
-    ShmshareTimeout,
-)
+from .. import _fork, _native, _registry, tensors, wire
+from .._errors import PeerDied, PeerRefused, PoolExhausted, ProtocolError, ShmshareError, ShmshareTimeout
 from .._lifetime import Closeable
 from ..memory import CachingAllocator, OutOfMemoryError, ShmProvider, ShmSegment
 from ._announce import SegmentBook
 from ._blocks import SPARE_BYTES, BlockBook, SenderStatistics, ViewDied, _Held, exhausted, host_cause
 from ._protocol import BATCH, BYE, KIND, LEASES, MAX_NOTES, NOTE, REFUSE, RELEASE, TREE, VALUE, WHY
+from ._report import SenderReport
 
 __all__ = ["Sender", "DEFAULT_LIMIT", "SenderStatistics"]
 
@@ -540,6 +534,7 @@ class Sender(BlockBook, Closeable):
         self._deadline = None  # the send in progress's deadline
         self._in_send = False  # this thread is inside send(): a nested send() is refused
         self._new_book(min(self._limit // 8, SPARE_BYTES))
+        _registry.register("senders", self, SenderReport())  # again in a fork child: its own notes
 
     def _after_fork_in_child(self) -> None:
         # The child must never hand out or release the parent's blocks: give it a pool of its

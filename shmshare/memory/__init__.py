@@ -13,6 +13,7 @@ that need segments or the native layer live beside it and import those.
 
 from __future__ import annotations
 
+from .. import _statsd  # noqa: F401 -- arms SHMSHARE_STATS: the first pool starts the stats socket
 from ._allocator import CachingAllocator
 from ._block import Block, BlockPool
 from ._config import (

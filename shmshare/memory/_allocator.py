@@ -48,6 +48,7 @@ from collections.abc import Callable, Hashable
 from os import PathLike
 from typing import Any, NoReturn
 
+from .. import _registry
 from . import _mempool
 from ._block import Block, BlockPool, SegmentRecord
 from ._config import UNLIMITED, AllocatorConfig, get_config, parse_config
@@ -64,6 +65,7 @@ from ._policy import (
 )
 from ._provider import ExpandableProvider, Provider, ProviderOutOfMemory
 from ._reclaim import ReclaimMixin
+from ._report import report_allocator
 from ._snapshot import TraceRecorder, build_segments, capture_frames
 from ._stats import ALL, increase
 
@@ -94,6 +96,7 @@ class CachingAllocator(ReclaimMixin):
                 f"{type(provider).__name__} has none"
             )
         super().__init__(provider, config)
+        _registry.register("pools", self, report_allocator)  # Note [Reporters]: weakly, once
 
     # --- allocation ------------------------------------------------------------
 

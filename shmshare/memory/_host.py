@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _native
+from .. import _native, _registry
 from ._config import AllocatorConfig, get_config, parse_config
 from ._exceptions import OutOfMemoryError
 from ._host_block import HostBlock, HostProvider, ReserveSegment
@@ -62,6 +62,7 @@ from ._host_invariants import check_host_invariants
 from ._host_stats import HostStats
 from ._policy import format_size
 from ._provider import ProviderOutOfMemory
+from ._report import report_host_allocator
 
 __all__ = ["CachingHostAllocator", "HostBlock", "HostProvider"]
 
@@ -113,6 +114,7 @@ class CachingHostAllocator:
         self._stop = threading.Event()
         self._background_error: BaseException | None = None
         self._closed = False
+        _registry.register("pools", self, report_host_allocator)  # Note [Reporters]: weakly, once
 
     # --- allocation -------------------------------------------------------------------
 

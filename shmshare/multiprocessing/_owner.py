@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _fork, _native
+from .. import _fork, _native, _registry
 from .._errors import ShmshareError
 from ..channel._announce import SegmentBook
 from ..channel._blocks import SPARE_BYTES, BlockBook, _Held
@@ -148,6 +148,7 @@ class Owner(BlockBook):
         self._alloc = CachingAllocator(self._provider, "expandable_segments:False")
         self._new_book(SPARE_BYTES)
         self._slots: dict[int, _Held | _External] = {}  # slot -> the block its handle names
+        self._since: dict[int, float] = {}  # slot -> when its handle was made, oldest first
         self._leases: dict[int, _Held] = {}  # BlockBook's (a channel's leases): none here
         # torch's shared storages by (st_dev, st_ino): an address is no name -- torch maps the
         # next storage where a freed one was, while our dup keeps the old one's inode alive
@@ -161,6 +162,7 @@ class Owner(BlockBook):
         self.server: Any = None  # _server.Server, started by the first handle
         self.path = os.path.join(tempfile.gettempdir(), f"shmshare-mp-{self.pid}-{self.token:x}", "fd")
         self.closed = False
+        _registry.register("owners", self, _report)
 
     # -- the pickling side ----------------------------------------------------
 
@@ -248,6 +250,7 @@ class Owner(BlockBook):
             self._counts["by_value"] += 1
             return None
         self._slots[got[0]] = rec
+        self._since[got[0]] = _monotonic()  # for the stats socket's oldest handle (Note [Reporters])
         rec.leases += 1
         return got
 
@@ -348,6 +351,7 @@ class Owner(BlockBook):
 
     def _give_back(self, slot: int, gen: int) -> None:
         held = self._slots.pop(slot)
+        self._since.pop(slot, None)
         self.table.give_back(slot, gen)
         held.leases -= 1
         if isinstance(held, _External):
@@ -426,6 +430,32 @@ class Owner(BlockBook):
                 self._drop_external(ext)
 
 
+def _report(ow: Owner) -> dict[str, Any] | None:
+    """The owner's report for the stats socket: handles out, and the oldest (Note [Reporters])."""
+    if ow.closed or ow.pid != os.getpid():
+        return None  # shut down, or a forked child's copy of its parent's owner
+    since = list(ow._since.items())  # one C call: no other thread runs in between
+    now = _monotonic()
+    unclaimed, oldest_unclaimed = 0, None
+    for slot, at in since:
+        if ow.table.state(slot)[1] == PENDING:
+            unclaimed += 1
+            if oldest_unclaimed is None:
+                oldest_unclaimed = round(now - at, 3)
+    held = {id(h): h for h in list(ow._slots.values())}.values()
+    return {
+        "pool": id(ow._alloc),
+        "handles_out": len(since),
+        "handles_unclaimed": unclaimed,
+        "handles_claimed": len(since) - unclaimed,
+        "bytes_leased": sum(h.nbytes if isinstance(h, _External) else h.block.size for h in held),
+        "oldest_handle_s": round(now - since[0][1], 3) if since else None,
+        "oldest_unclaimed_s": oldest_unclaimed,
+        "peers": 0 if ow.server is None else len(ow.server._peers),
+    }
+
+
+_monotonic = time.monotonic
 _owner: Owner | None = None
 _owner_lock = threading.Lock()
 
