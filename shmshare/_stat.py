@@ -84,6 +84,7 @@ class Report:
     segments: list[Segment]
     skipped: int  # processes we may not read (other users', without root)
     unanswered: list[dict[str, Any]] = field(default_factory=list)  # stats sockets silent: why
+    stores: list[dict[str, Any]] = field(default_factory=list)  # store daemons: what each holds
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -94,6 +95,7 @@ class Report:
                 for s in self.segments],
             "skipped_processes": self.skipped,
             "stats_unanswered": self.unanswered,
+            "stores": self.stores,
         }
 
 
@@ -163,8 +165,29 @@ def scan(pids: list[int] | None = None, ask: bool = True) -> Report:
         if got is None:
             got = procs[pid] = Process(pid, _command(pid))
         got.stats = stats
+    stores = _stores(want) if ask else []
     return Report(sorted(procs.values(), key=lambda p: -p.mapped_bytes),
-                  sorted(segs.values(), key=lambda s: -s.size), skipped, unanswered)
+                  sorted(segs.values(), key=lambda s: -s.size), skipped, unanswered, stores)
+
+
+_STORE_ROWS = 20  # objects shown per store in the table (all of them, up to _STORE_MAX, in JSON)
+_STORE_MAX = 10_000
+
+
+def _stores(want: set[int] | None) -> list[dict[str, Any]]:
+    """Each store daemon of the host (found from /proc), and what it holds (its own answer)."""
+    from .store._find import describe, find_daemons
+
+    out = []
+    for pid, path in find_daemons(None if want is None else sorted(want)):
+        got = describe(path, timeout=ASK_TIMEOUT)
+        got["pid"] = pid
+        objects = got.get("objects")
+        if objects is not None and len(objects) > _STORE_MAX:
+            got["objects_cut"] = len(objects) - _STORE_MAX
+            got["objects"] = sorted(objects, key=lambda o: -o["size"])[:_STORE_MAX]
+        out.append(got)
+    return out
 
 
 def ask_stats(pids: set[int] | None = None, timeout: float = ASK_TIMEOUT
@@ -266,6 +289,7 @@ def render(report: Report, width: int = 100) -> str:
         total = sum(s.size for s in report.segments)
         lines.append(f"{len(report.segments)} segments, {_size(total)} in all")
     lines += _render_pools(report, width)
+    lines += _render_stores(report, width)
     if report.skipped:
         lines.append(f"({report.skipped} processes of other users not read: run as root to see them)")
     return "\n".join(lines)
@@ -298,6 +322,33 @@ def _render_pools(report: Report, width: int) -> list[str]:
             lines.append(f"{'':>7}  ({p.stats['truncated']} entries cut from its answer; totals are whole)")
     for u in report.unanswered:
         lines.append(f"(pid {u['pid']}: {u['why']})"[:width])
+    return lines
+
+
+def _render_stores(report: Report, width: int) -> list[str]:
+    """The objects of each store daemon, largest first."""
+    lines: list[str] = []
+    for st in report.stores:
+        lines.append("")
+        if "error" in st:
+            lines.append(f"store pid {st['pid']} at {st['path']}: {st['error']}"[:width])
+            continue
+        f = st["stats"]
+        limit = f" of --limit {_size(f['limit'])}" if f.get("limit") else ""
+        lines.append(f"store pid {st['pid']} at {st['path']}: {f['objects']} objects, "
+                     f"{_size(f['held_bytes'])} held{limit}, {f['deleted_viewed']} deleted but "
+                     f"viewed, {f['connected']} clients"[:width])
+        objects = sorted(st["objects"], key=lambda o: -o["size"])
+        if objects:
+            lines.append(f"  {'SIZE':>8}  {'REFS':>5}  {'HOLDERS':>7}  {'AGE':>8}  {'KIND':<6}  "
+                         f"{'SEAL':<6}  NAME")
+        for o in objects[:_STORE_ROWS]:
+            seal = o["write_seal"] if o["sealed"] else "open"
+            lines.append(f"  {_size(o['size']):>8}  {o['refs']:>5}  {o['holders']:>7}  "
+                         f"{o['age']:>7.1f}s  {o['kind']:<6}  {seal:<6}  {o['name']}"[:width])
+        more = len(objects) - _STORE_ROWS + st.get("objects_cut", 0)
+        if more > 0:
+            lines.append(f"  ... and {more} smaller objects (--json lists them)")
     return lines
 
 

@@ -82,4 +82,5 @@ def describe(path: str, timeout: float = 1.0) -> dict[str, Any]:
                         "write_seal": o.write_seal} for o in store.list()]
     except (ShmshareError, OSError) as exc:
         return {"path": path, "error": str(exc)}
+    stats["connected"] -= 1  # not counting the connection that asked
     return {"path": path, "stats": stats, "objects": objects}
