@@ -61,25 +61,34 @@ def fds(pid: int | str = "self") -> dict[int, str]:
 
 def mappings(pid: int | str = "self") -> list[Mapping]:
     """Return every mapping of `pid`, anonymous ones included (path "")."""
-    out: list[Mapping] = []
-    try:
-        with open(f"/proc/{pid}/maps") as f:
-            lines = f.readlines()
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return out  # gone, or another user's: nothing we can see
-    for line in lines:
-        parts = line.split(maxsplit=5)
-        if len(parts) < 5:
-            continue
-        path = parts[5].rstrip("\n") if len(parts) == 6 else ""
-        lo, hi = parts[0].split("-")
-        out.append(Mapping(int(lo, 16), int(hi, 16), parts[1], int(parts[4]), path, parts[3]))
-    return out
+    return [m for line in _maps_lines(pid) if (m := _parse_mapping(line)) is not None]
 
 
 def shm_mappings(pid: int | str = "self", contains: str = "") -> list[Mapping]:
     """Return the shared-memory mappings of `pid` whose path contains `contains`."""
-    return [m for m in mappings(pid) if any(k in m.path for k in SHM_MARKERS) and contains in m.path]
+    # Only the path of a maps line can hold a "/" or a marker, so the lines are filtered before
+    # they are parsed: a process with torch loaded has ~2000 mappings and a few shared ones, and
+    # the leak checker reads this before and after every test.
+    lines = [ln for ln in _maps_lines(pid) if any(k in ln for k in SHM_MARKERS)]
+    return [m for ln in lines if (m := _parse_mapping(ln)) is not None
+            and any(k in m.path for k in SHM_MARKERS) and contains in m.path]
+
+
+def _maps_lines(pid: int | str) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return f.read().split("\n")  # as readlines() splits (after newline translation), less the "\n"s
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return []  # gone, or another user's: nothing we can see
+
+
+def _parse_mapping(line: str) -> Mapping | None:
+    parts = line.split(maxsplit=5)
+    if len(parts) < 5:
+        return None
+    path = parts[5] if len(parts) == 6 else ""
+    lo, hi = parts[0].split("-")
+    return Mapping(int(lo, 16), int(hi, 16), parts[1], int(parts[4]), path, parts[3])
 
 
 def dev_of(st_dev: int) -> str:

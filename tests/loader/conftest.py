@@ -1,8 +1,7 @@
-"""The loader tests' process-wide state, set up once per module before any leak check."""
+"""The loader tests' process-wide state, set up once per module before any leak check (the frozen heap is
+the root conftest's, for every module)."""
 
 from __future__ import annotations
-
-import gc
 
 import pytest
 
@@ -15,14 +14,3 @@ def forkserver_running():
 
     forkserver.ensure_running()
     yield
-
-
-@pytest.fixture(scope="module", autouse=True)
-def frozen_heap():
-    """Move what is alive now (torch, numpy, pytest) out of the collector's sight: the leak checker and these
-    tests collect garbage a few times per test, and a full collection of that heap costs ~0.1 s each time.
-    Garbage made by the tests themselves is still collected."""
-    gc.collect()
-    gc.freeze()
-    yield
-    gc.unfreeze()

@@ -11,7 +11,9 @@ pytest_plugins = ["pytester"]
 
 DOC = Path(__file__).parents[2] / "docs" / "leaks.md"
 # -rN: no short summary, whose lines repeat a leak's message as far as the terminal's width lets them
-PLUGIN = ("-p", "no:shmshare", "-p", "shmshare.testing.pytest_plugin", "--leaks-settle=0.2", "-rN")
+# no:hypothesispytest: that plugin costs 0.6 s of imports per run, for samples that do not use it
+PLUGIN = ("-p", "no:shmshare", "-p", "shmshare.testing.pytest_plugin", "--leaks-settle=0.2",
+          "-p", "no:hypothesispytest", "-rN")
 TIMEOUT = 60  # s: one run of the example
 
 

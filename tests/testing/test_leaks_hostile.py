@@ -19,7 +19,9 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
-PLUGIN = ("-p", "no:shmshare", "-p", "shmshare.testing.pytest_plugin", "--leaks-settle=0.2")
+# no:hypothesispytest: that plugin costs 0.6 s of imports per run, for samples that do not use it
+PLUGIN = ("-p", "no:shmshare", "-p", "shmshare.testing.pytest_plugin", "--leaks-settle=0.2",
+          "-p", "no:hypothesispytest")
 TIMEOUT = 60
 ROOT = Path(__file__).resolve().parents[2]
 

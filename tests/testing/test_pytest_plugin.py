@@ -18,7 +18,9 @@ pytest_plugins = ["pytester"]
 
 # The entry point may or may not be installed here: block it and load the module by name, either way.
 # -rN: no short summary, whose lines repeat a leak's message as far as the terminal's width lets them
-PLUGIN = ("-p", "no:shmshare", "-p", "shmshare.testing.pytest_plugin", "--leaks-settle=0.2", "-rN")
+# no:hypothesispytest: that plugin costs 0.6 s of imports per run, for samples that do not use it
+PLUGIN = ("-p", "no:shmshare", "-p", "shmshare.testing.pytest_plugin", "--leaks-settle=0.2",
+          "-p", "no:hypothesispytest", "-rN")
 TIMEOUT = 60  # s: one sample run
 
 LEAKY = {
@@ -148,9 +150,12 @@ def test_the_entry_point_names_the_plugin_module() -> None:
     assert pyproject["project"]["entry-points"]["pytest11"] == {"shmshare": "shmshare.testing.pytest_plugin"}
 
 
+NO_HYPOTHESIS = ("-p", "no:hypothesispytest")  # another plugin: 0.6 s of imports per run
+
+
 def test_pytest_loads_the_plugin_by_its_entry_point(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     # What `pip install shmshare` leaves: a dist-info whose entry_points.txt names the module (here a stand-in
-    # on PYTHONPATH, so the test does not depend on how this checkout is installed); no -p anywhere.
+    # on PYTHONPATH, so the test does not depend on how this checkout is installed); no -p for shmshare anywhere.
     site = pytester.mkdir("site")
     info = site / "shmshare_entry_point_check-0.dist-info"
     info.mkdir()
@@ -158,8 +163,8 @@ def test_pytest_loads_the_plugin_by_its_entry_point(pytester: pytest.Pytester, m
     (info / "entry_points.txt").write_text("[pytest11]\nshmshare = shmshare.testing.pytest_plugin\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
     pytester.makepyfile(test_sample=HEADER + leak_test("socket"))
-    quiet = pytester.runpytest_subprocess(timeout=TIMEOUT)
+    quiet = pytester.runpytest_subprocess(*NO_HYPOTHESIS, timeout=TIMEOUT)
     quiet.assert_outcomes(passed=1)
-    checked = pytester.runpytest_subprocess("--leaks", "--leaks-settle=0.2", timeout=TIMEOUT)
+    checked = pytester.runpytest_subprocess(*NO_HYPOTHESIS, "--leaks", "--leaks-settle=0.2", timeout=TIMEOUT)
     checked.assert_outcomes(passed=1, errors=1)
     assert "socket fd" in checked.stdout.str()
