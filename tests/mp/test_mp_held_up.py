@@ -61,7 +61,9 @@ def test_ping_pong_of_thousands_of_arrays_stays_bounded_in_both_processes():
         outq.close()
     assert theirs.handles_claimed == 0 and theirs.handles_unclaimed == 0
     assert theirs.segments_sent <= 2 and theirs.reserved_bytes <= 4 << 20
-    assert their_fds_late <= their_fds_early and mine[-1] <= mine[len(mine) // 4]
+    # the most fds open at once late on against early on, not one sample: a fd open for an
+    # instant (a flush's socket, a listdir) is no growth; a leak per message is thousands
+    assert their_fds_late <= their_fds_early and max(mine[-500:]) <= max(mine[250:1000])
     _wait_for(lambda: smp.statistics().handles_claimed == 0)
     s = smp.statistics()
     assert s.handles_pickled == 3000 and s.segments_sent <= 2 and s.reserved_bytes <= 4 << 20
