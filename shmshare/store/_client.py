@@ -57,6 +57,8 @@ __all__ = ["Store", "ObjectInfo"]
 
 _FLUSH_DELAY = 0.002  # s an idle client's releases wait for a request to carry them
 _IDLE_POLL = 1.0  # s between an idle client's looks for drop frames
+_MIN_ANSWER = 0.05  # s a get(timeout=...) leaves the daemon to answer, however little is left
+_WAIT_MARGIN = 0.5  # s past a wait's own end that its answer may take
 
 
 @dataclass(frozen=True)
@@ -141,6 +143,7 @@ class Store:
         self._released: collections.deque[int] = collections.deque()
         self._unmapped: collections.deque[int] = collections.deque()
         self._drops: collections.deque[int] = collections.deque()  # segments the daemon dropped
+        self._forget: builtins.list[int] = []  # segments sent to us that we did not map
         self._armed = False  # the flusher is awake and will look at the queues again
         self._wake = WakePipe()
         self._out = 0  # gets whose views are still alive
@@ -240,7 +243,9 @@ class Store:
         deadline = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
         while True:
             try:
-                return self._get_now(name)
+                # the daemon gets at least _MIN_ANSWER to answer, even with timeout=0
+                left = None if deadline is None else max(_MIN_ANSWER, deadline - time.monotonic())
+                return self._get_now(name, left)
             except _Missing:
                 if deadline is None:
                     raise
@@ -333,25 +338,41 @@ class Store:
         with self._lock:
             return self._call_locked(header, fds or [])
 
-    def _call_locked(self, header: dict[str, Any], fds: builtins.list[int]
-                     ) -> tuple[dict[Any, Any], builtins.list[Fd]]:
-        if self._closed:
-            raise StoreError(f"this Store ({self.path!r}) is closed: make a new one")
+    def _call_locked(self, header: dict[str, Any], fds: builtins.list[int],
+                     timeout: float | None = None) -> tuple[dict[Any, Any], builtins.list[Fd]]:
         if self._gone is not None:
             raise StoreGone(self._gone)
-        if self._released:
-            header["rl"] = self._take_released()
+        if self._closed:
+            raise StoreError(f"this Store ({self.path!r}) is closed: make a new one")
+        wait = self.timeout if timeout is None else (
+            timeout if self.timeout is None else min(timeout, self.timeout))
         try:
-            self._conn.send(header, fds, timeout=self.timeout)
-            while True:
-                h, got = self._conn.recv(timeout=self.timeout)
+            while self._owed:  # first the replies of requests given up on (Note [Replies owed])
+                h, got = self._conn.recv(timeout=wait)
                 if h.get("k") == "drop":
                     self._dropped(h.get("i"))
                     for f in got:
                         f.close()
                     continue
-                if self._owed:
-                    self._owed -= 1
+                self._owed -= 1
+                self._late(h, got)
+        except PeerDied as exc:
+            raise self._died(exc) from exc
+        except ShmshareTimeout as exc:
+            raise ShmshareTimeout(f"the store daemon (pid {self.daemon_pid}) at {self.path!r} has "
+                                  f"not answered {self._owed} earlier requests") from exc
+        if self._released:
+            header["rl"] = self._take_released()
+        if self._forget:
+            header["fg"], self._forget = self._forget, []
+        sent = False
+        try:
+            self._conn.send(header, fds, timeout=wait)
+            sent = True
+            while True:
+                h, got = self._conn.recv(timeout=wait)
+                if h.get("k") == "drop":
+                    self._dropped(h.get("i"))
                     for f in got:
                         f.close()
                     continue
@@ -359,9 +380,14 @@ class Store:
         except PeerDied as exc:
             raise self._died(exc) from exc
         except ShmshareTimeout as exc:
-            self._owed += 1
+            if sent:
+                self._owed += 1
             raise ShmshareTimeout(f"the store daemon (pid {self.daemon_pid}) at {self.path!r} did "
-                                  f"not answer a {header.get('k')} within {self.timeout} s") from exc
+                                  f"not answer a {header.get('k')} within {wait} s") from exc
+        except BaseException:  # KeyboardInterrupt, ...: its reply is still to come
+            if sent:
+                self._owed += 1
+            raise
         drops = h.get("d")
         if isinstance(drops, list):
             for seg in drops:
@@ -371,6 +397,23 @@ class Store:
                 f.close()
             raise_for(str(h.get("e")), str(h.get("w")))
         return h, got
+
+    def _late(self, h: dict[Any, Any], got: builtins.list[Fd]) -> None:
+        """A reply of a request given up on (Note [Replies owed]): what it gave is given back."""
+        for f in got:
+            f.close()
+        drops = h.get("d")
+        if isinstance(drops, list):
+            for seg in drops:
+                self._dropped(seg)
+        if h.get("k") == "obj":
+            oid = h.get("o")
+            if type(oid) is int:
+                self._out += 1
+                self._released.append(oid)  # the reference the get took
+            seg = h.get("i")
+            if got and h.get("p") is not True and type(seg) is int and seg not in self._segs:
+                self._forget.append(seg)  # not mapped: the daemon must send it again
 
     def _died(self, exc: Exception) -> StoreGone:
         self._gone = (f"the store daemon (pid {self.daemon_pid}) at {self.path!r} is gone "
@@ -412,9 +455,9 @@ class Store:
             self._staging = (fd, address)
         plan.copy_into(self._staging[1])
 
-    def _get_now(self, name: str) -> Any:
+    def _get_now(self, name: str, timeout: float | None = None) -> Any:
         with self._lock:
-            h, fds = self._call_locked({"k": "get", "n": name}, [])
+            h, fds = self._call_locked({"k": "get", "n": name}, [], timeout)
             self._out += 1
         oid, seg, off, size, meta = h["o"], h["i"], h["off"], h["s"], h["m"]
         private = h.get("p") is True
@@ -427,7 +470,12 @@ class Store:
             else:
                 cached = self._segs.get(seg)
                 if cached is None:
-                    root = self._map(fds, h.get("n"), private=False)
+                    try:
+                        root = self._map(fds, h.get("n"), private=False)
+                    except BaseException:
+                        if fds:
+                            self._forget.append(seg)  # sent but not mapped: ask for it again
+                        raise
                     self._segs[seg] = root
                 else:
                     root = cached
@@ -453,12 +501,13 @@ class Store:
     def _wait(self, name: str, seconds: float) -> None:
         """Wait on a connection of its own until `name` is sealed (Note [Replies owed])."""
         try:
-            conn = wire.connect(self.path, timeout=self.timeout, role="store-waiter")
+            conn = wire.connect(self.path, timeout=min(seconds + _MIN_ANSWER, self.timeout or
+                                                       seconds + _MIN_ANSWER), role="store-waiter")
         except (OSError, ShmshareError) as exc:
             raise StoreGone(f"the store daemon at {self.path!r} does not answer ({exc})") from exc
         try:
-            conn.send({"k": "wait", "n": name, "t": seconds}, timeout=self.timeout)
-            h, got = conn.recv(timeout=seconds + (self.timeout or 10.0))
+            conn.send({"k": "wait", "n": name, "t": seconds}, timeout=seconds + _MIN_ANSWER)
+            h, got = conn.recv(timeout=seconds + _WAIT_MARGIN)  # the daemon answers at `seconds`
             for f in got:
                 f.close()
         except PeerDied as exc:

@@ -6,9 +6,10 @@ Note [One thread]
     from the client's staging memfd into a pool block): large objects'
     bytes never pass through the daemon, which only holds their memfds.
     So one thread serves every client, and no lock guards the table. A
-    reply waits at most ``_REPLY_WAIT`` for room on a client's socket; a
-    client that does not read its replies is dropped (its references go
-    with it), never waited for.
+    reply never waits for room on a client's socket: a client reads each
+    reply before it sends its next request, so a full socket means one that
+    does not read, and it is dropped (its references go with it) rather
+    than waited for by everyone else.
 
 Note [The write seal]
     A put's memfd arrives sealed ``F_SEAL_WRITE`` already: its writer used
@@ -32,18 +33,19 @@ import os
 import select
 import signal
 import socket
+import stat
 import time
 from typing import Any
 
 from .. import _native, wire
-from .._errors import PeerDied, ProtocolError, ShmshareError, ShmshareTimeout
+from .._errors import FdLimitError, PeerDied, ProtocolError, ShmshareError, ShmshareTimeout
 from .._fd import Fd
 from ..channel._releases import WakePipe
-from ..channel._trust import check_fd
+from ..channel._trust import check_fd, check_fd_room
 from ..memory._shm import ShmSegment, _new_id
 from ..tensors import decode
 from ._objects import Obj, Table
-from ._packing import SEALS
+from ._packing import SEALS, new_memfd, reserve
 from ._protocol import (
     ABORTED,
     BAD,
@@ -65,14 +67,18 @@ __all__ = ["Server", "serve"]
 
 log = logging.getLogger("shmshare.store")
 
-_REPLY_WAIT = 0.5  # s a reply waits for room on a client's socket before the client is dropped
+_REPLY_WAIT = 0.0  # s a reply waits for room on a client's socket (Note [One thread])
+_MAX_WAITS = 256  # waits one connection may have pending
+_FD_ROOM = 16  # fds kept free before another client is accepted (a request brings at most one)
 _MAX_CLIENTS = 4096
-_LIST_PAGE = 256  # entries per list reply (a frame is at most wire.MAX_FRAME bytes)
+_LIST_PAGE = 256  # entries per list reply, at most ...
+_LIST_BYTES = 64 * 1024  # ... and about this many bytes of them
 _ACCEPT_PAUSE = 0.2  # s accepting pauses after EMFILE
 
 
 class _Client:
-    __slots__ = ("id", "conn", "pid", "segments", "refs", "staging", "creating", "drops", "future")
+    __slots__ = ("id", "conn", "pid", "segments", "refs", "staging", "creating", "drops", "future",
+                 "waits")
 
     def __init__(self, cid: int, conn: wire.Connection) -> None:
         self.id = cid
@@ -84,6 +90,7 @@ class _Client:
         self.creating: set[int] = set()  # oids it created and has not sealed
         self.drops: list[int] = []  # segments gone that it may still map: told in the next reply
         self.future: set[int] = set()  # oids it sealed while mapping them writable
+        self.waits = 0  # its waits pending
 
 
 class _Bad(Exception):
@@ -161,6 +168,7 @@ class Server:
 
     def _accept(self) -> None:
         try:
+            check_fd_room(_FD_ROOM)
             conn = self._listener.accept(timeout=0)
         except ShmshareTimeout:
             return
@@ -194,8 +202,23 @@ class Server:
                         f.close()
         except PeerDied:
             self._drop(client, hung_up=True)
+        except FdLimitError as exc:
+            # its request's fds did not fit in our table (MSG_CTRUNC): the request is lost, so
+            # answer it with the reason and keep the client (dropping it would take back every
+            # reference it holds, under its views)
+            log.warning("out of fds receiving from client %d (pid %s): %s", client.id,
+                        client.pid, exc)
+            try:
+                self._reply(client, {"k": "err", "e": "daemon", "w": f"the store daemon (pid "
+                                     f"{os.getpid()}) is out of file descriptors: {exc}"})
+            except (ShmshareError, OSError, ValueError):
+                self._drop(client, hung_up=False)
         except (ProtocolError, ShmshareError, OSError, ValueError, TypeError) as exc:
             log.info("client %d (pid %s) dropped: %s", client.id, client.pid, exc)
+            self._drop(client, hung_up=False)
+        except Exception:  # a bug of ours: that client goes, the store keeps serving
+            log.exception("client %d (pid %s) dropped after an error in the daemon", client.id,
+                          client.pid)
             self._drop(client, hung_up=False)
 
     def _drop(self, client: _Client, hung_up: bool) -> None:
@@ -224,8 +247,14 @@ class Server:
             if obj is not None:
                 table.write_seal(obj)  # its writable mapping went with it
         client.future.clear()
-        for ws in self._waits.values():
-            ws[:] = [w for w in ws if w[0] is not client]
+        if client.waits:
+            for name in list(self._waits):
+                ws = [w for w in self._waits[name] if w[0] is not client]
+                if ws:
+                    self._waits[name] = ws
+                else:
+                    del self._waits[name]
+            client.waits = 0
         if client.staging is not None:
             os.close(client.staging[0])
             client.staging = None
@@ -254,6 +283,9 @@ class Server:
         one_way = kind in ("rel", "unmapped")
         if "rl" in h:  # releases carried by a request (Note [A client's mappings])
             self._release(client, {"o": h["rl"]}, fds)
+        forget = h.get("fg")  # segments it was sent but could not map: send them again
+        if isinstance(forget, list):
+            client.segments.difference_update(x for x in forget if type(x) is int)
         try:
             handler = _HANDLERS.get(kind) if isinstance(kind, str) else None
             if handler is None:
@@ -265,40 +297,69 @@ class Server:
                 self._reply(client, {"k": "err", "e": code, "w": text})
         except StoreFull as exc:
             self._reply(client, {"k": "err", "e": "full", "w": str(exc)})
+        except (PeerDied, ProtocolError, ShmshareTimeout):
+            raise
+        except (OSError, MemoryError) as exc:  # ours (memfds, fds, memory): told, not dropped
+            log.warning("request %r of client %d failed in the daemon: %s", kind, client.id, exc)
+            if not one_way:
+                self._reply(client, {"k": "err", "e": "daemon", "w": f"the store daemon (pid "
+                                     f"{os.getpid()}) could not do it: {exc}"})
 
     def _put(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
         name, size, meta, torch = self._new_object(h, client)
         replace = h.get("r") is True
         if not replace and name in self.table.names:
             raise _Bad(EXISTS, _exists(name))
+        old = self.table.names.get(name) if replace else None
         if fds:
+            self._check_memfd(name, size, fds, sealed=True)
+            if old is not None and self._frees_room_for(old, size, memfd=True):
+                self._unname(old)  # it is room the new one surely fits in: let it go first
+                old = None
             obj = self._memfd_object(client, name, size, meta, torch, fds, sealed=True)
         else:
-            obj = self._arena_object(client, name, size, meta, torch)
+            if old is not None and self._frees_room_for(old, size, memfd=False):
+                self._unname(old)
+                old = None
+            obj = self._small_object(client, name, size, meta, torch)
             try:
                 self._read_staged(client, obj, h)
+                if obj.fd >= 0:
+                    self.table.write_seal(obj)
             except BaseException:
                 self._free_new(obj)
                 raise
             obj.sealed = True
-        old = self.table.names.get(name) if replace else None
         if old is not None:  # only now: a put that fails leaves the old object as it was
-            for c in self._clients.values():
-                c.creating.discard(old.oid)
-            self.table.unname(old)
+            self._unname(old)
         self.table.add(obj)
         self.counts["put"] += 1
         self._reply(client, {"k": "ok", "ws": obj.write_seal})
         self._wake_waiters(name)
+
+    def _frees_room_for(self, old: Obj, size: int, memfd: bool) -> bool:
+        """Whether letting `old` go (unreferenced: freed at once) surely makes room for a new
+        object of `size`: its memfd's pages, or a pool block at least as large."""
+        if old.refs or self.table.limit is None:
+            return False
+        if memfd:
+            return old.fd >= 0 and old.charge >= -(-size // _PAGE) * _PAGE
+        return old.block is not None and old.block.size >= size
+
+    def _unname(self, obj: Obj) -> None:
+        for c in self._clients.values():
+            c.creating.discard(obj.oid)
+        self.table.unname(obj)
 
     def _create(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
         name, size, meta, torch = self._new_object(h, client)
         if name in self.table.names:
             raise _Bad(EXISTS, _exists(name))
         if fds:
+            self._check_memfd(name, size, fds, sealed=False)
             obj = self._memfd_object(client, name, size, meta, torch, fds, sealed=False)
         else:
-            obj = self._arena_object(client, name, size, meta, torch)
+            obj = self._small_object(client, name, size, meta, torch)
         self.table.add(obj)
         client.creating.add(obj.oid)
         self.counts["create"] += 1
@@ -311,10 +372,22 @@ class Server:
             raise _Bad(NOT_YOURS if obj is not None else NOT_FOUND,
                        f"{name!r} is not an object this client created and has not sealed "
                        "(sealed already, deleted, or created by another client)")
-        if obj.block is not None:
+        if obj.staged:
             self._read_staged(client, obj, h)
+        try:
+            self.table.seal(obj)
+        except OSError as exc:  # a creator's memfd that takes no more seals (F_SEAL_SEAL)
+            raise _Bad(BAD, f"{name!r} cannot be sealed against writes ({exc}): its memfd "
+                       "must be one the store can seal") from exc
+        if obj.fd >= 0 and not obj.staged and _holes(obj.fd, obj.size):
+            # sealed now, so no more holes can be punched: any there were punched after create
+            client.creating.discard(obj.oid)
+            self.table.unname(obj)
+            self._wake_waiters(name, abort=f"object {name!r} was aborted: its creator punched "
+                               "holes in it before sealing")
+            raise _Bad(BAD, f"{name!r} has holes (pages punched out after create): refused; "
+                       "it is deleted")
         client.creating.discard(obj.oid)
-        self.table.seal(obj)
         if obj.write_seal == "future":
             client.future.add(obj.oid)
         self._reply(client, {"k": "ok", "ws": obj.write_seal})
@@ -405,9 +478,14 @@ class Server:
 
             names = names[bisect.bisect_right(names, after):]
         now = time.time()
-        page = names[:_LIST_PAGE]
-        self._reply(client, {"k": "list", "l": [self.table.names[n].entry(now) for n in page],
-                             "more": len(names) > len(page)})
+        page: list[list[Any]] = []
+        budget = _LIST_BYTES  # a reply is one frame: at most wire.MAX_FRAME bytes
+        for n in names[:_LIST_PAGE]:
+            budget -= len(n.encode()) + 96
+            if budget < 0 and page:
+                break
+            page.append(self.table.names[n].entry(now))
+        self._reply(client, {"k": "list", "l": page, "more": len(names) > len(page)})
 
     def _stats(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
         st = self.table.stats()
@@ -437,8 +515,11 @@ class Server:
         if obj is not None and obj.sealed:
             self._reply(client, {"k": "ok"})
             return
+        if client.waits >= _MAX_WAITS:
+            raise _Bad(BAD, f"{_MAX_WAITS} waits are pending on this connection already")
         deadline = time.monotonic() + min(float(seconds), 1e9)
         self._waits.setdefault(name, []).append((client, deadline))
+        client.waits += 1
 
     # -- helpers -------------------------------------------------------------------
 
@@ -453,8 +534,9 @@ class Server:
         self.table.room_for_meta(len(meta), f"object {name!r}")
         return name, size, meta, torch is True
 
-    def _memfd_object(self, client: _Client, name: str, size: int, meta: bytes, torch: bool,
-                      fds: list[Fd], sealed: bool) -> Obj:
+    def _check_memfd(self, name: str, size: int, fds: list[Fd], sealed: bool) -> None:
+        """Refuse a memfd that is not exactly an object of `size` bytes, every page there, and
+        sealed as it must be: against writes already (a put), or sealable (a create)."""
         if len(fds) != 1 or size < 1:
             raise _Bad(BAD, "a memfd object comes with exactly one fd and at least one byte")
         fd = fds[0].fileno()
@@ -462,15 +544,48 @@ class Server:
             check_fd(fd, size, trust_unsealed=False, writable=False, backed=size)
         except ProtocolError as exc:
             raise _Bad(BAD, str(exc)) from exc
+        st_size = os.fstat(fd).st_size
+        if st_size != size:  # larger would let pages there stand in for holes, and dodge the limit
+            raise _Bad(BAD, f"the memfd of {name!r} is {st_size} bytes, announced as {size}: "
+                       "an object's memfd is exactly its size")
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        need = SEALS | (fcntl.F_SEAL_WRITE if sealed else 0)
-        if seals & need != need or (not sealed and os.fstat(fd).st_size != size):
+        want = SEALS | fcntl.F_SEAL_WRITE if sealed else SEALS
+        if (seals & want != want) if sealed else (seals != want):
             raise _Bad(BAD, f"the memfd of {name!r} must be sealed F_SEAL_SHRINK|F_SEAL_GROW"
-                       + ("|F_SEAL_WRITE" if sealed else "") + f" (it has {seals:#x})")
+                       + ("|F_SEAL_WRITE" if sealed else " and nothing else (the store seals "
+                          "it against writes at seal)") + f"; it has seals {seals:#x}")
+
+    def _memfd_object(self, client: _Client, name: str, size: int, meta: bytes, torch: bool,
+                      fds: list[Fd], sealed: bool) -> Obj:
         charge = self.table.charge_memfd(size, f"object {name!r}")
         return Obj(self.table.new_oid(), name, size, meta, torch, _new_id(), 0, charge,
                    client.id, fd=fds[0].take(), sealed=sealed,
                    write_seal="full" if sealed else "none")
+
+    def _small_object(self, client: _Client, name: str, size: int, meta: bytes,
+                      torch: bool) -> Obj:
+        """A block of the pool for it; or, when the pool cannot grow under the limit (its
+        segments are 2 MiB), a memfd of the store's own, charged by the page."""
+        try:
+            return self._arena_object(client, name, size, meta, torch)
+        except StoreFull:
+            if size == 0 or self.table.limit is None:
+                raise
+        what = f"object {name!r}"
+        charge = self.table.charge_memfd(size, what)
+        try:
+            fd = new_memfd(size, what)
+        except BaseException:
+            self.table.memfd_bytes -= charge
+            raise
+        try:
+            reserve(fd, size, what)
+        except BaseException:
+            os.close(fd)
+            self.table.memfd_bytes -= charge
+            raise
+        return Obj(self.table.new_oid(), name, size, meta, torch, _new_id(), 0, charge,
+                   client.id, fd=fd, staged=True)
 
     def _arena_object(self, client: _Client, name: str, size: int, meta: bytes,
                       torch: bool) -> Obj:
@@ -478,11 +593,11 @@ class Server:
             raise _Bad(BAD, f"an object of {size} bytes (>= {LARGE}) comes with its own memfd")
         oid = self.table.new_oid()
         if size == 0:
-            return Obj(oid, name, 0, meta, torch, 0, 0, 0, client.id)
+            return Obj(oid, name, 0, meta, torch, 0, 0, 0, client.id, staged=True)
         block = self.table.malloc(size, f"object {name!r}")
         seg: ShmSegment = block.segment.handle  # type: ignore[assignment]
         return Obj(oid, name, size, meta, torch, seg.id, block.address - seg.address, block.size,
-                   client.id, block=block)
+                   client.id, block=block, staged=True)
 
     def _read_staged(self, client: _Client, obj: Obj, h: dict[Any, Any]) -> None:
         """Copy a small object's bytes from the client's staging memfd into its block."""
@@ -491,9 +606,14 @@ class Server:
         staged = h.get("st")
         if client.staging is None or staged != obj.size or obj.size > client.staging[1]:
             raise _Bad(BAD, f"{obj.size} bytes of {obj.name!r} were to be staged first")
-        assert obj.block is not None
-        dst = memoryview(_native.Lease(None, obj.block.address, obj.size))
-        got = os.preadv(client.staging[0], [dst], 0)  # never maps the client's memory
+        if obj.block is not None:
+            dst = memoryview(_native.Lease(None, obj.block.address, obj.size))
+            got = os.preadv(client.staging[0], [dst], 0)  # never maps the client's memory
+        else:  # a memfd of our own (_small_object): through a buffer, never a mapping
+            buf = bytearray(obj.size)
+            got = os.preadv(client.staging[0], [buf], 0)
+            if got == obj.size:
+                os.pwrite(obj.fd, buf, 0)
         if got != obj.size:
             raise _Bad(BAD, f"the staging memfd held {got} of {obj.size} bytes")
 
@@ -502,12 +622,17 @@ class Server:
         if obj.block is not None:
             block, obj.block = obj.block, None
             self.table.arena.free(block)
+        if obj.fd >= 0:
+            fd, obj.fd = obj.fd, -1
+            os.close(fd)
+            self.table.memfd_bytes -= obj.charge
 
     def _wake_waiters(self, name: str, abort: str | None = None) -> None:
         ws = self._waits.pop(name, None)
         if not ws:
             return
         for client, _ in ws:
+            client.waits -= 1
             if client.conn.closed:
                 continue
             try:
@@ -522,20 +647,25 @@ class Server:
         if not self._waits:
             return
         now = time.monotonic()
-        for name in list(self._waits):
-            ws = self._waits[name]
-            late = [w for w in ws if w[1] <= now]
-            if not late:
-                continue
-            ws[:] = [w for w in ws if w[1] > now]
-            if not ws:
+        late: list[tuple[str, _Client]] = []
+        for name, ws in list(self._waits.items()):
+            keep = [w for w in ws if w[1] > now]
+            late += [(name, c) for c, d in ws if d <= now]
+            if keep:
+                self._waits[name] = keep
+            else:
                 del self._waits[name]
-            for client, _ in late:
-                try:
-                    self._reply(client, {"k": "err", "e": TIMEOUT,
-                                         "w": f"no sealed object {name!r} came in time"})
-                except (ShmshareError, OSError, ValueError):
-                    self._drop(client, hung_up=False)
+        # replies only once the table of waits is consistent: dropping a client that does not
+        # read may abort its objects and wake (and remove) other names' waiters
+        for name, client in late:
+            client.waits -= 1
+            if client.conn.closed:
+                continue
+            try:
+                self._reply(client, {"k": "err", "e": TIMEOUT,
+                                     "w": f"no sealed object {name!r} came in time"})
+            except (ShmshareError, OSError, ValueError):
+                self._drop(client, hung_up=False)
 
 
 _HANDLERS: dict[str, Any] = {
@@ -578,6 +708,13 @@ def _check_meta(meta: bytes, size: int) -> None:
         raise _Bad(BAD, f"malformed meta: {exc}") from exc
 
 
+def _holes(fd: int, size: int) -> bool:
+    return os.fstat(fd).st_blocks * 512 < size
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
 def _drain(fd: int) -> None:
     try:
         while os.read(fd, 4096):
@@ -588,8 +725,13 @@ def _drain(fd: int) -> None:
 
 def _remove_stale(path: str) -> None:
     """Remove a socket file nobody listens on (a killed daemon's); refuse a live one."""
-    if not os.path.lexists(path):
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
         return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise StoreError(f"{path!r} is there and is not a socket: choose another --socket (a "
+                         "store never removes what is not its own)")
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
         s.settimeout(1.0)

@@ -166,10 +166,13 @@ def _detach(socket_path: str | None, limit: int | None, evict: bool) -> int:
         os.setsid()
         if os.fork():
             os._exit(0)
+        os.chdir("/")  # no directory of the caller's kept busy
         null = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
         os.close(null)
+        os.closerange(3, w)  # and no fd of the caller's kept open: only the pipe to the parent
+        os.closerange(w + 1, os.sysconf("SC_OPEN_MAX"))
 
         def ready(server: Server) -> None:
             os.write(w, f"{_READY}{server.path} (pid {os.getpid()})\n".encode())

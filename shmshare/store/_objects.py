@@ -64,10 +64,11 @@ class Obj:
     refs: dict[int, int] = field(default_factory=dict)  # client id -> gets not given back
     created: float = field(default_factory=time.time)
     named: bool = True  # still under its name (not deleted, evicted or aborted)
+    staged: bool = False  # its bytes come through the client's staging memfd (small objects)
 
     @property
     def kind(self) -> str:
-        return "arena" if self.block is not None else "memfd"
+        return "arena" if self.block is not None else "memfd" if self.fd >= 0 else "empty"
 
     @property
     def nrefs(self) -> int:
@@ -204,9 +205,10 @@ class Table:
             self._idle[obj.oid] = None
 
     def seal(self, obj: Obj) -> None:
-        obj.sealed = True
+        """Seal it (OSError, and left unsealed, if its memfd takes no write seal)."""
         if obj.fd >= 0:
             self.write_seal(obj)
+        obj.sealed = True
         if not obj.refs and obj.named:
             self._idle[obj.oid] = None
 

@@ -1,0 +1,133 @@
+"""What the hostile store tests share: raw peers, crafted memfds and meta, stopped and fd-starved daemons."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import resource
+import select
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from shmshare import wire
+from shmshare.store import Daemon
+from shmshare.store._packing import SEALS, one_array_meta
+
+MiB = 1 << 20
+_READY = "shmshare store listening on "
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
+_SEEK_HOLE = getattr(os, "SEEK_HOLE", 4)
+
+
+
+
+def _memfd(size: int, seals: int = SEALS, fill: bool = True, name: str = "hostile") -> int:
+    """A memfd of `size` bytes (every page allocated when `fill`) with `seals` added."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        if fill and size:
+            os.posix_fallocate(fd, 0, size)
+        if seals:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _meta(n: int) -> bytes:
+    """The meta of an object that is one uint8 array of `n` items at offset 0."""
+    return one_array_meta((n,), np.dtype(np.uint8), None, n > 0)
+
+
+@contextlib.contextmanager
+def _raw(path: str) -> Iterator[wire.Connection]:
+    conn = wire.connect(path, timeout=5)
+    try:
+        yield conn
+    finally:
+        conn.close()
+
+
+def _ask(conn: wire.Connection, header: dict[str, Any], fds: Any = ()) -> dict[Any, Any]:
+    """Send one request and return its reply (any fds it brings are closed)."""
+    conn.send(header, fds, timeout=5)
+    h, got = conn.recv(timeout=5)
+    for f in got:
+        f.close()
+    return h
+
+
+def _daemon_fd(pid: int, memfd_name: str) -> int:
+    """A fresh read-only fd of the memfd called `memfd_name` that daemon `pid` holds."""
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(f"/memfd:{memfd_name}"):
+            return os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    raise AssertionError(f"daemon pid {pid} holds no memfd {memfd_name!r}")
+
+
+def _first_hole(fd: int) -> int:
+    return os.lseek(fd, 0, _SEEK_HOLE)
+
+
+def _nfds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+@contextlib.contextmanager
+def _fresh_daemon(sockdir: str, tag: str, **kw: Any) -> Iterator[Daemon]:
+    """A daemon that a test may crash: killed (by pid) at the end whatever state it is in."""
+    d = Daemon.start(os.path.join(sockdir, f"{tag}-{os.getpid()}.sock"), **kw)
+    try:
+        yield d
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(d.pid, signal.SIGCONT)
+        d.kill()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(d.path)
+
+
+@contextlib.contextmanager
+def _stopped(pid: int) -> Iterator[None]:
+    """The daemon SIGSTOPped for the block, SIGCONTed after whatever happens."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def _start_with_nofile(path: str, nofile: int) -> Daemon:
+    """A daemon whose RLIMIT_NOFILE is `nofile` (soft and hard)."""
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+    proc = subprocess.Popen([sys.executable, "-m", "shmshare", "serve", "--socket", path],
+                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, text=True, preexec_fn=limit)
+    assert proc.stdout is not None
+    try:
+        if not select.select([proc.stdout], [], [], 10)[0]:
+            raise AssertionError("the fd-limited daemon did not start within 10 s")
+        line = proc.stdout.readline()
+        assert line.startswith(_READY), line
+    except BaseException:
+        proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+        raise
+    return Daemon(proc, path)
+
+
