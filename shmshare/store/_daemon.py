@@ -189,17 +189,18 @@ class Server:
         log.debug("client %d (pid %s) connected", client.id, client.pid)
 
     def _serve(self, client: _Client) -> None:
+        # One frame per readiness: poll is level-triggered, so a client with more queued is
+        # served again on the next round, after the others (and no recvmsg is spent on EAGAIN)
         try:
-            while True:
-                got = client.conn.recv_nowait()
-                if got is None:
-                    return
-                header, fds = got
-                try:
-                    self._answer(client, header, fds)
-                finally:
-                    for f in fds:
-                        f.close()
+            got = client.conn.recv_nowait()
+            if got is None:
+                return
+            header, fds = got
+            try:
+                self._answer(client, header, fds)
+            finally:
+                for f in fds:
+                    f.close()
         except PeerDied:
             self._drop(client, hung_up=True)
         except FdLimitError as exc:
