@@ -90,6 +90,7 @@ import numpy as np
 
 from _bench import fmt_size as fmt  # scripts/_bench.py: run from scripts/ or by path
 from _bench import parse_size, table
+from _bench_publish import bench_publish
 
 # This checkout's shmshare, installed or not (an installed or editable copy elsewhere would shadow it); the
 # daemon is `python -m shmshare serve` in a process of its own, which gets it through PYTHONPATH.
@@ -570,7 +571,8 @@ def median(v: list[float | None]) -> float | None:
 # -- tables and ratios ----------------------------------------------------------------------
 
 
-def report(runs: Cells, rates: dict[str, list[float | None]], names: list[str]) -> None:
+def report(runs: Cells, rates: dict[str, list[float | None]], names: list[str],
+           extra: list[str]) -> None:
     put = {s: {n: median(v) for n, v in r.items()} for s, r in runs["put"].items()}
     get = {s: {n: median(v) for n, v in r.items()} for s, r in runs["get"].items()}
     for what, res in (("put", put), ("get", get)):
@@ -600,6 +602,7 @@ def report(runs: Cells, rates: dict[str, list[float | None]], names: list[str]) 
                 if r.get(other) and r.get("shmshare") and not (what == "put" and s == top and other == "ray"):
                     lines.append(f"FIGURE {what}_{fmt(s)}_vs_{other} {r[other] / r['shmshare']:.3f} x  "  # type: ignore[operator]
                                  f"# {other}'s {what} time / shmshare's at {fmt(s)}")
+    lines += extra
     print("\n=== bench_store ratios ===")
     for line in lines:
         print(line)
@@ -728,7 +731,8 @@ def run(args: argparse.Namespace) -> int:
         runs, f1 = bench_latency(paths, sizes, args.quick, rounds)
         rates, f2 = bench_rate(paths, secs, rounds)
         failed = f1 + f2
-        report(runs, rates, [p.name for p in paths])
+        published = bench_publish(paths, sizes, rounds)
+        report(runs, rates, [p.name for p in paths], published)
     finally:
         for undo in reversed(stack):
             try:
