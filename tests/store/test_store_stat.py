@@ -20,7 +20,7 @@ from .helpers import WAIT, pattern
 def _holder(path: str) -> None:
     s = Store(path)
     view = s.get("big")
-    view[::4096].sum()  # resident in this process too
+    view.view(np.uint8)[::4096].sum()  # every page resident in this process too
     s.put("holding", 1)
     time.sleep(WAIT)  # killed here
     os._exit(3)
