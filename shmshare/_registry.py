@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["register", "reports", "tick", "set_autostart", "entries"]
+__all__ = ["register", "reports", "tick", "set_autostart", "rearm", "entries"]
 
 Reporter = Callable[[Any], dict[str, Any] | None]  # None: nothing to say (closed, inherited)
 
@@ -89,6 +89,12 @@ def tick(now: float) -> None:
                 note(obj, now)
             except Exception:  # noqa: BLE001, S110 -- a note missed is a figure less precise, no more
                 pass
+
+
+def rearm() -> None:
+    """Call the autostart hook again at the next registration (in a forked child)."""
+    global _armed
+    _armed = False
 
 
 def set_autostart(hook: Callable[[], None] | None) -> None:

@@ -28,11 +28,15 @@ Note [The stats socket]
 
     A forked child does not inherit the thread (``fork`` copies only the
     caller's): it closes its copies and, if its parent served, starts its
-    own on its own pid. At exit (``atexit``; multiprocessing's finalizers in
+    own on its own pid -- not at fork, but when it first registers a pool
+    (or asks ``stats_socket()``): a child that execs (``subprocess``'s
+    ``preexec_fn``) or leaves by ``os._exit`` binds nothing. At exit (``atexit``; multiprocessing's finalizers in
     its children, which leave through ``os._exit``) the socket is removed,
     and the directories if empty. A process killed leaves its socket: the
     next server to start removes those that refuse a connection -- by the
-    socket, not the pid, which means nothing across pid namespaces.
+    socket, not the pid, which means nothing across pid namespaces -- and
+    only sockets older than _YOUNG: a file, a directory or a socket bound
+    just now at its own name makes a server take ``<pid>-<token>.sock``.
 """
 
 from __future__ import annotations
@@ -109,8 +113,9 @@ def serve_stats(path: str | os.PathLike[str] | None = None) -> str:
     looks; another path is for callers that ask with :func:`ask` themselves. Forked children
     start their own. :func:`stop_stats` stops it; so does exit.
     """
-    global _server, _wanted
+    global _server, _wanted, _pending
     with _lock:
+        _pending = False
         want = None if path is None else os.path.abspath(os.fspath(path))
         if _server is not None and _server.running() and want in (None, _server.path):
             _wanted = True
@@ -126,16 +131,19 @@ def serve_stats(path: str | os.PathLike[str] | None = None) -> str:
 
 def stop_stats() -> None:
     """Stop the stats socket (if any): the thread ends, the socket file goes. Idempotent."""
-    global _server, _wanted
+    global _server, _wanted, _pending
     with _lock:
-        _wanted = False
+        _wanted = _pending = False
         server, _server = _server, None
     if server is not None:
         server.close()
 
 
 def stats_socket() -> str | None:
-    """The path this process answers on, or None."""
+    """The path this process answers on, or None. In a forked child of a serving process that
+    has not served yet, this starts its server (Note [The stats socket])."""
+    if _server is None and _pending:
+        _autostart()
     server = _server
     return server.path if server is not None and server.running() else None
 
@@ -401,10 +409,10 @@ def _listen(d: str | None, path: str | None) -> wire.Listener:
             if attempt == 3:
                 raise
             if exc.errno == errno.EADDRINUSE:
-                if _refused(target):
+                if _stale(target):
                     with contextlib.suppress(OSError):
                         os.unlink(target)  # a process of our pid that was killed: ours now
-                else:
+                else:  # a file, a directory, a live socket, one bound just now: not ours
                     target = os.path.join(d, f"{os.getpid()}-{secrets.token_hex(4)}.sock")
             elif exc.errno == errno.ENOENT:
                 _make_dir()  # removed, empty, by a process that exited meanwhile
@@ -415,7 +423,7 @@ def _listen(d: str | None, path: str | None) -> wire.Listener:
 
 def _sweep(d: str) -> int:
     """Remove the sockets in `d` that nobody listens on (processes killed); return how many."""
-    n, now, me = 0, time.time(), os.getuid()
+    n = 0
     try:
         names = [x for x in os.listdir(d) if _NAME.match(x)]
     except OSError:
@@ -423,14 +431,23 @@ def _sweep(d: str) -> int:
     for name in names:
         p = os.path.join(d, name)
         try:
-            st = os.lstat(p)
-            if stat.S_ISSOCK(st.st_mode) and st.st_uid == me and now - st.st_mtime > _YOUNG \
-                    and _refused(p):
+            if _stale(p):
                 os.unlink(p)
                 n += 1
         except OSError:
             continue  # another server swept it first
     return n
+
+
+def _stale(path: str) -> bool:
+    """Whether `path` is a socket of ours, older than _YOUNG, that nobody listens on: the only
+    thing at a stats socket's name that a server may remove (a killed process's)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (stat.S_ISSOCK(st.st_mode) and st.st_uid == os.getuid()
+            and time.time() - st.st_mtime > _YOUNG and _refused(path))
 
 
 def _refused(path: str) -> bool:
@@ -451,13 +468,25 @@ def _refused(path: str) -> bool:
 
 _server: _Server | None = None
 _wanted = False  # this process serves (so its forked children do too)
+_pending = False  # a forked child of a serving process, not serving yet: its first pool starts it
 _lock = threading.Lock()
 _exit_registered = False
 
 
 def _autostart() -> None:
-    """The first pool of a process with SHMSHARE_STATS set starts the server (warning if it cannot)."""
-    if os.environ.get(ENV_VAR, "") in ("", "0") or _server is not None:
+    """The first pool of a process with SHMSHARE_STATS set, or of a forked child of a serving
+    process, starts the server (warning if it cannot)."""
+    global _server, _pending
+    if _server is not None:
+        return
+    if _pending:  # a forked child of a serving process: its parent swept the directory
+        with _lock:
+            if _server is None and _pending:
+                _pending = False
+                with contextlib.suppress(Exception):  # the child runs on, unseen by stat
+                    _server = _Server(None, sweep=False)
+        return
+    if os.environ.get(ENV_VAR, "") in ("", "0"):
         return
     try:
         serve_stats()
@@ -487,17 +516,17 @@ def _register_exit() -> None:
 
 
 def _after_fork_in_child() -> None:
-    global _server, _lock
+    # Nothing is bound here: a child that execs (subprocess's preexec_fn) or leaves by os._exit
+    # would leave its <pid>.sock behind. One that serves starts when it first makes a pool (or
+    # asks stats_socket()): _autostart, armed again below.
+    global _server, _lock, _pending
     _lock = threading.Lock()
+    _pending = _wanted
     server, _server = _server, None
     if server is not None and server._pid != os.getpid():
         with contextlib.suppress(Exception):
             server.forget_in_child()
-    if _wanted:
-        try:
-            _server = _Server(None, sweep=False)
-        except Exception:  # noqa: BLE001, S110 -- the child runs on, unseen by stat
-            pass
+    _registry.rearm()
 
 
 _registry.set_autostart(_autostart)
