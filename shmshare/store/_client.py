@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from .. import _fork, _native, tensors, wire
-from .._errors import PeerDied, ProtocolError, ShmshareError, ShmshareTimeout
+from .._errors import FdLimitError, PeerDied, ProtocolError, ShmshareError, ShmshareTimeout
 from .._fd import Fd
 from ..channel._releases import WakePipe
 from ..channel._trust import check_fd
@@ -319,6 +319,7 @@ class Store:
             if not self._closed:
                 self._closed = True
                 self._conn.close()
+                self._drop_staging()  # its fd and mapping are ours, not the flusher's
                 self._wake.poke()
         except Exception:  # noqa: BLE001, S110 - a half-built Store, or interpreter shutdown
             pass
@@ -379,6 +380,13 @@ class Store:
                 break
         except PeerDied as exc:
             raise self._died(exc) from exc
+        except FdLimitError as exc:  # the reply came, its fd did not fit our table: undo it
+            lost: Any = getattr(exc, "header", None)
+            if sent and isinstance(lost, dict):
+                self._late(lost, [])
+            elif sent:
+                self._owed += 1  # unreadable: count it as to come (nothing else is safe)
+            raise
         except ShmshareTimeout as exc:
             if sent:
                 self._owed += 1
@@ -412,7 +420,8 @@ class Store:
                 self._out += 1
                 self._released.append(oid)  # the reference the get took
             seg = h.get("i")
-            if got and h.get("p") is not True and type(seg) is int and seg not in self._segs:
+            # "n": the reply carried the segment's fd (which we did not map, or never got)
+            if "n" in h and h.get("p") is not True and type(seg) is int and seg not in self._segs:
                 self._forget.append(seg)  # not mapped: the daemon must send it again
 
     def _died(self, exc: Exception) -> StoreGone:
@@ -456,35 +465,43 @@ class Store:
         plan.copy_into(self._staging[1])
 
     def _get_now(self, name: str, timeout: float | None = None) -> Any:
+        root: _native.Lease | None = None
         with self._lock:
             h, fds = self._call_locked({"k": "get", "n": name}, [], timeout)
             self._out += 1
-        oid, seg, off, size, meta = h["o"], h["i"], h["off"], h["s"], h["m"]
-        private = h.get("p") is True
-        done = _Released(self, oid)
+            oid, seg, off, size, meta = h["o"], h["i"], h["off"], h["s"], h["m"]
+            private = h.get("p") is True
+            done = _Released(self, oid)
+            try:
+                if size and not private:
+                    # under the lock: another thread's get of the same segment must find it
+                    # mapped (the daemon sent its fd once, to whichever reply came first)
+                    root = self._segs.get(seg)
+                    if root is None:
+                        try:
+                            root = self._map(fds, h.get("n"), private=False)
+                        except BaseException:
+                            if fds:
+                                self._forget.append(seg)  # sent, not mapped: ask for it again
+                            raise
+                        self._segs[seg] = root
+            except BaseException:
+                for f in fds:
+                    f.close()
+                done()  # nothing of it lives on: give the reference back with the next request
+                raise
         try:
             if size == 0:
                 return build(meta, 0, 0, None, True, done, True)
             if private:
                 root = self._map(fds, h.get("n"), private=True)
-            else:
-                cached = self._segs.get(seg)
-                if cached is None:
-                    try:
-                        root = self._map(fds, h.get("n"), private=False)
-                    except BaseException:
-                        if fds:
-                            self._forget.append(seg)  # sent but not mapped: ask for it again
-                        raise
-                    self._segs[seg] = root
-                else:
-                    root = cached
+            assert root is not None
             if not 0 <= off <= off + size <= root.nbytes:
                 raise ProtocolError(f"the store placed {size} bytes at offset {off} of a "
                                     f"{root.nbytes}-byte segment")
             return build(meta, root.address + off, size, root, not private, done, not private)
         except BaseException:
-            done()  # nothing of it lives on: give the reference back with the next request
+            done()
             raise
         finally:
             for f in fds:
@@ -544,12 +561,16 @@ class Store:
                 if got is None:
                     break
                 h, fds = got
-                for f in fds:
-                    f.close()
                 if h.get("k") == "drop":
                     self._dropped(h.get("i"))
+                    for f in fds:
+                        f.close()
                 elif self._owed:
                     self._owed -= 1
+                    self._late(h, fds)  # what a given-up request got is given back
+                else:
+                    for f in fds:
+                        f.close()
             while self._drops:
                 root = self._segs.pop(self._drops.popleft(), None)
                 if root is not None:
@@ -561,17 +582,25 @@ class Store:
         finally:
             self._lock.release()
 
-    def _shutdown(self) -> None:
-        """Close for good: the connection, the staging memfd, the cached mappings."""
+    def _shutdown(self) -> bool:
+        """Close for good, unless a view came alive meanwhile (a get that was in flight when
+        close() was called: decided under the lock, which every get holds until it counts its
+        view); True once closed."""
         with self._lock:
+            if not self._idle():
+                return False
             self._conn.close()
-            if self._staging is not None:
-                fd, address = self._staging
-                self._staging = None
-                _native.unmap(address, LARGE, release=True)
-                os.close(fd)
+            self._drop_staging()
             self._segs.clear()
         _live.discard(self)
+        return True
+
+    def _drop_staging(self) -> None:
+        if self._staging is not None:
+            fd, address = self._staging
+            self._staging = None
+            _native.unmap(address, LARGE, release=True)
+            os.close(fd)
 
 
 def _flush_loop(ref: weakref.ref[Store], wake: WakePipe) -> None:
@@ -592,8 +621,7 @@ def _flush_loop(ref: weakref.ref[Store], wake: WakePipe) -> None:
             time.sleep(_FLUSH_DELAY)  # a request may carry them sooner
         store._armed = False  # disarm first, then look: a release racing with us re-arms
         store._flush()
-        if store._closed and store._idle():
-            store._shutdown()
+        if store._closed and store._idle() and store._shutdown():
             wake.close()
             return
         del store

@@ -312,6 +312,9 @@ class Server:
         if not replace and name in self.table.names:
             raise _Bad(EXISTS, _exists(name))
         old = self.table.names.get(name) if replace else None
+        if not fds:  # refused before anything is let go of (the old object, or evictions)
+            self._check_staged(client, size, h)
+        self.table.room_for_meta(len(meta), f"object {name!r}")
         if fds:
             self._check_memfd(name, size, fds, sealed=True)
             if old is not None and self._frees_room_for(old, size, memfd=True):
@@ -343,9 +346,9 @@ class Server:
         object of `size`: its memfd's pages, or a pool block at least as large."""
         if old.refs or self.table.limit is None:
             return False
-        if memfd:
-            return old.fd >= 0 and old.charge >= -(-size // _PAGE) * _PAGE
-        return old.block is not None and old.block.size >= size
+        if old.fd >= 0:  # a memfd (a large object's, or a small one's under a tight limit)
+            return old.charge >= -(-size // _PAGE) * _PAGE
+        return not memfd and old.block is not None and old.block.size >= size
 
     def _unname(self, obj: Obj) -> None:
         for c in self._clients.values():
@@ -356,6 +359,7 @@ class Server:
         name, size, meta, torch = self._new_object(h, client)
         if name in self.table.names:
             raise _Bad(EXISTS, _exists(name))
+        self.table.room_for_meta(len(meta), f"object {name!r}")
         if fds:
             self._check_memfd(name, size, fds, sealed=False)
             obj = self._memfd_object(client, name, size, meta, torch, fds, sealed=False)
@@ -412,10 +416,6 @@ class Server:
         table = self.table
         if obj.write_seal == "future":
             table.write_seal(obj)
-        table.ref(obj, client.id)
-        client.refs[obj.oid] = client.refs.get(obj.oid, 0) + 1
-        table.touch(obj)
-        self.counts["get"] += 1
         reply = {"k": "obj", "o": obj.oid, "i": obj.seg_id, "off": obj.offset, "s": obj.size,
                  "m": obj.meta}
         send: list[int] = []
@@ -434,6 +434,11 @@ class Server:
                 send.append(obj.fd)
                 reply["n"] = obj.size
             client.segments.add(obj.seg_id)
+        # the reference only now: a reply that could not be made (no fd for ro_fd) takes none
+        table.ref(obj, client.id)
+        client.refs[obj.oid] = client.refs.get(obj.oid, 0) + 1
+        table.touch(obj)
+        self.counts["get"] += 1
         self._reply(client, reply, send)
 
     def _release(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
@@ -532,7 +537,6 @@ class Server:
         if type(meta) is not bytes or len(meta) > MAX_META:
             raise _Bad(BAD, f"an object's meta must be at most {MAX_META} bytes")
         _check_meta(meta, size)
-        self.table.room_for_meta(len(meta), f"object {name!r}")
         return name, size, meta, torch is True
 
     def _check_memfd(self, name: str, size: int, fds: list[Fd], sealed: bool) -> None:
@@ -566,14 +570,26 @@ class Server:
     def _small_object(self, client: _Client, name: str, size: int, meta: bytes,
                       torch: bool) -> Obj:
         """A block of the pool for it; or, when the pool cannot grow under the limit (its
-        segments are 2 MiB), a memfd of the store's own, charged by the page."""
-        try:
+        segments are 2 MiB), a memfd of the store's own, charged by the page. Each is tried
+        without evicting first: nothing is evicted for what fits another way."""
+        if size == 0 or self.table.limit is None:
             return self._arena_object(client, name, size, meta, torch)
-        except StoreFull:
-            if size == 0 or self.table.limit is None:
-                raise
+        for evict in (False, True):
+            try:
+                return self._arena_object(client, name, size, meta, torch, evict)
+            except StoreFull:
+                pass
+            try:
+                return self._own_memfd(client, name, size, meta, torch, evict)
+            except StoreFull:
+                if evict:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _own_memfd(self, client: _Client, name: str, size: int, meta: bytes, torch: bool,
+                   evict: bool) -> Obj:
         what = f"object {name!r}"
-        charge = self.table.charge_memfd(size, what)
+        charge = self.table.charge_memfd(size, what, evict)
         try:
             fd = new_memfd(size, what)
         except BaseException:
@@ -589,24 +605,27 @@ class Server:
                    client.id, fd=fd, staged=True)
 
     def _arena_object(self, client: _Client, name: str, size: int, meta: bytes,
-                      torch: bool) -> Obj:
+                      torch: bool, evict: bool = True) -> Obj:
         if size >= LARGE:
             raise _Bad(BAD, f"an object of {size} bytes (>= {LARGE}) comes with its own memfd")
         oid = self.table.new_oid()
         if size == 0:
             return Obj(oid, name, 0, meta, torch, 0, 0, 0, client.id, staged=True)
-        block = self.table.malloc(size, f"object {name!r}")
+        block = self.table.malloc(size, f"object {name!r}", evict)
         seg: ShmSegment = block.segment.handle  # type: ignore[assignment]
         return Obj(oid, name, size, meta, torch, seg.id, block.address - seg.address, block.size,
                    client.id, block=block, staged=True)
+
+    def _check_staged(self, client: _Client, size: int, h: dict[Any, Any]) -> None:
+        if size and (client.staging is None or h.get("st") != size or size > client.staging[1]):
+            raise _Bad(BAD, f"the {size} bytes of a small object are to be staged first")
 
     def _read_staged(self, client: _Client, obj: Obj, h: dict[Any, Any]) -> None:
         """Copy a small object's bytes from the client's staging memfd into its block."""
         if obj.size == 0:
             return
-        staged = h.get("st")
-        if client.staging is None or staged != obj.size or obj.size > client.staging[1]:
-            raise _Bad(BAD, f"{obj.size} bytes of {obj.name!r} were to be staged first")
+        self._check_staged(client, obj.size, h)
+        assert client.staging is not None
         if obj.block is not None:
             dst = memoryview(_native.Lease(None, obj.block.address, obj.size))
             got = os.preadv(client.staging[0], [dst], 0)  # never maps the client's memory

@@ -118,6 +118,8 @@ def main_serve(socket_path: str | None, limit: int | None, evict: bool, log_leve
     """``shmshare serve``: run the store in the foreground, or detached (printing its socket)."""
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s shmshare-store[%(process)d] %(levelname)s %(message)s")
+    if socket_path is not None:
+        socket_path = os.path.abspath(socket_path)  # --detach changes to / before it binds
     if detach:
         return _detach(socket_path, limit, evict)
     parent = os.environ.pop(_PARENT, None)

@@ -42,6 +42,7 @@ _F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _ids = itertools.count(1)
 _TRIM_AT = 32 << 20  # cached arena bytes past which freed segments go back to the host
+_SMALL_SEGMENT = 2 << 20  # the pool's segment for objects under 1 MiB (PyTorch's small pool)
 
 
 @dataclass(eq=False)
@@ -107,18 +108,18 @@ class Table:
         (a value's description is the daemon's own memory: a flood of them counts too)."""
         return self.memfd_bytes + self.provider.used + self.meta_bytes
 
-    def charge_memfd(self, size: int, what: str) -> int:
+    def charge_memfd(self, size: int, what: str, evict: bool = True) -> int:
         """Count a memfd object of `size` against the limit; the bytes charged."""
         charge = -(-size // _PAGE) * _PAGE
-        self._make_room(charge, what)
+        self._make_room(charge, what, evict)
         self.memfd_bytes += charge
         return charge
 
     def room_for_meta(self, nbytes: int, what: str) -> None:
         """StoreFull unless `nbytes` of meta fit (evicting if asked)."""
-        self._make_room(nbytes, what)
+        self._make_room(nbytes, what, True)
 
-    def malloc(self, size: int, what: str) -> Block:
+    def malloc(self, size: int, what: str, evict: bool = True) -> Block:
         """A block of the arena for an object of `size` bytes (StoreFull past the limit)."""
         while True:
             if self.limit is not None:
@@ -126,26 +127,46 @@ class Table:
             try:
                 return self.arena.malloc(size)
             except OutOfMemoryError as exc:
-                if not self._could_fit(size) or not self._evict_one():
+                # it needs a new segment of the pool (2 MiB for objects under 1 MiB)
+                need = max(size, _SMALL_SEGMENT)
+                if not evict or not self._could_fit(need) or not self._evict_one():
                     raise self._full(size, what) from exc
 
-    def _make_room(self, charge: int, what: str) -> None:
+    def _make_room(self, charge: int, what: str, evict: bool) -> None:
         if self.limit is None:
             return
-        if self.held_bytes + charge > self.limit and not self._could_fit(charge):
+        if self.held_bytes + charge > self.limit and not self._could_fit(charge if evict else -1):
             raise self._full(charge, what)
         while self.held_bytes + charge > self.limit:
             if self._cached_arena() and self._trim():
                 continue
-            if not self._evict_one():
+            if not evict or not self._evict_one():
                 raise self._full(charge, what)
 
     def _could_fit(self, need: int) -> bool:
-        """Whether evicting every unreferenced object (and trimming the pool) could make room:
-        nothing is evicted for a put that would fail all the same."""
+        """Whether giving back the pool's wholly free segments and (with --evict) evicting
+        every unreferenced object could make room for `need` more bytes: nothing is evicted
+        for a put that would fail all the same (`need` < 0: trimming alone, no eviction)."""
         assert self.limit is not None
-        idle = sum(self.objects[oid].charge for oid in self._idle) if self.evict else 0
-        return self.held_bytes - idle - self._cached_arena() + need <= self.limit
+        return self.held_bytes - self._reclaimable(need >= 0) + abs(need) <= self.limit
+
+    def _reclaimable(self, evicting: bool) -> int:
+        """Bytes that trimming (and evicting every idle object) would give back: a pool
+        segment comes back only when no object is left in it at all."""
+        sizes: dict[int, int] = {}  # pool segment id -> its size
+        all_idle: dict[int, bool] = {}  # pool segment id -> every object in it idle
+        freed = 0
+        for o in self.objects.values():
+            idle = evicting and o.oid in self._idle
+            if o.block is not None:
+                sizes[o.seg_id] = o.block.segment.size
+                all_idle[o.seg_id] = all_idle.get(o.seg_id, True) and idle
+            elif idle:
+                freed += o.charge
+            if idle:
+                freed += len(o.meta)
+        wholly_free = max(0, self.provider.used - sum(sizes.values()))  # cached, no object
+        return freed + wholly_free + sum(n for sid, n in sizes.items() if all_idle[sid])
 
     def _evict_one(self) -> bool:
         if not self.evict or not self._idle:
