@@ -240,6 +240,8 @@ class Store:
         be put or sealed (ShmshareTimeout after).
         """
         check_name(name)
+        if timeout is not None and not float(timeout) >= 0:  # NaN and negatives
+            raise ValueError(f"get(timeout=...) takes None or seconds >= 0, got {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
         while True:
             try:
@@ -396,6 +398,9 @@ class Store:
             if sent:
                 self._owed += 1
             raise
+        finally:
+            if not sent:
+                self._unsent(header)
         drops = h.get("d")
         if isinstance(drops, list):
             for seg in drops:
@@ -429,6 +434,16 @@ class Store:
                       f"({exc}): the objects it held are lost (views got already stay valid); "
                       "start `shmshare serve` again and make a new Store")
         return StoreGone(self._gone)
+
+    def _unsent(self, header: dict[str, Any]) -> None:
+        """A request that never left: what it carried goes back to wait for the next one."""
+        rl = header.pop("rl", None)
+        if rl:
+            self._released.extendleft(reversed(rl))
+            self._out += len(rl)
+        fg = header.pop("fg", None)
+        if fg:
+            self._forget[:0] = fg
 
     def _take_released(self) -> builtins.list[int]:
         q, out = self._released, []
@@ -553,7 +568,12 @@ class Store:
                 return
             conn = self._conn
             if self._released:
-                conn.send({"k": "rel", "o": self._take_released()}, timeout=self.timeout)
+                rel = {"k": "rel", "rl": self._take_released()}
+                try:
+                    conn.send({"k": "rel", "o": rel["rl"]}, timeout=self.timeout)
+                except BaseException:
+                    self._unsent(rel)  # a full socket: they go with the next flush
+                    raise
             while self._unmapped:
                 conn.send({"k": "unmapped", "o": self._unmapped.popleft()}, timeout=self.timeout)
             while conn.poll(0):

@@ -26,8 +26,10 @@ Note [The write seal]
 
 from __future__ import annotations
 
+import bisect
 import errno
 import fcntl
+import heapq
 import logging
 import os
 import select
@@ -113,6 +115,7 @@ class Server:
         self._listener = wire.Listener(self.path, role="store", backlog=256)
         self._clients: dict[int, _Client] = {}  # socket fd -> client
         self._waits: dict[str, list[tuple[_Client, float]]] = {}  # name -> (client, deadline)
+        self._deadlines: list[tuple[float, str]] = []  # a heap of the waits' (deadline, name)
         self._wake = WakePipe()
         self._stop = False
         self._accept_at = 0.0
@@ -159,7 +162,10 @@ class Server:
     # -- connections ---------------------------------------------------------------
 
     def _poll_ms(self) -> int:
-        soonest = min((d for ws in self._waits.values() for _, d in ws), default=None)
+        heap = self._deadlines
+        while heap and heap[0][1] not in self._waits:
+            heapq.heappop(heap)  # woken or dropped since
+        soonest = heap[0][0] if heap else None
         if self._accept_at:
             soonest = min(soonest or self._accept_at, self._accept_at)
         if soonest is None:
@@ -478,11 +484,9 @@ class Server:
 
     def _list(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
         after = h.get("a")
-        names = sorted(self.table.names)
-        if isinstance(after, str):
-            import bisect
-
-            names = names[bisect.bisect_right(names, after):]
+        names = self.table.sorted_names()
+        start = bisect.bisect_right(names, after) if isinstance(after, str) else 0
+        names = names[start:start + _LIST_PAGE + 1]
         now = time.time()
         page: list[list[Any]] = []
         budget = _LIST_BYTES  # a reply is one frame: at most wire.MAX_FRAME bytes
@@ -525,6 +529,7 @@ class Server:
             raise _Bad(BAD, f"{_MAX_WAITS} waits are pending on this connection already")
         deadline = time.monotonic() + min(float(seconds), 1e9)
         self._waits.setdefault(name, []).append((client, deadline))
+        heapq.heappush(self._deadlines, (deadline, name))
         client.waits += 1
 
     # -- helpers -------------------------------------------------------------------
@@ -664,11 +669,17 @@ class Server:
                 self._drop(client, hung_up=False)
 
     def _expire_waits(self) -> None:
-        if not self._waits:
+        heap, now = self._deadlines, time.monotonic()
+        if not heap or heap[0][0] > now:
             return
-        now = time.monotonic()
+        due = set()
+        while heap and heap[0][0] <= now:
+            due.add(heapq.heappop(heap)[1])
         late: list[tuple[str, _Client]] = []
-        for name, ws in list(self._waits.items()):
+        for name in due:
+            ws = self._waits.get(name)
+            if not ws:
+                continue
             keep = [w for w in ws if w[1] > now]
             late += [(name, c) for c, d in ws if d <= now]
             if keep:

@@ -99,6 +99,13 @@ class Table:
         self.ro_fds: dict[int, int] = {}  # arena segment id -> a read-only fd of it, for getters
         self.evicted = 0
         self.freed = 0
+        self._sorted: list[str] | None = None  # the names in order, until they change
+
+    def sorted_names(self) -> list[str]:
+        """The names in order (sorted once per change, not once per page of a listing)."""
+        if self._sorted is None:
+            self._sorted = sorted(self.names)
+        return self._sorted
 
     # -- memory ------------------------------------------------------------------
 
@@ -219,6 +226,7 @@ class Table:
         return next(_ids)
 
     def add(self, obj: Obj) -> None:
+        self._sorted = None
         self.meta_bytes += len(obj.meta)
         self.names[obj.name] = obj
         self.objects[obj.oid] = obj
@@ -275,6 +283,7 @@ class Table:
             obj.named = False
             if self.names.get(obj.name) is obj:
                 del self.names[obj.name]
+                self._sorted = None
         self._idle.pop(obj.oid, None)
         if not obj.refs:
             self._free(obj)

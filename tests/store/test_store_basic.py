@@ -224,3 +224,9 @@ def test_no_daemon_is_a_clear_error(sockdir: str) -> None:
 
 def test_store_is_exported_at_the_top() -> None:
     assert shmshare.Store is Store
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0])
+def test_a_get_timeout_that_is_not_seconds_is_refused(store: Store, bad: float) -> None:
+    with pytest.raises(ValueError, match="seconds >= 0"):
+        store.get("x", timeout=bad)
