@@ -16,10 +16,15 @@ Note [Stat reads /proc, not the processes]
     ``_statsd.py``: ``SHMSHARE_STATS=1`` or ``shmshare.serve_stats()``) is
     also asked for what only it knows: its pools by kind (shm, pinned,
     device, ...: reserved, allocated, peaks) and its leases out with the age
-    of the oldest. Every socket is asked at once, each step bounded by
-    ASK_TIMEOUT, so a stopped or hung process costs stat half a second and a
-    note, never a hang. The answer is matched to /proc by the pid the kernel
-    gives for the socket's peer (``SO_PEERCRED``, in stat's pid namespace).
+    of the oldest. Every socket is asked at once, in one poll loop against
+    one ASK_TIMEOUT, so stopped or hung processes, however many, cost stat
+    half a second and a note each, never a hang (Note [Asking every stats
+    socket at once] in ``_statask.py``). The answer is matched to /proc by
+    the pid the kernel gives for the socket's peer (``SO_PEERCRED``, in
+    stat's pid namespace), and kept only as far as its types are right
+    (Note [An answer is hostile]). The store daemons are asked meanwhile, in
+    parallel, all within STORE_BUDGET. Whatever a process calls itself, or
+    a daemon its objects, the table escapes what is not printable.
 """
 
 from __future__ import annotations
@@ -31,12 +36,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _procfs, _statsd
-from ._errors import ShmshareTimeout
+from . import _procfs, _statask, _statsd
 
-__all__ = ["Segment", "Process", "Report", "scan", "ask_stats", "render", "main_stat", "ASK_TIMEOUT"]
+__all__ = ["Segment", "Process", "Report", "scan", "ask_stats", "render", "main_stat", "ASK_TIMEOUT",
+           "STORE_BUDGET"]
 
-ASK_TIMEOUT = 0.5  # s for each step of asking one stats socket (connect, request, reply)
+ASK_TIMEOUT = 0.5  # s for asking all the stats sockets; and at most, each step of asking a store
+STORE_BUDGET = 1.0  # s for asking all the store daemons (listing their objects included)
 
 # shmshare's names: memfds "shmshare_<pid>_<hex>", POSIX shm "/dev/shm/shmshare_<pid>_<hex>"
 _MARKS = ("/memfd:shmshare_", "/dev/shm/shmshare_")
@@ -157,7 +163,14 @@ def scan(pids: list[int] | None = None, ask: bool = True) -> Report:
         for key in proc.segments:
             proc.shares_with |= segs[key].pids
         proc.shares_with.discard(proc.pid)
-    answers, unanswered = ask_stats(want) if ask else ({}, [])
+    answers: dict[int, dict[str, Any]] = {}
+    unanswered: list[dict[str, Any]] = []
+    stores: list[dict[str, Any]] = []
+    if ask:
+        with ThreadPoolExecutor(1, thread_name_prefix="shmshare-stat") as pool:
+            asking = pool.submit(_stores, want)  # meanwhile
+            answers, unanswered = ask_stats(want)
+            stores = asking.result()
     for pid, stats in answers.items():
         if want is not None and pid not in want:
             continue
@@ -165,70 +178,59 @@ def scan(pids: list[int] | None = None, ask: bool = True) -> Report:
         if got is None:
             got = procs[pid] = Process(pid, _command(pid))
         got.stats = stats
-    stores = _stores(want) if ask else []
     return Report(sorted(procs.values(), key=lambda p: -p.mapped_bytes),
                   sorted(segs.values(), key=lambda s: -s.size), skipped, unanswered, stores)
 
 
 _STORE_ROWS = 20  # objects shown per store in the table (all of them, up to _STORE_MAX, in JSON)
 _STORE_MAX = 10_000
+_STORE_ASKERS = 16  # daemon sockets asked at once (each thread's wait ends by the one deadline)
 
 
 def _stores(want: set[int] | None) -> list[dict[str, Any]]:
     """Each store daemon of the host (found from /proc), and what it holds (its own answer)."""
     from .store._find import describe, find_daemons
 
+    daemons = find_daemons(None if want is None else sorted(want))
+    if not daemons:
+        return []
+    deadline = time.monotonic() + STORE_BUDGET
+    with ThreadPoolExecutor(max_workers=min(_STORE_ASKERS, len(daemons)),
+                            thread_name_prefix="shmshare-stat-store") as pool:
+        got = list(pool.map(lambda d: describe(d[1], ASK_TIMEOUT, deadline), daemons))
     out = []
-    for pid, path in find_daemons(None if want is None else sorted(want)):
-        got = describe(path, timeout=ASK_TIMEOUT)
-        got["pid"] = pid
-        objects = got.get("objects")
+    for (pid, _), st in zip(daemons, got, strict=True):
+        st["pid"] = pid
+        objects = st.get("objects")
         if objects is not None and len(objects) > _STORE_MAX:
-            got["objects_cut"] = len(objects) - _STORE_MAX
-            got["objects"] = sorted(objects, key=lambda o: -o["size"])[:_STORE_MAX]
-        out.append(got)
+            st["objects_cut"] = len(objects) - _STORE_MAX
+            st["objects"] = sorted(objects, key=lambda o: -o["size"])[:_STORE_MAX]
+        out.append(st)
     return out
 
 
 def ask_stats(pids: set[int] | None = None, timeout: float = ASK_TIMEOUT
               ) -> tuple[dict[int, dict[str, Any]], list[dict[str, Any]]]:
-    """Ask every stats socket at once (only ``<pid>.sock`` of `pids`, if given).
+    """Ask every stats socket at once (only ``<pid>.sock`` of `pids`, if given), all within
+    `timeout` s.
 
-    Returns ({pid: its answer}, [{"socket", "why"} of each that did not answer]); sockets
-    nobody listens on (a process killed) are left out. Takes about `timeout` s when one hangs.
+    Returns ({pid: its answer, checked}, [{"socket", "pid", "why"} of each that did not answer
+    or answered what stat cannot use]); sockets nobody listens on (a process killed) are left
+    out.
     """
     paths = _statsd.stats_sockets(all_users=os.getuid() == 0)
     if pids is not None:
         paths = [p for p in paths if _name_pid(p) in pids]
     if not paths:
         return {}, []
-    with ThreadPoolExecutor(max_workers=min(16, len(paths)), thread_name_prefix="shmshare-stat") as pool:
-        got = list(pool.map(lambda p: _ask_one(p, timeout), paths))
     answers: dict[int, dict[str, Any]] = {}
     unanswered = []
-    for path, (pid, reply, why) in zip(paths, got, strict=True):
+    for path, (pid, reply, why) in _statask.ask_all(paths, timeout).items():
         if reply is not None:
-            reply = {k: v for k, v in reply.items() if k not in ("k", "v")}
             answers[pid] = reply
         elif why is not None:
-            unanswered.append({"socket": path, "pid": _name_pid(path), "why": why})
-    return answers, unanswered
-
-
-def _ask_one(path: str, timeout: float) -> tuple[int, dict[str, Any] | None, str | None]:
-    """(pid, reply, None), or (0, None, why it did not answer), or (0, None, None): stale."""
-    try:
-        uid = os.lstat(path).st_uid
-        pid, reply = _statsd.ask(path, timeout, allow_uids=(uid,))
-        return pid, reply, None
-    except ConnectionRefusedError:
-        return 0, None, None  # nobody listens: a process killed (the next server removes it)
-    except FileNotFoundError:
-        return 0, None, None  # it exited meanwhile
-    except ShmshareTimeout:
-        return 0, None, f"no answer within {timeout} s (stopped, or busy)"
-    except Exception as exc:  # noqa: BLE001 -- whatever one socket does, stat reports the rest
-        return 0, None, f"{type(exc).__name__}: {exc}"[:200]
+            unanswered.append({"socket": path, "pid": pid or _name_pid(path), "why": why})
+    return answers, sorted(unanswered, key=lambda u: u["socket"])
 
 
 def _name_pid(path: str) -> int:
@@ -267,7 +269,7 @@ def _rss_by_start(pid: int) -> dict[int, int]:
     return out
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if n >= scale:
             return f"{n / scale:.1f}{unit}"
@@ -285,14 +287,27 @@ def render(report: Report, width: int = 100) -> str:
             shares = ",".join(str(x) for x in sorted(p.shares_with)) or "-"
             row = (f"{p.pid:>7}  {_size(p.mapped_bytes):>8}  {_size(p.resident_bytes):>8}  "
                    f"{p.fds:>4}  {len(p.segments):>4}  {shares:<16}  {p.command}")
-            lines.append(row[:width])
+            lines.append(_cut(row, width))
         total = sum(s.size for s in report.segments)
         lines.append(f"{len(report.segments)} segments, {_size(total)} in all")
     lines += _render_pools(report, width)
     lines += _render_stores(report, width)
     if report.skipped:
         lines.append(f"({report.skipped} processes of other users not read: run as root to see them)")
-    return "\n".join(lines)
+    return "\n".join(_printable(line) for line in lines)  # cut rows are escaped already
+
+
+def _printable(text: str) -> str:
+    """`text` with what a terminal would act on (control and format characters) escaped, as
+    ``repr`` does: a process names itself, a store daemon its objects, and both reach root's
+    terminal."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+def _cut(row: str, width: int) -> str:
+    return _printable(row)[:width]
 
 
 _KIND_ORDER = {"shm": 0, "pinned": 1, "device": 2, "host": 3, "simulated": 4}
@@ -317,39 +332,47 @@ def _render_pools(report: Report, width: int) -> list[str]:
             row = (f"{p.pid:>7}  {kind:<9}  {t.get('pools', 0):>5}  {_size(t.get('reserved_bytes', 0)):>8}  "
                    f"{_size(t.get('allocated_bytes', 0)):>9}  {_size(t.get('peak_reserved_bytes', 0)):>8}  "
                    f"{t.get('leases_out') or '-':>6}  {'-' if age is None else f'{age:.1f}s':>7}")
-            lines.append(row[:width])
+            lines.append(_cut(row, width))
         if p.stats.get("truncated"):
             lines.append(f"{'':>7}  ({p.stats['truncated']} entries cut from its answer; totals are whole)")
     for u in report.unanswered:
-        lines.append(f"(pid {u['pid']}: {u['why']})"[:width])
+        lines.append(_cut(f"(pid {u['pid']}: {u['why']})", width))
     return lines
 
 
 def _render_stores(report: Report, width: int) -> list[str]:
-    """The objects of each store daemon, largest first."""
+    """The objects of each store daemon, largest first (what describe() checked; "?" where a
+    figure is missing)."""
     lines: list[str] = []
     for st in report.stores:
         lines.append("")
+        where = f"store pid {st.get('pid', '?')} at {st.get('path', '?')}"
         if "error" in st:
-            lines.append(f"store pid {st['pid']} at {st['path']}: {st['error']}"[:width])
+            lines.append(_cut(f"{where}: {st['error']}", width))
             continue
-        f = st["stats"]
-        limit = f" of --limit {_size(f['limit'])}" if f.get("limit") else ""
-        lines.append(f"store pid {st['pid']} at {st['path']}: {f['objects']} objects, "
-                     f"{_size(f['held_bytes'])} held{limit}, {f['deleted_viewed']} deleted but "
-                     f"viewed, {f['connected']} clients"[:width])
-        objects = sorted(st["objects"], key=lambda o: -o["size"])
+        f = st.get("stats") or {}
+        limit = f" of --limit {_size_or(f.get('limit'))}" if f.get("limit") else ""
+        lines.append(_cut(f"{where}: {f.get('objects', '?')} objects, {_size_or(f.get('held_bytes'))} "
+                          f"held{limit}, {f.get('deleted_viewed', '?')} deleted but viewed, "
+                          f"{f.get('connected', '?')} clients", width))
+        objects = sorted(st.get("objects") or [], key=lambda o: -o["size"])
         if objects:
             lines.append(f"  {'SIZE':>8}  {'REFS':>5}  {'HOLDERS':>7}  {'AGE':>8}  {'KIND':<6}  "
                          f"{'SEAL':<6}  NAME")
         for o in objects[:_STORE_ROWS]:
             seal = o["write_seal"] if o["sealed"] else "open"
-            lines.append(f"  {_size(o['size']):>8}  {o['refs']:>5}  {o['holders']:>7}  "
-                         f"{o['age']:>7.1f}s  {o['kind']:<6}  {seal:<6}  {o['name']}"[:width])
+            lines.append(_cut(f"  {_size(o['size']):>8}  {o['refs']:>5}  {o['holders']:>7}  "
+                              f"{o['age']:>7.1f}s  {o['kind']:<6}  {seal:<6}  {o['name']}", width))
         more = len(objects) - _STORE_ROWS + st.get("objects_cut", 0)
         if more > 0:
             lines.append(f"  ... and {more} smaller objects (--json lists them)")
+        if st.get("unlisted"):
+            lines.append(_cut(f"  (not all listed: {st['unlisted']})", width))
     return lines
+
+
+def _size_or(n: Any) -> str:
+    return _size(n) if isinstance(n, (int, float)) and not isinstance(n, bool) else "?"
 
 
 def main_stat(as_json: bool, watch: float | None, pids: list[int] | None) -> int:
