@@ -219,6 +219,14 @@ class Store:
         if got is None:
             raise KeyError(f"{name!r} was not created through this Store (or is sealed already)")
         buf = got[1]
+        try:
+            self._seal(name, buf)
+        except KeyError:  # deleted or replaced meanwhile: nothing of ours is left to seal
+            del self._creating[name]
+            raise
+        del self._creating[name]
+
+    def _seal(self, name: str, buf: Any) -> None:
         if isinstance(buf, weakref.ref):
             self._call({"k": "seal", "n": name})
             arr = buf()
@@ -230,7 +238,6 @@ class Store:
                 self._stage(plan)
                 self._call_locked({"k": "seal", "n": name, "st": plan.size}, [])
             buf.flags.writeable = False
-        del self._creating[name]
 
     def get(self, name: str, timeout: float | None = None) -> Any:
         """The value stored under `name`, as read-only zero-copy views.
@@ -351,7 +358,11 @@ class Store:
             timeout if self.timeout is None else min(timeout, self.timeout))
         try:
             while self._owed:  # first the replies of requests given up on (Note [Replies owed])
-                h, got = self._conn.recv(timeout=wait)
+                try:
+                    h, got = self._conn.recv(timeout=wait)
+                except FdLimitError as exc:  # read, its fd lost: undone from its header
+                    self._late_lost(exc)
+                    continue
                 if h.get("k") == "drop":
                     self._dropped(h.get("i"))
                     for f in got:
@@ -410,6 +421,16 @@ class Store:
                 f.close()
             raise_for(str(h.get("e")), str(h.get("w")))
         return h, got
+
+    def _late_lost(self, exc: FdLimitError) -> None:
+        """A frame read whose fds our table had no room for: what it stood for is undone."""
+        lost: Any = getattr(exc, "header", None)
+        if isinstance(lost, dict) and lost.get("k") == "drop":
+            self._dropped(lost.get("i"))
+        elif self._owed:
+            self._owed -= 1
+            if isinstance(lost, dict):
+                self._late(lost, [])
 
     def _late(self, h: dict[Any, Any], got: builtins.list[Fd]) -> None:
         """A reply of a request given up on (Note [Replies owed]): what it gave is given back."""
@@ -575,9 +596,18 @@ class Store:
                     self._unsent(rel)  # a full socket: they go with the next flush
                     raise
             while self._unmapped:
-                conn.send({"k": "unmapped", "o": self._unmapped.popleft()}, timeout=self.timeout)
+                oid = self._unmapped.popleft()
+                try:
+                    conn.send({"k": "unmapped", "o": oid}, timeout=self.timeout)
+                except BaseException:
+                    self._unmapped.appendleft(oid)  # the next flush tries again
+                    raise
             while conn.poll(0):
-                got = conn.recv_nowait()
+                try:
+                    got = conn.recv_nowait()
+                except FdLimitError as exc:
+                    self._late_lost(exc)
+                    continue
                 if got is None:
                     break
                 h, fds = got

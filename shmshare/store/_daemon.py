@@ -71,6 +71,8 @@ log = logging.getLogger("shmshare.store")
 
 _REPLY_WAIT = 0.0  # s a reply waits for room on a client's socket (Note [One thread])
 _MAX_WAITS = 256  # waits one connection may have pending
+_MAX_PUSHED = 16  # drop frames sent to a client unasked between two of its requests
+_DROPS_PER_REPLY = 4096  # segment ids a reply carries at most (a frame is 128 KiB)
 _FD_ROOM = 16  # fds kept free before another client is accepted (a request brings at most one)
 _MAX_CLIENTS = 4096
 _LIST_PAGE = 256  # entries per list reply, at most ...
@@ -80,7 +82,7 @@ _ACCEPT_PAUSE = 0.2  # s accepting pauses after EMFILE
 
 class _Client:
     __slots__ = ("id", "conn", "pid", "segments", "refs", "staging", "creating", "drops", "future",
-                 "waits")
+                 "waits", "pushed")
 
     def __init__(self, cid: int, conn: wire.Connection) -> None:
         self.id = cid
@@ -93,6 +95,7 @@ class _Client:
         self.drops: list[int] = []  # segments gone that it may still map: told in the next reply
         self.future: set[int] = set()  # oids it sealed while mapping them writable
         self.waits = 0  # its waits pending
+        self.pushed = 0  # drop frames sent to it unasked since its last request
 
 
 class _Bad(Exception):
@@ -146,6 +149,7 @@ class Server:
                         if client is not None:
                             self._serve(client)
                 self._expire_waits()
+                self.table.trim_if_idle(time.monotonic())
                 if self._accept_at and time.monotonic() >= self._accept_at:
                     self._accept_at = 0.0
                     poller.register(listen_fd, select.POLLIN)
@@ -166,6 +170,9 @@ class Server:
         while heap and heap[0][1] not in self._waits:
             heapq.heappop(heap)  # woken or dropped since
         soonest = heap[0][0] if heap else None
+        trim = self.table.trim_if_idle(time.monotonic())
+        if trim is not None:
+            soonest = trim if soonest is None else min(soonest, trim)
         if self._accept_at:
             soonest = min(soonest or self._accept_at, self._accept_at)
         if soonest is None:
@@ -215,7 +222,10 @@ class Server:
             # reference it holds, under its views)
             log.warning("out of fds receiving from client %d (pid %s): %s", client.id,
                         client.pid, exc)
+            lost = getattr(exc, "header", None)
             try:
+                if isinstance(lost, dict):
+                    self._carried(client, lost)  # its releases and forgets still count
                 self._reply(client, {"k": "err", "e": "daemon", "w": f"the store daemon (pid "
                                      f"{os.getpid()}) is out of file descriptors: {exc}"})
             except (ShmshareError, OSError, ValueError):
@@ -269,18 +279,28 @@ class Server:
                   "" if hung_up else " (dropped)")
 
     def _dropped(self, seg_id: int) -> None:
-        """A segment left the store: tell the clients that may map it, so they unmap it."""
+        """A segment left the store: tell the clients that may map it, so they unmap it.
+
+        At most _MAX_PUSHED frames go unasked to a client between two of its requests; the
+        rest ride on its next reply ("d"). Our own frames must never fill its socket: a reply
+        that finds no room costs the client its connection, and every reference with it.
+        """
         for client in self._clients.values():
             if seg_id in client.segments:
                 client.segments.discard(seg_id)
+                if client.pushed >= _MAX_PUSHED:
+                    client.drops.append(seg_id)
+                    continue
                 try:
                     client.conn.send({"k": "drop", "i": seg_id}, timeout=0)
+                    client.pushed += 1
                 except (ShmshareError, OSError, ValueError):
                     client.drops.append(seg_id)  # its socket is full: told in the next reply
 
     def _reply(self, client: _Client, header: dict[str, Any], fds: list[int] | None = None) -> None:
         if client.drops:
-            header["d"], client.drops = client.drops, []
+            header["d"] = client.drops[:_DROPS_PER_REPLY]
+            del client.drops[:_DROPS_PER_REPLY]
         client.conn.send(header, fds or (), timeout=_REPLY_WAIT)
 
     # -- requests ------------------------------------------------------------------
@@ -288,11 +308,7 @@ class Server:
     def _answer(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
         kind = h.get("k")
         one_way = kind in ("rel", "unmapped")
-        if "rl" in h:  # releases carried by a request (Note [A client's mappings])
-            self._release(client, {"o": h["rl"]}, fds)
-        forget = h.get("fg")  # segments it was sent but could not map: send them again
-        if isinstance(forget, list):
-            client.segments.difference_update(x for x in forget if type(x) is int)
+        self._carried(client, h)
         try:
             handler = _HANDLERS.get(kind) if isinstance(kind, str) else None
             if handler is None:
@@ -312,6 +328,15 @@ class Server:
                 self._reply(client, {"k": "err", "e": "daemon", "w": f"the store daemon (pid "
                                      f"{os.getpid()}) could not do it: {exc}"})
 
+    def _carried(self, client: _Client, h: dict[Any, Any]) -> None:
+        """What any request carries besides itself (Note [A client's mappings])."""
+        client.pushed = 0  # it reads again: room for a few unsolicited frames
+        if "rl" in h:  # releases
+            self._release(client, {"o": h["rl"]}, [])
+        forget = h.get("fg")  # segments it was sent but could not map: send them again
+        if isinstance(forget, list):
+            client.segments.difference_update(x for x in forget if type(x) is int)
+
     def _put(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
         name, size, meta, torch = self._new_object(h, client)
         replace = h.get("r") is True
@@ -320,6 +345,7 @@ class Server:
         old = self.table.names.get(name) if replace else None
         if not fds:  # refused before anything is let go of (the old object, or evictions)
             self._check_staged(client, size, h)
+        self.table.could_ever_fit(len(meta) + _pages(size), f"object {name!r}", old)
         self.table.room_for_meta(len(meta), f"object {name!r}")
         if fds:
             self._check_memfd(name, size, fds, sealed=True)
@@ -365,6 +391,7 @@ class Server:
         name, size, meta, torch = self._new_object(h, client)
         if name in self.table.names:
             raise _Bad(EXISTS, _exists(name))
+        self.table.could_ever_fit(len(meta) + _pages(size), f"object {name!r}", None)
         self.table.room_for_meta(len(meta), f"object {name!r}")
         if fds:
             self._check_memfd(name, size, fds, sealed=False)
@@ -406,7 +433,9 @@ class Server:
 
     def _unmapped(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
         obj = self.table.objects.get(h.get("o"))  # type: ignore[arg-type]
-        if obj is not None and obj.creator == client.id and obj.sealed:
+        if obj is None:
+            client.future.discard(h.get("o"))
+        elif obj.creator == client.id and obj.sealed:
             self.table.write_seal(obj)
             if obj.write_seal == "full":
                 client.future.discard(obj.oid)
@@ -579,17 +608,19 @@ class Server:
         without evicting first: nothing is evicted for what fits another way."""
         if size == 0 or self.table.limit is None:
             return self._arena_object(client, name, size, meta, torch)
-        for evict in (False, True):
-            try:
-                return self._arena_object(client, name, size, meta, torch, evict)
-            except StoreFull:
-                pass
-            try:
-                return self._own_memfd(client, name, size, meta, torch, evict)
-            except StoreFull:
-                if evict:
-                    raise
-        raise AssertionError("unreachable")
+        try:
+            return self._arena_object(client, name, size, meta, torch, False)
+        except StoreFull:
+            pass
+        try:
+            return self._own_memfd(client, name, size, meta, torch, False)
+        except StoreFull:
+            pass
+        # evicting: for the way that needs least first (a few pages, not a pool segment)
+        try:
+            return self._own_memfd(client, name, size, meta, torch, True)
+        except StoreFull:
+            return self._arena_object(client, name, size, meta, torch, True)
 
     def _own_memfd(self, client: _Client, name: str, size: int, meta: bytes, torch: bool,
                    evict: bool) -> Obj:
@@ -657,7 +688,7 @@ class Server:
         if not ws:
             return
         for client, _ in ws:
-            client.waits -= 1
+            client.waits = max(0, client.waits - 1)
             if client.conn.closed:
                 continue
             try:
@@ -689,7 +720,7 @@ class Server:
         # replies only once the table of waits is consistent: dropping a client that does not
         # read may abort its objects and wake (and remove) other names' waiters
         for name, client in late:
-            client.waits -= 1
+            client.waits = max(0, client.waits - 1)
             if client.conn.closed:
                 continue
             try:
@@ -737,6 +768,10 @@ def _check_meta(meta: bytes, size: int) -> None:
         decode(meta, view)
     except ValueError as exc:
         raise _Bad(BAD, f"malformed meta: {exc}") from exc
+
+
+def _pages(size: int) -> int:
+    return -(-size // _PAGE) * _PAGE
 
 
 def _holes(fd: int, size: int) -> bool:

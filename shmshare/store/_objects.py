@@ -41,7 +41,8 @@ __all__ = ["Obj", "Table"]
 _F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _ids = itertools.count(1)
-_TRIM_AT = 32 << 20  # cached arena bytes past which freed segments go back to the host
+_TRIM_AT = 32 << 20  # cached arena bytes past which freed segments go back to the host at once
+IDLE_TRIM = 0.5  # s an empty pool keeps its segments before they go back (Note [Eviction])
 _SMALL_SEGMENT = 2 << 20  # the pool's segment for objects under 1 MiB (PyTorch's small pool)
 
 
@@ -100,6 +101,7 @@ class Table:
         self.evicted = 0
         self.freed = 0
         self._sorted: list[str] | None = None  # the names in order, until they change
+        self.emptied_at: float | None = None  # when the pool last became empty
 
     def sorted_names(self) -> list[str]:
         """The names in order (sorted once per change, not once per page of a listing)."""
@@ -121,6 +123,18 @@ class Table:
         self._make_room(charge, what, evict)
         self.memfd_bytes += charge
         return charge
+
+    def could_ever_fit(self, need: int, what: str, old: Obj | None) -> None:
+        """StoreFull, before anything is evicted, unless `need` bytes could fit once every
+        unreferenced object went (with --evict) and `old` (the object a put replaces, if
+        unreferenced) was given back."""
+        if self.limit is None or self.held_bytes + need <= self.limit:
+            return
+        room = self._reclaimable(self.evict)
+        if old is not None and not old.refs and not (self.evict and old.oid in self._idle):
+            room += old.charge + len(old.meta)  # not counted among the evictable already
+        if self.held_bytes - room + need > self.limit:
+            raise self._full(need, what)
 
     def room_for_meta(self, nbytes: int, what: str) -> None:
         """StoreFull unless `nbytes` of meta fit (evicting if asked)."""
@@ -195,6 +209,21 @@ class Table:
             f"{format_size(self.limit or 0)}: it holds {format_size(self.held_bytes)} "
             f"({len(named)} objects, {format_size(held)} of them referenced by getters' views, "
             f"{len(self.objects) - len(named)} deleted but still viewed); {hint}")
+
+    def trim_if_idle(self, now: float) -> float | None:
+        """Give the pool's segments back once it has been empty for IDLE_TRIM; the time of
+        the next look (None: nothing pending)."""
+        if self.emptied_at is None:
+            return None
+        if self.arena.memory_stats()["allocated_bytes.all.current"]:
+            self.emptied_at = None  # in use again
+            return None
+        due = self.emptied_at + IDLE_TRIM
+        if now < due:
+            return due
+        self.emptied_at = None
+        self._trim()
+        return None
 
     def _cached_arena(self) -> int:
         st = self.arena.memory_stats()
@@ -298,6 +327,8 @@ class Table:
             self.arena.free(block)
             if self._cached_arena() > _TRIM_AT:
                 self._trim()
+            elif self.arena.memory_stats()["allocated_bytes.all.current"] == 0:
+                self.emptied_at = time.monotonic()  # given back in IDLE_TRIM unless reused
         if obj.fd >= 0:
             fd, obj.fd = obj.fd, -1
             os.close(fd)

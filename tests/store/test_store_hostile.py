@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 from shmshare import wire
-from shmshare._errors import PeerDied
+from shmshare._errors import PeerDied, ShmshareTimeout
 from shmshare.store import Daemon, Store, StoreError, StoreFull, StoreGone
 from shmshare.store._packing import SEALS
 
@@ -33,7 +33,6 @@ from .hostile_helpers import (
     _ask,
     _daemon_fd,
     _first_hole,
-    _fresh_daemon,
     _memfd,
     _meta,
     _nfds,
@@ -154,42 +153,41 @@ def test_a_put_memfd_larger_than_announced_is_not_a_way_around_the_limit(
 
 
 def test_an_expiring_wait_whose_reply_blocks_does_not_crash_the_daemon(sockdir: str) -> None:
-    """The daemon dies with KeyError in _expire_waits: a wait expires whose reply cannot be
-    sent (the peer left drop frames unread), so the peer is dropped; dropping it aborts an
-    object it was creating, which wakes (and pops) another name's waiters from the dict that
-    _expire_waits is walking by a snapshot of its keys. A fix must look names up with
-    .get()/skip popped ones (or collect the drops and apply them after the walk)."""
-    with _fresh_daemon(sockdir, "expire", log_level="critical") as d:
-        x, y, p = wire.connect(d.path, timeout=5), wire.connect(d.path, timeout=5), \
-            wire.connect(d.path, timeout=5)
-        try:
-            assert _ask(x, {"k": "create", "n": "n2", "m": _meta(4), "s": 4,
-                            "t": False})["k"] == "ok"
-            oids = []
-            for i in range(1000):  # 1000 one-page memfd objects that x maps, then all dropped
-                fd = _memfd(1, SEALS | fcntl.F_SEAL_WRITE)
-                try:
-                    assert _ask(p, {"k": "put", "n": f"o{i}", "m": _meta(1), "s": 1,
-                                    "t": False, "r": False}, [fd])["k"] == "ok"
-                finally:
-                    os.close(fd)
-                oids.append(_ask(x, {"k": "get", "n": f"o{i}"})["o"])
-            x.send({"k": "rel", "o": oids}, timeout=5)
-            for i in range(1000):
-                _ask(p, {"k": "del", "n": f"o{i}"})  # a drop frame each to x, which reads none
-            x.send({"k": "wait", "n": "n1", "t": 0.3}, timeout=5)  # expires; its reply blocks
-            y.send({"k": "wait", "n": "n2", "t": 30}, timeout=5)  # woken when n2 is aborted
-            h, _ = y.recv(timeout=10)
-            assert h.get("e") == "aborted", h
-            time.sleep(0.3)
-            assert d.proc.poll() is None, (f"the daemon died (status {d.proc.returncode}) "
-                                           "expiring a wait")
-            with Store(d.path, timeout=5) as s:
-                s.stats()
-        finally:
-            for c in (x, y, p):
-                c.close()
+    """The daemon died with KeyError in _expire_waits: a wait expired whose reply could not be
+    sent, so its client was dropped; dropping it aborted an object it was creating, which woke
+    (and popped) another name's waiters from the dict that _expire_waits was walking by a
+    snapshot of its keys. A fix must skip popped names (or apply the drops after the walk).
 
+    Run on a Server in this process: since drop frames are capped per client, a peer can no
+    longer fill its own socket with them, so the reply that fails is made to fail here."""
+    from shmshare.store._daemon import Server, _Client
+
+    server = Server(os.path.join(sockdir, f"expire-{os.getpid()}.sock"))
+    ends = [wire.pipe() for _ in range(2)]
+    try:
+        x, y = _Client(1, ends[0][0]), _Client(2, ends[1][0])
+        server._answer(x, {"k": "create", "n": "n2", "m": _meta(4), "s": 4, "t": False}, [])
+        assert ends[0][1].recv(timeout=5)[0]["k"] == "ok"
+        server._answer(x, {"k": "wait", "n": "n1", "t": 0}, [])  # expires at once
+        server._answer(y, {"k": "wait", "n": "n2", "t": 30}, [])  # woken when n2 is aborted
+        real = server._reply
+
+        def full_for_x(client: Any, header: Any, fds: Any = None) -> None:
+            if client is x:
+                raise ShmshareTimeout("x's socket is full")
+            real(client, header, fds)
+
+        server._reply = full_for_x  # type: ignore[method-assign]
+        time.sleep(0.01)
+        server._expire_waits()  # raised KeyError before the fix
+        h, _ = ends[1][1].recv(timeout=5)
+        assert h.get("e") == "aborted", h
+        assert "n2" not in server.table.names and x.conn.closed
+    finally:
+        server.close()
+        for a, b in ends:
+            a.close()
+            b.close()
 
 def test_a_full_fd_table_does_not_drop_existing_clients(sockdir: str) -> None:
     """With its fd table filled by idle connections, the daemon drops an existing client whose
