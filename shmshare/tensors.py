@@ -45,6 +45,7 @@ __all__ = [
     "encode_dtype",
     "decode_dtype",
     "check_shareable",
+    "c_strides",
     "is_torch_tensor",
     "as_numpy",
     "as_torch",
@@ -127,7 +128,7 @@ def parse_desc(data: bytes) -> tuple[int, int, int, Layout]:
             raise ValueError(f"malformed array descriptor: shape {shape} (at most 64 dimensions, "
                              "none negative, fewer than 2**63 elements)")
         lo, nbytes = span(dtype.itemsize, shape, strides)
-        dense = lo == 0 and strides == _c_strides(dtype.itemsize, shape) and nbytes > 0
+        dense = lo == 0 and strides == c_strides(dtype.itemsize, shape) and nbytes > 0
         layout = Layout(dtype, shape, strides, tdt, lo, nbytes, dense)
         if len(tail) <= 1024:  # a long structured dtype is parsed each time, never kept
             if len(_layouts) >= 4096:
@@ -139,7 +140,7 @@ def parse_desc(data: bytes) -> tuple[int, int, int, Layout]:
 _layouts: dict[bytes, Layout] = {}
 
 
-def _c_strides(itemsize: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+def c_strides(itemsize: int, shape: tuple[int, ...]) -> tuple[int, ...]:
     out, step = [], itemsize
     for n in reversed(shape):
         out.append(step)

@@ -80,33 +80,18 @@ class ObjectInfo:
         return cls(name, size, sealed, refs, age, kind if size else "empty", ws, holders)
 
 
-class _Released:
-    """on_release of a get's lease: queue the object's id (any bytecode: no lock)."""
+class _Queued:
+    """on_release of a lease: queue `oid` for the flusher (any bytecode: no lock). A get's
+    views going queue a release; a created object's writable mapping going, an unmapped."""
 
-    __slots__ = ("store", "oid")
+    __slots__ = ("store", "queue", "oid")
 
-    def __init__(self, store: Store, oid: int) -> None:
-        self.store, self.oid = store, oid
-
-    def __call__(self) -> None:
-        store = self.store
-        store._released.append(self.oid)
-        if not store._armed:
-            store._armed = True
-            store._wake.poke()
-
-
-class _Unmapped:
-    """on_release of a created object's writable mapping: tell the daemon it may seal fully."""
-
-    __slots__ = ("store", "oid")
-
-    def __init__(self, store: Store, oid: int) -> None:
-        self.store, self.oid = store, oid
+    def __init__(self, store: Store, queue: collections.deque[int], oid: int) -> None:
+        self.store, self.queue, self.oid = store, queue, oid
 
     def __call__(self) -> None:
         store = self.store
-        store._unmapped.append(self.oid)
+        self.queue.append(self.oid)
         if not store._armed:
             store._armed = True
             store._wake.poke()
@@ -203,7 +188,7 @@ class Store:
             finally:
                 os.close(fd)
             oid = h["o"]
-            lease = _native.Lease(None, address, size, False, _Unmapped(self, oid), unmap=True)
+            lease = _native.Lease(None, address, size, False, _Queued(self, self._unmapped, oid), unmap=True)
             arr = np.ndarray(shape, np_dtype, buffer=lease)  # type: ignore[arg-type]
             self._creating[name] = (oid, weakref.ref(arr))
         else:
@@ -507,7 +492,7 @@ class Store:
             self._out += 1
             oid, seg, off, size, meta = h["o"], h["i"], h["off"], h["s"], h["m"]
             private = h.get("p") is True
-            done = _Released(self, oid)
+            done = _Queued(self, self._released, oid)
             try:
                 if size and not private:
                     # under the lock: another thread's get of the same segment must find it

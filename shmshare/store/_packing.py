@@ -40,14 +40,6 @@ _TWO_THREADS = 64 << 20  # objects from this size are written on two threads
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # every memfd of the store, from birth
 
 
-def _c_strides(itemsize: int, shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, step = [], itemsize
-    for n in reversed(shape):
-        out.append(step)
-        step *= n
-    return tuple(reversed(out))
-
-
 class Plan:
     """Where each array of `value` goes in its object (Note [An object's layout])."""
 
@@ -70,7 +62,7 @@ class Plan:
         if tdt is not None:
             self.torch = True
         shape = arr.shape
-        strides = _c_strides(dt.itemsize, shape)
+        strides = tensors.c_strides(dt.itemsize, shape)
         tbytes = (tdt or "").encode()
         if arr.nbytes == 0:
             return tensors.pack_desc(0, 0, 0, tensors.desc_dtype_bytes(dt), shape, strides, tbytes)
@@ -91,7 +83,7 @@ def one_array_meta(shape: tuple[int, ...], dtype: np.dtype, torch_dtype: str | N
                    has_bytes: bool) -> bytes:
     """The meta of an object that is one C-order array at offset 0 (``create``)."""
     ext = tensors.pack_desc(1 if has_bytes else 0, 0, 0, tensors.desc_dtype_bytes(dtype), shape,
-                            _c_strides(dtype.itemsize, shape), (torch_dtype or "").encode())
+                            tensors.c_strides(dtype.itemsize, shape), (torch_dtype or "").encode())
     return tensors.encode(ext, _no_arrays)
 
 

@@ -131,3 +131,22 @@ def _start_with_nofile(path: str, nofile: int) -> Daemon:
     return Daemon(proc, path)
 
 
+@contextlib.contextmanager
+def _no_free_fds() -> Any:
+    """This process's fd table full for the block (RLIMIT_NOFILE at the highest fd, the holes
+    below filled); every fd and the limit restored after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    top = max(int(f) for f in os.listdir("/proc/self/fd")) + 1
+    fill: list[int] = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (top, hard))
+    try:
+        while True:
+            try:
+                fill.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
+            except OSError:
+                break
+        yield
+    finally:
+        for f in fill:
+            os.close(f)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -22,28 +21,7 @@ from shmshare.store import Daemon, Store, StoreError, StoreFull
 from shmshare.store._protocol import LARGE
 
 from .helpers import mapped_memfds, pattern, until
-from .hostile_helpers import MiB, _nfds, _start_with_nofile
-
-
-@contextlib.contextmanager
-def _no_free_fds() -> Any:
-    """This process's fd table full for the block; every fd and the limit restored after."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    top = max(int(f) for f in os.listdir("/proc/self/fd")) + 1
-    fill: list[int] = []
-    resource.setrlimit(resource.RLIMIT_NOFILE, (top, hard))
-    try:
-        while True:
-            try:
-                fill.append(os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC))
-            except OSError:
-                break
-        yield
-    finally:
-        for f in fill:
-            os.close(f)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
+from .hostile_helpers import MiB, _nfds, _no_free_fds, _start_with_nofile
 
 # -- owed replies and fd-starved frames -------------------------------------------------------
 
