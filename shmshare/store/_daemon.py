@@ -343,12 +343,13 @@ class Server:
         if not replace and name in self.table.names:
             raise _Bad(EXISTS, _exists(name))
         old = self.table.names.get(name) if replace else None
-        if not fds:  # refused before anything is let go of (the old object, or evictions)
+        if fds:  # refused before anything is let go of (the old object, or evictions)
+            self._check_memfd(name, size, fds, sealed=True)
+        else:
             self._check_staged(client, size, h)
         self.table.could_ever_fit(len(meta) + _pages(size), f"object {name!r}", old)
         self.table.room_for_meta(len(meta), f"object {name!r}")
         if fds:
-            self._check_memfd(name, size, fds, sealed=True)
             if old is not None and self._frees_room_for(old, size, memfd=True):
                 self._unname(old)  # it is room the new one surely fits in: let it go first
                 old = None
@@ -391,10 +392,11 @@ class Server:
         name, size, meta, torch = self._new_object(h, client)
         if name in self.table.names:
             raise _Bad(EXISTS, _exists(name))
+        if fds:
+            self._check_memfd(name, size, fds, sealed=False)
         self.table.could_ever_fit(len(meta) + _pages(size), f"object {name!r}", None)
         self.table.room_for_meta(len(meta), f"object {name!r}")
         if fds:
-            self._check_memfd(name, size, fds, sealed=False)
             obj = self._memfd_object(client, name, size, meta, torch, fds, sealed=False)
         else:
             obj = self._small_object(client, name, size, meta, torch)
