@@ -217,9 +217,7 @@ def test_a_stopped_process_does_not_hang_stat():
     child, _ = _stats_child()
     try:
         os.kill(child.pid, signal.SIGSTOP)
-        t0 = time.monotonic()
-        got = _stat_json(child.pid, timeout=10)
-        assert time.monotonic() - t0 < 8
+        got = _stat_json(child.pid, timeout=8)  # a hang fails it: TimeoutExpired
         (proc,) = got["processes"]  # seen from /proc all the same
         assert proc["pid"] == child.pid and "stats" not in proc
         (silent,) = got["stats_unanswered"]

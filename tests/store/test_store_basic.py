@@ -134,10 +134,8 @@ def test_get_waits_for_a_put_from_another_thread_and_times_out(store: Store, dae
         np.testing.assert_array_equal(got, pattern(9, 100))
     finally:
         t.join(30)
-    start = time.monotonic()
     with pytest.raises(ShmshareTimeout, match="no sealed object 'never'"):
-        store.get("never", timeout=0.3)
-    assert time.monotonic() - start < 10
+        store.get("never", timeout=0.3)  # returns (the suite's per-test timeout bounds a hang)
 
 
 @pytest.mark.parametrize("n", [1000, LARGE])
