@@ -12,6 +12,8 @@ import socket
 import struct
 from typing import Any
 
+import msgpack
+
 from ._errors import FdLimitError, ProtocolError
 from ._fd import Fd
 
@@ -56,12 +58,28 @@ def close_all(fds: list[Fd]) -> None:
         f.close()
 
 
-def ctrunc_error(got: int, max_fds: int) -> FdLimitError:
-    """Say why the kernel dropped fds (MSG_CTRUNC) and what to do about it."""
-    return FdLimitError.exhausted(
+def ctrunc_error(got: int, max_fds: int, frame: memoryview | None = None) -> FdLimitError:
+    """Say why the kernel dropped fds (MSG_CTRUNC) and what to do about it.
+
+    The frame itself arrived: its header, as ``err.header`` (None when it
+    cannot be read), lets a caller undo what the message stood for.
+    """
+    err = FdLimitError.exhausted(
         "recvmsg", errno.EMFILE,
         f"or the peer sent more than max_fds={max_fds} in one message",
         cause=f"fds sent with a message were dropped by the kernel (MSG_CTRUNC; {got} arrived)")
+    err.header = None if frame is None else _header_of(frame)  # type: ignore[attr-defined]
+    return err
+
+
+def _header_of(frame: memoryview) -> dict[Any, Any] | None:
+    try:
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    except Exception:  # noqa: BLE001 - best effort: a frame whose fds were lost
+        return None
+    if isinstance(msg, list) and len(msg) == 2 and msg[0] == 1 and isinstance(msg[1], dict):
+        return msg[1]  # [_KIND_MSG, header] (wire.py)
+    return None
 
 
 def peer_cred(sock: socket.socket) -> tuple[int, int, int]:

@@ -346,11 +346,8 @@ class Connection(Closeable):
         fds = _take_fds(anc) if anc else []
         if flags & _CTRUNC:
             _close_all(fds)
-            err = _ctrunc_error(len(fds), self._max_fds)
-            # the frame itself arrived: its header (``err.header``, None if unreadable) lets
-            # a caller undo what the message stood for (a reference it carried, say)
-            err.header = _header_of(memoryview(self._buf)[:nbytes])  # type: ignore[attr-defined]
-            raise err
+            # the frame itself arrived: err.header lets a caller undo what it stood for
+            raise _ctrunc_error(len(fds), self._max_fds, memoryview(self._buf)[:nbytes])
         if nbytes == 0 and not fds:
             if self._at_end_of_stream():
                 raise PeerDied(f"the peer ({self._peer_name()}) closed the connection")
@@ -562,16 +559,6 @@ def _rebuild_connection(dup: Any, role: str, max_frame: int, max_fds: int,
                         allow_uids: tuple[int, ...]) -> Connection:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=dup.detach())
     return Connection(sock, role=role, max_frame=max_frame, max_fds=max_fds, allow_uids=allow_uids)
-
-
-def _header_of(frame: memoryview) -> dict[Any, Any] | None:
-    try:
-        msg = msgpack.unpackb(frame, raw=False, strict_map_key=False)
-    except Exception:  # noqa: BLE001 - best effort: a frame whose fds were lost
-        return None
-    if isinstance(msg, list) and len(msg) == 2 and msg[0] == _KIND_MSG and isinstance(msg[1], dict):
-        return msg[1]
-    return None
 
 
 def _pack(obj: Any) -> bytes:

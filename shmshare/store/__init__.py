@@ -10,8 +10,10 @@ last view of it is gone. See ``docs/store.md``.
 Files: ``_protocol.py`` (frames, errors, the socket path), ``_packing.py``
 (a value as one object's bytes, and views back), ``_objects.py`` (the
 daemon's table: references, limit, eviction), ``_daemon.py`` (the daemon's
-loop), ``_client.py`` (``Store``), ``_launch.py`` (``shmshare serve`` and
-``Daemon``).
+loop and requests), ``_making.py`` (its put, create and seal), ``_client.py``
+(``Store``), ``_flusher.py`` (what a client sends and reads while idle),
+``_launch.py`` (``shmshare serve`` and ``Daemon``), ``_find.py`` (the daemons
+``stat`` finds).
 """
 
 from __future__ import annotations

@@ -28,11 +28,9 @@ from __future__ import annotations
 import builtins
 import collections
 import os
-import select
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -42,9 +40,11 @@ from .._errors import FdLimitError, PeerDied, ProtocolError, ShmshareError, Shms
 from .._fd import Fd
 from ..channel._releases import WakePipe
 from ..channel._trust import check_fd
+from ._flusher import Queued, flush_loop
 from ._packing import Plan, build, new_memfd, one_array_meta, reserve, write_memfd
 from ._protocol import (
     LARGE,
+    ObjectInfo,
     StoreError,
     StoreGone,
     _Missing,
@@ -55,46 +55,8 @@ from ._protocol import (
 
 __all__ = ["Store", "ObjectInfo"]
 
-_FLUSH_DELAY = 0.002  # s an idle client's releases wait for a request to carry them
-_IDLE_POLL = 1.0  # s between an idle client's looks for drop frames
 _MIN_ANSWER = 0.05  # s a get(timeout=...) leaves the daemon to answer, however little is left
 _WAIT_MARGIN = 0.5  # s past a wait's own end that its answer may take
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    """What the store says of one object (``info()``, ``list()``)."""
-
-    name: str
-    size: int  # bytes of its arrays (with 64-byte alignment between them)
-    sealed: bool
-    refs: int  # gets not given back yet, all clients together
-    age: float  # seconds since it was put or created
-    kind: str  # "arena" (the daemon's pool), "memfd" (its own, sealed against writes), "empty"
-    write_seal: str  # "full" (F_SEAL_WRITE), "future" (F_SEAL_FUTURE_WRITE), "none"
-    holders: int  # clients holding views of it
-
-    @classmethod
-    def _of(cls, entry: list[Any]) -> ObjectInfo:
-        name, size, sealed, refs, age, kind, ws, holders = entry
-        return cls(name, size, sealed, refs, age, kind if size else "empty", ws, holders)
-
-
-class _Queued:
-    """on_release of a lease: queue `oid` for the flusher (any bytecode: no lock). A get's
-    views going queue a release; a created object's writable mapping going, an unmapped."""
-
-    __slots__ = ("store", "queue", "oid")
-
-    def __init__(self, store: Store, queue: collections.deque[int], oid: int) -> None:
-        self.store, self.queue, self.oid = store, queue, oid
-
-    def __call__(self) -> None:
-        store = self.store
-        self.queue.append(self.oid)
-        if not store._armed:
-            store._armed = True
-            store._wake.poke()
 
 
 class Store:
@@ -137,7 +99,7 @@ class Store:
         self._gone: str | None = None  # why the connection is unusable
         # the thread holds the Store only weakly: a Store dropped unclosed (and with no view
         # left, since views hold it) is collected, and the thread then ends
-        self._flusher = threading.Thread(target=_flush_loop, args=(weakref.ref(self), self._wake),
+        self._flusher = threading.Thread(target=flush_loop, args=(weakref.ref(self), self._wake),
                                          name="shmshare-store-flusher", daemon=True)
         self._flusher.start()
         _live.add(self)
@@ -188,7 +150,7 @@ class Store:
             finally:
                 os.close(fd)
             oid = h["o"]
-            lease = _native.Lease(None, address, size, False, _Queued(self, self._unmapped, oid), unmap=True)
+            lease = _native.Lease(None, address, size, False, Queued(self, self._unmapped, oid), unmap=True)
             arr = np.ndarray(shape, np_dtype, buffer=lease)  # type: ignore[arg-type]
             self._creating[name] = (oid, weakref.ref(arr))
         else:
@@ -492,7 +454,7 @@ class Store:
             self._out += 1
             oid, seg, off, size, meta = h["o"], h["i"], h["off"], h["s"], h["m"]
             private = h.get("p") is True
-            done = _Queued(self, self._released, oid)
+            done = Queued(self, self._released, oid)
             try:
                 if size and not private:
                     # under the lock: another thread's get of the same segment must find it
@@ -557,66 +519,6 @@ class Store:
 
     # -- the flusher -----------------------------------------------------------------
 
-    def _flush(self) -> None:
-        gone: builtins.list[Any] = []  # mappings to let go of, outside the lock
-        try:
-            self._flush_locked(gone)
-        finally:
-            del gone  # unmapped here (unless a view still holds one)
-
-    def _flush_locked(self, gone: builtins.list[Any]) -> None:
-        if not self._lock.acquire(timeout=_IDLE_POLL):
-            return
-        try:
-            if self._gone is not None:
-                self._released.clear()
-                self._unmapped.clear()
-                return
-            conn = self._conn
-            if self._released:
-                rel = {"k": "rel", "rl": self._take_released()}
-                try:
-                    conn.send({"k": "rel", "o": rel["rl"]}, timeout=self.timeout)
-                except BaseException:
-                    self._unsent(rel)  # a full socket: they go with the next flush
-                    raise
-            while self._unmapped:
-                oid = self._unmapped.popleft()
-                try:
-                    conn.send({"k": "unmapped", "o": oid}, timeout=self.timeout)
-                except BaseException:
-                    self._unmapped.appendleft(oid)  # the next flush tries again
-                    raise
-            while conn.poll(0):
-                try:
-                    got = conn.recv_nowait()
-                except FdLimitError as exc:
-                    self._late_lost(exc)
-                    continue
-                if got is None:
-                    break
-                h, fds = got
-                if h.get("k") == "drop":
-                    self._dropped(h.get("i"))
-                    for f in fds:
-                        f.close()
-                elif self._owed:
-                    self._owed -= 1
-                    self._late(h, fds)  # what a given-up request got is given back
-                else:
-                    for f in fds:
-                        f.close()
-            while self._drops:
-                root = self._segs.pop(self._drops.popleft(), None)
-                if root is not None:
-                    gone.append(root)
-        except PeerDied as exc:
-            self._died(exc)
-        except (ShmshareError, OSError, ValueError):
-            pass  # a full socket: the next flush tries again
-        finally:
-            self._lock.release()
-
     def _shutdown(self) -> bool:
         """Close for good, unless a view came alive meanwhile (a get that was in flight when
         close() was called: decided under the lock, which every get holds until it counts its
@@ -636,30 +538,6 @@ class Store:
             self._staging = None
             _native.unmap(address, LARGE, release=True)
             os.close(fd)
-
-
-def _flush_loop(ref: weakref.ref[Store], wake: WakePipe) -> None:
-    """The flusher: releases of an idle client, drop frames, and the end after close()."""
-    poller = select.poll()
-    poller.register(wake.r, select.POLLIN)
-    while True:
-        ready = poller.poll(_IDLE_POLL * 1000)
-        store = ref()
-        if store is None:
-            wake.close()  # a Store collected unclosed leaves its pipe to us
-            return
-        if ready:
-            try:
-                os.read(wake.r, 4096)
-            except OSError:
-                pass
-            time.sleep(_FLUSH_DELAY)  # a request may carry them sooner
-        store._armed = False  # disarm first, then look: a release racing with us re-arms
-        store._flush()
-        if store._closed and store._idle() and store._shutdown():
-            wake.close()
-            return
-        del store
 
 
 _live: weakref.WeakSet[Store] = weakref.WeakSet()

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import bisect
 import errno
-import fcntl
 import heapq
 import logging
 import os
@@ -39,29 +38,25 @@ import stat
 import time
 from typing import Any
 
-from .. import _native, wire
+from .. import wire
 from .._errors import FdLimitError, PeerDied, ProtocolError, ShmshareError, ShmshareTimeout
 from .._fd import Fd
 from ..channel._releases import WakePipe
 from ..channel._trust import check_fd, check_fd_room
-from ..memory._shm import ShmSegment, _new_id
-from ..tensors import decode
-from ._objects import Obj, Table
-from ._packing import SEALS, new_memfd, reserve
+from ..memory._shm import ShmSegment
+from . import _making as making
+from ._making import Bad, name_of
+from ._objects import Table
 from ._protocol import (
     ABORTED,
     BAD,
-    EXISTS,
     LARGE,
-    MAX_META,
     NOT_FOUND,
     NOT_SEALED,
-    NOT_YOURS,
     TIMEOUT,
     StoreError,
     StoreFull,
     check_dir,
-    check_name,
     default_path,
 )
 
@@ -96,10 +91,6 @@ class _Client:
         self.future: set[int] = set()  # oids it sealed while mapping them writable
         self.waits = 0  # its waits pending
         self.pushed = 0  # drop frames sent to it unasked since its last request
-
-
-class _Bad(Exception):
-    """A request the daemon refuses: (code, text) go back in an err reply."""
 
 
 class Server:
@@ -314,7 +305,7 @@ class Server:
             if handler is None:
                 raise ProtocolError(f"unknown request {kind!r}")
             handler(self, client, h, fds)
-        except _Bad as exc:
+        except Bad as exc:
             if not one_way:
                 code, text = exc.args
                 self._reply(client, {"k": "err", "e": code, "w": text})
@@ -337,102 +328,6 @@ class Server:
         if isinstance(forget, list):
             client.segments.difference_update(x for x in forget if type(x) is int)
 
-    def _put(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
-        name, size, meta, torch = self._new_object(h, client)
-        replace = h.get("r") is True
-        if not replace and name in self.table.names:
-            raise _Bad(EXISTS, _exists(name))
-        old = self.table.names.get(name) if replace else None
-        if fds:  # refused before anything is let go of (the old object, or evictions)
-            self._check_memfd(name, size, fds, sealed=True)
-        else:
-            self._check_staged(client, size, h)
-        self.table.could_ever_fit(len(meta) + _pages(size), f"object {name!r}", old)
-        self.table.room_for_meta(len(meta), f"object {name!r}")
-        if fds:
-            if old is not None and self._frees_room_for(old, size, memfd=True):
-                self._unname(old)  # it is room the new one surely fits in: let it go first
-                old = None
-            obj = self._memfd_object(client, name, size, meta, torch, fds, sealed=True)
-        else:
-            if old is not None and self._frees_room_for(old, size, memfd=False):
-                self._unname(old)
-                old = None
-            obj = self._small_object(client, name, size, meta, torch)
-            try:
-                self._read_staged(client, obj, h)
-                if obj.fd >= 0:
-                    self.table.write_seal(obj)
-            except BaseException:
-                self._free_new(obj)
-                raise
-            obj.sealed = True
-        if old is not None:  # only now: a put that fails leaves the old object as it was
-            self._unname(old)
-        self.table.add(obj)
-        self.counts["put"] += 1
-        self._reply(client, {"k": "ok", "ws": obj.write_seal})
-        self._wake_waiters(name)
-
-    def _frees_room_for(self, old: Obj, size: int, memfd: bool) -> bool:
-        """Whether letting `old` go (unreferenced: freed at once) surely makes room for a new
-        object of `size`: its memfd's pages, or a pool block at least as large."""
-        if old.refs or self.table.limit is None:
-            return False
-        if old.fd >= 0:  # a memfd (a large object's, or a small one's under a tight limit)
-            return old.charge >= -(-size // _PAGE) * _PAGE
-        return not memfd and old.block is not None and old.block.size >= size
-
-    def _unname(self, obj: Obj) -> None:
-        for c in self._clients.values():
-            c.creating.discard(obj.oid)
-        self.table.unname(obj)
-
-    def _create(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
-        name, size, meta, torch = self._new_object(h, client)
-        if name in self.table.names:
-            raise _Bad(EXISTS, _exists(name))
-        if fds:
-            self._check_memfd(name, size, fds, sealed=False)
-        self.table.could_ever_fit(len(meta) + _pages(size), f"object {name!r}", None)
-        self.table.room_for_meta(len(meta), f"object {name!r}")
-        if fds:
-            obj = self._memfd_object(client, name, size, meta, torch, fds, sealed=False)
-        else:
-            obj = self._small_object(client, name, size, meta, torch)
-        self.table.add(obj)
-        client.creating.add(obj.oid)
-        self.counts["create"] += 1
-        self._reply(client, {"k": "ok", "o": obj.oid})
-
-    def _seal(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
-        name = _name(h)
-        obj = self.table.names.get(name)
-        if obj is None or obj.oid not in client.creating:
-            raise _Bad(NOT_YOURS if obj is not None else NOT_FOUND,
-                       f"{name!r} is not an object this client created and has not sealed "
-                       "(sealed already, deleted, or created by another client)")
-        if obj.staged:
-            self._read_staged(client, obj, h)
-        try:
-            self.table.seal(obj)
-        except OSError as exc:  # a creator's memfd that takes no more seals (F_SEAL_SEAL)
-            raise _Bad(BAD, f"{name!r} cannot be sealed against writes ({exc}): its memfd "
-                       "must be one the store can seal") from exc
-        if obj.fd >= 0 and not obj.staged and _holes(obj.fd, obj.size):
-            # sealed now, so no more holes can be punched: any there were punched after create
-            client.creating.discard(obj.oid)
-            self.table.unname(obj)
-            self._wake_waiters(name, abort=f"object {name!r} was aborted: its creator punched "
-                               "holes in it before sealing")
-            raise _Bad(BAD, f"{name!r} has holes (pages punched out after create): refused; "
-                       "it is deleted")
-        client.creating.discard(obj.oid)
-        if obj.write_seal == "future":
-            client.future.add(obj.oid)
-        self._reply(client, {"k": "ok", "ws": obj.write_seal})
-        self._wake_waiters(name)
-
     def _unmapped(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
         obj = self.table.objects.get(h.get("o"))  # type: ignore[arg-type]
         if obj is None:
@@ -443,12 +338,12 @@ class Server:
                 client.future.discard(obj.oid)
 
     def _get(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
-        name = _name(h)
+        name = name_of(h)
         obj = self.table.names.get(name)
         if obj is None:
-            raise _Bad(NOT_FOUND, f"no object {name!r} in the store")
+            raise Bad(NOT_FOUND, f"no object {name!r} in the store")
         if not obj.sealed:
-            raise _Bad(NOT_SEALED, f"object {name!r} is not sealed yet (its creator is filling "
+            raise Bad(NOT_SEALED, f"object {name!r} is not sealed yet (its creator is filling "
                        "it): pass get(..., timeout=SECONDS) to wait for it")
         table = self.table
         if obj.write_seal == "future":
@@ -496,10 +391,10 @@ class Server:
                 table.unref(obj, client.id)
 
     def _delete(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
-        name = _name(h)
+        name = name_of(h)
         obj = self.table.names.get(name)
         if obj is None:
-            raise _Bad(NOT_FOUND, f"no object {name!r} in the store")
+            raise Bad(NOT_FOUND, f"no object {name!r} in the store")
         for c in self._clients.values():
             c.creating.discard(obj.oid)
         self.table.unname(obj)
@@ -507,10 +402,10 @@ class Server:
         self._reply(client, {"k": "ok"})
 
     def _info(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
-        name = _name(h)
+        name = name_of(h)
         obj = self.table.names.get(name)
         if obj is None:
-            raise _Bad(NOT_FOUND, f"no object {name!r} in the store")
+            raise Bad(NOT_FOUND, f"no object {name!r} in the store")
         self._reply(client, {"k": "info", "l": obj.entry(time.time())})
 
     def _list(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
@@ -537,153 +432,33 @@ class Server:
     def _stage(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
         size = h.get("s")
         if len(fds) != 1 or type(size) is not int or not 0 < size <= LARGE:
-            raise _Bad(BAD, f"a staging memfd is one fd of 1..{LARGE} bytes")
+            raise Bad(BAD, f"a staging memfd is one fd of 1..{LARGE} bytes")
         try:
             check_fd(fds[0].fileno(), size, trust_unsealed=False, writable=False, backed=0)
         except ProtocolError as exc:
-            raise _Bad(BAD, str(exc)) from exc
+            raise Bad(BAD, str(exc)) from exc
         if client.staging is not None:
             os.close(client.staging[0])
         client.staging = (fds[0].take(), size)
         self._reply(client, {"k": "ok"})
 
     def _wait(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
-        name = _name(h)
+        name = name_of(h)
         seconds = h.get("t")
         if not isinstance(seconds, (int, float)) or not seconds >= 0:
-            raise _Bad(BAD, f"a wait needs t >= 0 seconds, got {seconds!r}")
+            raise Bad(BAD, f"a wait needs t >= 0 seconds, got {seconds!r}")
         obj = self.table.names.get(name)
         if obj is not None and obj.sealed:
             self._reply(client, {"k": "ok"})
             return
         if client.waits >= _MAX_WAITS:
-            raise _Bad(BAD, f"{_MAX_WAITS} waits are pending on this connection already")
+            raise Bad(BAD, f"{_MAX_WAITS} waits are pending on this connection already")
         deadline = time.monotonic() + min(float(seconds), 1e9)
         self._waits.setdefault(name, []).append((client, deadline))
         heapq.heappush(self._deadlines, (deadline, name))
         client.waits += 1
 
     # -- helpers -------------------------------------------------------------------
-
-    def _new_object(self, h: dict[Any, Any], client: _Client) -> tuple[str, int, bytes, bool]:
-        name = _name(h)
-        size, meta, torch = h.get("s"), h.get("m"), h.get("t")
-        if type(size) is not int or size < 0 or size >= 1 << 48:
-            raise _Bad(BAD, f"an object's size must be 0..2**48 bytes, got {size!r}")
-        if type(meta) is not bytes or len(meta) > MAX_META:
-            raise _Bad(BAD, f"an object's meta must be at most {MAX_META} bytes")
-        _check_meta(meta, size)
-        return name, size, meta, torch is True
-
-    def _check_memfd(self, name: str, size: int, fds: list[Fd], sealed: bool) -> None:
-        """Refuse a memfd that is not exactly an object of `size` bytes, every page there, and
-        sealed as it must be: against writes already (a put), or sealable (a create)."""
-        if len(fds) != 1 or size < 1:
-            raise _Bad(BAD, "a memfd object comes with exactly one fd and at least one byte")
-        fd = fds[0].fileno()
-        try:
-            check_fd(fd, size, trust_unsealed=False, writable=False, backed=size)
-        except ProtocolError as exc:
-            raise _Bad(BAD, str(exc)) from exc
-        st_size = os.fstat(fd).st_size
-        if st_size != size:  # larger would let pages there stand in for holes, and dodge the limit
-            raise _Bad(BAD, f"the memfd of {name!r} is {st_size} bytes, announced as {size}: "
-                       "an object's memfd is exactly its size")
-        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        want = SEALS | fcntl.F_SEAL_WRITE if sealed else SEALS
-        if (seals & want != want) if sealed else (seals != want):
-            raise _Bad(BAD, f"the memfd of {name!r} must be sealed F_SEAL_SHRINK|F_SEAL_GROW"
-                       + ("|F_SEAL_WRITE" if sealed else " and nothing else (the store seals "
-                          "it against writes at seal)") + f"; it has seals {seals:#x}")
-
-    def _memfd_object(self, client: _Client, name: str, size: int, meta: bytes, torch: bool,
-                      fds: list[Fd], sealed: bool) -> Obj:
-        charge = self.table.charge_memfd(size, f"object {name!r}")
-        return Obj(self.table.new_oid(), name, size, meta, torch, _new_id(), 0, charge,
-                   client.id, fd=fds[0].take(), sealed=sealed,
-                   write_seal="full" if sealed else "none")
-
-    def _small_object(self, client: _Client, name: str, size: int, meta: bytes,
-                      torch: bool) -> Obj:
-        """A block of the pool for it; or, when the pool cannot grow under the limit (its
-        segments are 2 MiB), a memfd of the store's own, charged by the page. Each is tried
-        without evicting first: nothing is evicted for what fits another way."""
-        if size == 0 or self.table.limit is None:
-            return self._arena_object(client, name, size, meta, torch)
-        try:
-            return self._arena_object(client, name, size, meta, torch, False)
-        except StoreFull:
-            pass
-        try:
-            return self._own_memfd(client, name, size, meta, torch, False)
-        except StoreFull:
-            pass
-        # evicting: for the way that needs least first (a few pages, not a pool segment)
-        try:
-            return self._own_memfd(client, name, size, meta, torch, True)
-        except StoreFull:
-            return self._arena_object(client, name, size, meta, torch, True)
-
-    def _own_memfd(self, client: _Client, name: str, size: int, meta: bytes, torch: bool,
-                   evict: bool) -> Obj:
-        what = f"object {name!r}"
-        charge = self.table.charge_memfd(size, what, evict)
-        try:
-            fd = new_memfd(size, what)
-        except BaseException:
-            self.table.memfd_bytes -= charge
-            raise
-        try:
-            reserve(fd, size, what)
-        except BaseException:
-            os.close(fd)
-            self.table.memfd_bytes -= charge
-            raise
-        return Obj(self.table.new_oid(), name, size, meta, torch, _new_id(), 0, charge,
-                   client.id, fd=fd, staged=True)
-
-    def _arena_object(self, client: _Client, name: str, size: int, meta: bytes,
-                      torch: bool, evict: bool = True) -> Obj:
-        if size >= LARGE:
-            raise _Bad(BAD, f"an object of {size} bytes (>= {LARGE}) comes with its own memfd")
-        oid = self.table.new_oid()
-        if size == 0:
-            return Obj(oid, name, 0, meta, torch, 0, 0, 0, client.id, staged=True)
-        block = self.table.malloc(size, f"object {name!r}", evict)
-        seg: ShmSegment = block.segment.handle  # type: ignore[assignment]
-        return Obj(oid, name, size, meta, torch, seg.id, block.address - seg.address, block.size,
-                   client.id, block=block, staged=True)
-
-    def _check_staged(self, client: _Client, size: int, h: dict[Any, Any]) -> None:
-        if size and (client.staging is None or h.get("st") != size or size > client.staging[1]):
-            raise _Bad(BAD, f"the {size} bytes of a small object are to be staged first")
-
-    def _read_staged(self, client: _Client, obj: Obj, h: dict[Any, Any]) -> None:
-        """Copy a small object's bytes from the client's staging memfd into its block."""
-        if obj.size == 0:
-            return
-        self._check_staged(client, obj.size, h)
-        assert client.staging is not None
-        if obj.block is not None:
-            dst = memoryview(_native.Lease(None, obj.block.address, obj.size))
-            got = os.preadv(client.staging[0], [dst], 0)  # never maps the client's memory
-        else:  # a memfd of our own (_small_object): through a buffer, never a mapping
-            buf = bytearray(obj.size)
-            got = os.preadv(client.staging[0], [buf], 0)
-            if got == obj.size:
-                os.pwrite(obj.fd, buf, 0)
-        if got != obj.size:
-            raise _Bad(BAD, f"the staging memfd held {got} of {obj.size} bytes")
-
-    def _free_new(self, obj: Obj) -> None:
-        """Give back the block of an object that never made it into the table."""
-        if obj.block is not None:
-            block, obj.block = obj.block, None
-            self.table.arena.free(block)
-        if obj.fd >= 0:
-            fd, obj.fd = obj.fd, -1
-            os.close(fd)
-            self.table.memfd_bytes -= obj.charge
 
     def _wake_waiters(self, name: str, abort: str | None = None) -> None:
         ws = self._waits.pop(name, None)
@@ -733,54 +508,11 @@ class Server:
 
 
 _HANDLERS: dict[str, Any] = {
-    "put": Server._put, "create": Server._create, "seal": Server._seal, "get": Server._get,
+    "put": making.put, "create": making.create, "seal": making.seal, "get": Server._get,
     "rel": Server._release, "unmapped": Server._unmapped, "del": Server._delete,
     "info": Server._info, "list": Server._list, "stats": Server._stats, "stage": Server._stage,
     "wait": Server._wait,
 }
-
-
-def _name(h: dict[Any, Any]) -> str:
-    try:
-        return check_name(h.get("n"))
-    except (TypeError, ValueError) as exc:
-        raise _Bad(BAD, str(exc)) from exc
-
-
-def _exists(name: str) -> str:
-    return (f"the store has an object {name!r} already: delete it first, or "
-            "put(..., replace=True)")
-
-
-def _check_meta(meta: bytes, size: int) -> None:
-    """Refuse meta whose arrays do not lie inside the object (a getter trusts it)."""
-    def view(seg: int, block: int, offset: int, lay: Any) -> None:
-        if lay.dtype.hasobject:
-            raise _Bad(BAD, f"an array of dtype {lay.dtype} holds object references")
-        if seg == 0:
-            if 0 not in lay.shape and (lay.dtype.itemsize or lay.dtype.kind in "SU"):
-                raise _Bad(BAD, f"an empty array's descriptor has shape {lay.shape}")
-            return
-        start = offset + lay.lo
-        if seg != 1 or start < 0 or start + lay.nbytes > size:
-            raise _Bad(BAD, f"an array of {lay.nbytes} bytes at offset {start} lies outside "
-                       f"its object of {size} bytes")
-
-    try:
-        decode(meta, view)
-    except ValueError as exc:
-        raise _Bad(BAD, f"malformed meta: {exc}") from exc
-
-
-def _pages(size: int) -> int:
-    return -(-size // _PAGE) * _PAGE
-
-
-def _holes(fd: int, size: int) -> bool:
-    return os.fstat(fd).st_blocks * 512 < size
-
-
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def _drain(fd: int) -> None:

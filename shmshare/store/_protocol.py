@@ -39,10 +39,12 @@ from __future__ import annotations
 
 import os
 import stat
+from dataclasses import dataclass
+from typing import Any
 
 from .._errors import ShmshareError
 
-__all__ = ["LARGE", "MAX_META", "MAX_NAME", "StoreError", "StoreFull", "StoreGone", "ObjectExists",
+__all__ = ["ObjectInfo", "LARGE", "MAX_META", "MAX_NAME", "StoreError", "StoreFull", "StoreGone", "ObjectExists",
            "default_path", "check_name", "check_dir", "raise_for"]
 
 LARGE = 1 << 20  # bytes from which an object owns its memfd (sealed against writes)
@@ -72,6 +74,25 @@ class ObjectExists(StoreError, KeyError):
 
     def __str__(self) -> str:  # KeyError's str() would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What the store says of one object (``info()``, ``list()``)."""
+
+    name: str
+    size: int  # bytes of its arrays (with 64-byte alignment between them)
+    sealed: bool
+    refs: int  # gets not given back yet, all clients together
+    age: float  # seconds since it was put or created
+    kind: str  # "arena" (the daemon's pool), "memfd" (its own, sealed against writes), "empty"
+    write_seal: str  # "full" (F_SEAL_WRITE), "future" (F_SEAL_FUTURE_WRITE), "none"
+    holders: int  # clients holding views of it
+
+    @classmethod
+    def _of(cls, entry: list[Any]) -> ObjectInfo:
+        name, size, sealed, refs, age, kind, ws, holders = entry
+        return cls(name, size, sealed, refs, age, kind if size else "empty", ws, holders)
 
 
 def raise_for(code: str, text: str) -> None:

@@ -1,0 +1,131 @@
+"""The client's flusher: what a Store sends and reads when no request is in flight.
+
+Releases of views that died (Note [A client's mappings]), notices that a created object's
+writable mapping is gone, ``drop`` frames, and the replies of requests given up on (Note
+[Replies owed]) all queue here; a thread per Store sends and reads them within milliseconds
+when the client is idle, and requests carry them sooner when it is not.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import select
+import time
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from .._errors import FdLimitError, PeerDied, ShmshareError
+from ..channel._releases import WakePipe
+
+if TYPE_CHECKING:
+    from ._client import Store
+
+__all__ = ["Queued", "flush", "flush_loop"]
+
+FLUSH_DELAY = 0.002  # s an idle client's releases wait for a request to carry them
+IDLE_POLL = 1.0  # s between an idle client's looks for drop frames
+
+
+class Queued:
+    """on_release of a lease: queue `oid` for the flusher (any bytecode: no lock). A get's
+    views going queue a release; a created object's writable mapping going, an unmapped."""
+
+    __slots__ = ("store", "queue", "oid")
+
+    def __init__(self, store: Store, queue: collections.deque[int], oid: int) -> None:
+        self.store, self.queue, self.oid = store, queue, oid
+
+    def __call__(self) -> None:
+        store = self.store
+        self.queue.append(self.oid)
+        if not store._armed:
+            store._armed = True
+            store._wake.poke()
+
+
+def flush(self: Store) -> None:
+    """Send what waits (releases, unmapped notices), read drop frames and owed replies."""
+    gone: list[Any] = []  # mappings to let go of, outside the lock
+    try:
+        _flush_locked(self, gone)
+    finally:
+        del gone  # unmapped here (unless a view still holds one)
+
+def _flush_locked(self: Store, gone: list[Any]) -> None:
+    if not self._lock.acquire(timeout=IDLE_POLL):
+        return
+    try:
+        if self._gone is not None:
+            self._released.clear()
+            self._unmapped.clear()
+            return
+        conn = self._conn
+        if self._released:
+            rel = {"k": "rel", "rl": self._take_released()}
+            try:
+                conn.send({"k": "rel", "o": rel["rl"]}, timeout=self.timeout)
+            except BaseException:
+                self._unsent(rel)  # a full socket: they go with the next flush
+                raise
+        while self._unmapped:
+            oid = self._unmapped.popleft()
+            try:
+                conn.send({"k": "unmapped", "o": oid}, timeout=self.timeout)
+            except BaseException:
+                self._unmapped.appendleft(oid)  # the next flush tries again
+                raise
+        while conn.poll(0):
+            try:
+                got = conn.recv_nowait()
+            except FdLimitError as exc:
+                self._late_lost(exc)
+                continue
+            if got is None:
+                break
+            h, fds = got
+            if h.get("k") == "drop":
+                self._dropped(h.get("i"))
+                for f in fds:
+                    f.close()
+            elif self._owed:
+                self._owed -= 1
+                self._late(h, fds)  # what a given-up request got is given back
+            else:
+                for f in fds:
+                    f.close()
+        while self._drops:
+            root = self._segs.pop(self._drops.popleft(), None)
+            if root is not None:
+                gone.append(root)
+    except PeerDied as exc:
+        self._died(exc)
+    except (ShmshareError, OSError, ValueError):
+        pass  # a full socket: the next flush tries again
+    finally:
+        self._lock.release()
+
+
+
+def flush_loop(ref: weakref.ref[Store], wake: WakePipe) -> None:
+    """The flusher: releases of an idle client, drop frames, and the end after close()."""
+    poller = select.poll()
+    poller.register(wake.r, select.POLLIN)
+    while True:
+        ready = poller.poll(IDLE_POLL * 1000)
+        store = ref()
+        if store is None:
+            wake.close()  # a Store collected unclosed leaves its pipe to us
+            return
+        if ready:
+            try:
+                os.read(wake.r, 4096)
+            except OSError:
+                pass
+            time.sleep(FLUSH_DELAY)  # a request may carry them sooner
+        store._armed = False  # disarm first, then look: a release racing with us re-arms
+        flush(store)
+        if store._closed and store._idle() and store._shutdown():
+            wake.close()
+            return
+        del store

@@ -1,0 +1,302 @@
+"""Making objects: the daemon's put, create and seal, and the checks and memory behind them.
+
+Each function takes the Server first (Note [One thread]: no lock). A request is refused
+before anything is let go of -- the object a put replaces, or an evicted one -- so a refusal
+leaves the store as it was.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from typing import TYPE_CHECKING, Any
+
+from .. import _native
+from .._errors import ProtocolError
+from .._fd import Fd
+from ..channel._trust import check_fd
+from ..memory._shm import ShmSegment, _new_id
+from ..tensors import decode
+from ._objects import Obj
+from ._packing import SEALS, new_memfd, reserve
+from ._protocol import (
+    BAD,
+    EXISTS,
+    LARGE,
+    MAX_META,
+    NOT_FOUND,
+    NOT_YOURS,
+    StoreFull,
+    check_name,
+)
+
+if TYPE_CHECKING:
+    from ._daemon import Server, _Client
+
+__all__ = ["Bad", "put", "create", "seal", "name_of"]
+
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class Bad(Exception):
+    """A request the daemon refuses: (code, text) go back in an err reply."""
+
+
+def put(srv: Server, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
+    name, size, meta, torch = new_object(srv, h, client)
+    replace = h.get("r") is True
+    if not replace and name in srv.table.names:
+        raise Bad(EXISTS, _exists(name))
+    old = srv.table.names.get(name) if replace else None
+    if fds:  # refused before anything is let go of (the old object, or evictions)
+        check_memfd(srv, name, size, fds, sealed=True)
+    else:
+        check_staged(srv, client, size, h)
+    srv.table.could_ever_fit(len(meta) + _pages(size), f"object {name!r}", old)
+    srv.table.room_for_meta(len(meta), f"object {name!r}")
+    if fds:
+        if old is not None and frees_room_for(srv, old, size, memfd=True):
+            unname(srv, old)  # it is room the new one surely fits in: let it go first
+            old = None
+        obj = memfd_object(srv, client, name, size, meta, torch, fds, sealed=True)
+    else:
+        if old is not None and frees_room_for(srv, old, size, memfd=False):
+            unname(srv, old)
+            old = None
+        obj = small_object(srv, client, name, size, meta, torch)
+        try:
+            read_staged(srv, client, obj, h)
+            if obj.fd >= 0:
+                srv.table.write_seal(obj)
+        except BaseException:
+            free_new(srv, obj)
+            raise
+        obj.sealed = True
+    if old is not None:  # only now: a put that fails leaves the old object as it was
+        unname(srv, old)
+    srv.table.add(obj)
+    srv.counts["put"] += 1
+    srv._reply(client, {"k": "ok", "ws": obj.write_seal})
+    srv._wake_waiters(name)
+
+def frees_room_for(srv: Server, old: Obj, size: int, memfd: bool) -> bool:
+    """Whether letting `old` go (unreferenced: freed at once) surely makes room for a new
+    object of `size`: its memfd's pages, or a pool block at least as large."""
+    if old.refs or srv.table.limit is None:
+        return False
+    if old.fd >= 0:  # a memfd (a large object's, or a small one's under a tight limit)
+        return old.charge >= -(-size // _PAGE) * _PAGE
+    return not memfd and old.block is not None and old.block.size >= size
+
+def unname(srv: Server, obj: Obj) -> None:
+    for c in srv._clients.values():
+        c.creating.discard(obj.oid)
+    srv.table.unname(obj)
+
+def create(srv: Server, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
+    name, size, meta, torch = new_object(srv, h, client)
+    if name in srv.table.names:
+        raise Bad(EXISTS, _exists(name))
+    if fds:
+        check_memfd(srv, name, size, fds, sealed=False)
+    srv.table.could_ever_fit(len(meta) + _pages(size), f"object {name!r}", None)
+    srv.table.room_for_meta(len(meta), f"object {name!r}")
+    if fds:
+        obj = memfd_object(srv, client, name, size, meta, torch, fds, sealed=False)
+    else:
+        obj = small_object(srv, client, name, size, meta, torch)
+    srv.table.add(obj)
+    client.creating.add(obj.oid)
+    srv.counts["create"] += 1
+    srv._reply(client, {"k": "ok", "o": obj.oid})
+
+def seal(srv: Server, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
+    name = name_of(h)
+    obj = srv.table.names.get(name)
+    if obj is None or obj.oid not in client.creating:
+        raise Bad(NOT_YOURS if obj is not None else NOT_FOUND,
+                   f"{name!r} is not an object this client created and has not sealed "
+                   "(sealed already, deleted, or created by another client)")
+    if obj.staged:
+        read_staged(srv, client, obj, h)
+    try:
+        srv.table.seal(obj)
+    except OSError as exc:  # a creator's memfd that takes no more seals (F_SEAL_SEAL)
+        raise Bad(BAD, f"{name!r} cannot be sealed against writes ({exc}): its memfd "
+                   "must be one the store can seal") from exc
+    if obj.fd >= 0 and not obj.staged and _holes(obj.fd, obj.size):
+        # sealed now, so no more holes can be punched: any there were punched after create
+        client.creating.discard(obj.oid)
+        srv.table.unname(obj)
+        srv._wake_waiters(name, abort=f"object {name!r} was aborted: its creator punched "
+                           "holes in it before sealing")
+        raise Bad(BAD, f"{name!r} has holes (pages punched out after create): refused; "
+                   "it is deleted")
+    client.creating.discard(obj.oid)
+    if obj.write_seal == "future":
+        client.future.add(obj.oid)
+    srv._reply(client, {"k": "ok", "ws": obj.write_seal})
+    srv._wake_waiters(name)
+
+def new_object(srv: Server, h: dict[Any, Any], client: _Client) -> tuple[str, int, bytes, bool]:
+    name = name_of(h)
+    size, meta, torch = h.get("s"), h.get("m"), h.get("t")
+    if type(size) is not int or size < 0 or size >= 1 << 48:
+        raise Bad(BAD, f"an object's size must be 0..2**48 bytes, got {size!r}")
+    if type(meta) is not bytes or len(meta) > MAX_META:
+        raise Bad(BAD, f"an object's meta must be at most {MAX_META} bytes")
+    _check_meta(meta, size)
+    return name, size, meta, torch is True
+
+def check_memfd(srv: Server, name: str, size: int, fds: list[Fd], sealed: bool) -> None:
+    """Refuse a memfd that is not exactly an object of `size` bytes, every page there, and
+    sealed as it must be: against writes already (a put), or sealable (a create)."""
+    if len(fds) != 1 or size < 1:
+        raise Bad(BAD, "a memfd object comes with exactly one fd and at least one byte")
+    fd = fds[0].fileno()
+    try:
+        check_fd(fd, size, trust_unsealed=False, writable=False, backed=size)
+    except ProtocolError as exc:
+        raise Bad(BAD, str(exc)) from exc
+    st_size = os.fstat(fd).st_size
+    if st_size != size:  # larger would let pages there stand in for holes, and dodge the limit
+        raise Bad(BAD, f"the memfd of {name!r} is {st_size} bytes, announced as {size}: "
+                   "an object's memfd is exactly its size")
+    seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    want = SEALS | fcntl.F_SEAL_WRITE if sealed else SEALS
+    if (seals & want != want) if sealed else (seals != want):
+        raise Bad(BAD, f"the memfd of {name!r} must be sealed F_SEAL_SHRINK|F_SEAL_GROW"
+                   + ("|F_SEAL_WRITE" if sealed else " and nothing else (the store seals "
+                      "it against writes at seal)") + f"; it has seals {seals:#x}")
+
+def memfd_object(srv: Server, client: _Client, name: str, size: int, meta: bytes, torch: bool,
+                  fds: list[Fd], sealed: bool) -> Obj:
+    charge = srv.table.charge_memfd(size, f"object {name!r}")
+    return Obj(srv.table.new_oid(), name, size, meta, torch, _new_id(), 0, charge,
+               client.id, fd=fds[0].take(), sealed=sealed,
+               write_seal="full" if sealed else "none")
+
+def small_object(srv: Server, client: _Client, name: str, size: int, meta: bytes,
+                  torch: bool) -> Obj:
+    """A block of the pool for it; or, when the pool cannot grow under the limit (its
+    segments are 2 MiB), a memfd of the store's own, charged by the page. Each is tried
+    without evicting first: nothing is evicted for what fits another way."""
+    if size == 0 or srv.table.limit is None:
+        return arena_object(srv, client, name, size, meta, torch)
+    try:
+        return arena_object(srv, client, name, size, meta, torch, False)
+    except StoreFull:
+        pass
+    try:
+        return own_memfd(srv, client, name, size, meta, torch, False)
+    except StoreFull:
+        pass
+    # evicting: for the way that needs least first (a few pages, not a pool segment)
+    try:
+        return own_memfd(srv, client, name, size, meta, torch, True)
+    except StoreFull:
+        return arena_object(srv, client, name, size, meta, torch, True)
+
+def own_memfd(srv: Server, client: _Client, name: str, size: int, meta: bytes, torch: bool,
+               evict: bool) -> Obj:
+    what = f"object {name!r}"
+    charge = srv.table.charge_memfd(size, what, evict)
+    try:
+        fd = new_memfd(size, what)
+    except BaseException:
+        srv.table.memfd_bytes -= charge
+        raise
+    try:
+        reserve(fd, size, what)
+    except BaseException:
+        os.close(fd)
+        srv.table.memfd_bytes -= charge
+        raise
+    return Obj(srv.table.new_oid(), name, size, meta, torch, _new_id(), 0, charge,
+               client.id, fd=fd, staged=True)
+
+def arena_object(srv: Server, client: _Client, name: str, size: int, meta: bytes,
+                  torch: bool, evict: bool = True) -> Obj:
+    if size >= LARGE:
+        raise Bad(BAD, f"an object of {size} bytes (>= {LARGE}) comes with its own memfd")
+    oid = srv.table.new_oid()
+    if size == 0:
+        return Obj(oid, name, 0, meta, torch, 0, 0, 0, client.id, staged=True)
+    block = srv.table.malloc(size, f"object {name!r}", evict)
+    seg: ShmSegment = block.segment.handle  # type: ignore[assignment]
+    return Obj(oid, name, size, meta, torch, seg.id, block.address - seg.address, block.size,
+               client.id, block=block, staged=True)
+
+def check_staged(srv: Server, client: _Client, size: int, h: dict[Any, Any]) -> None:
+    if size and (client.staging is None or h.get("st") != size or size > client.staging[1]):
+        raise Bad(BAD, f"the {size} bytes of a small object are to be staged first")
+
+def read_staged(srv: Server, client: _Client, obj: Obj, h: dict[Any, Any]) -> None:
+    """Copy a small object's bytes from the client's staging memfd into its block."""
+    if obj.size == 0:
+        return
+    check_staged(srv, client, obj.size, h)
+    assert client.staging is not None
+    if obj.block is not None:
+        dst = memoryview(_native.Lease(None, obj.block.address, obj.size))
+        got = os.preadv(client.staging[0], [dst], 0)  # never maps the client's memory
+    else:  # a memfd of our own (_small_object): through a buffer, never a mapping
+        buf = bytearray(obj.size)
+        got = os.preadv(client.staging[0], [buf], 0)
+        if got == obj.size:
+            os.pwrite(obj.fd, buf, 0)
+    if got != obj.size:
+        raise Bad(BAD, f"the staging memfd held {got} of {obj.size} bytes")
+
+def free_new(srv: Server, obj: Obj) -> None:
+    """Give back the block of an object that never made it into the table."""
+    if obj.block is not None:
+        block, obj.block = obj.block, None
+        srv.table.arena.free(block)
+    if obj.fd >= 0:
+        fd, obj.fd = obj.fd, -1
+        os.close(fd)
+        srv.table.memfd_bytes -= obj.charge
+
+
+
+def name_of(h: dict[Any, Any]) -> str:
+    try:
+        return check_name(h.get("n"))
+    except (TypeError, ValueError) as exc:
+        raise Bad(BAD, str(exc)) from exc
+
+
+def _exists(name: str) -> str:
+    return (f"the store has an object {name!r} already: delete it first, or "
+            "put(..., replace=True)")
+
+
+def _check_meta(meta: bytes, size: int) -> None:
+    """Refuse meta whose arrays do not lie inside the object (a getter trusts it)."""
+    def view(seg: int, block: int, offset: int, lay: Any) -> None:
+        if lay.dtype.hasobject:
+            raise Bad(BAD, f"an array of dtype {lay.dtype} holds object references")
+        if seg == 0:
+            if 0 not in lay.shape and (lay.dtype.itemsize or lay.dtype.kind in "SU"):
+                raise Bad(BAD, f"an empty array's descriptor has shape {lay.shape}")
+            return
+        start = offset + lay.lo
+        if seg != 1 or start < 0 or start + lay.nbytes > size:
+            raise Bad(BAD, f"an array of {lay.nbytes} bytes at offset {start} lies outside "
+                       f"its object of {size} bytes")
+
+    try:
+        decode(meta, view)
+    except ValueError as exc:
+        raise Bad(BAD, f"malformed meta: {exc}") from exc
+
+
+def _pages(size: int) -> int:
+    return -(-size // _PAGE) * _PAGE
+
+
+def _holes(fd: int, size: int) -> bool:
+    return os.fstat(fd).st_blocks * 512 < size
+
+
