@@ -22,7 +22,7 @@ from ._lifetime import Closeable
 from ._sockets import ms as _ms
 from .wire import _CLOSE_CHECK, MAX_FDS, Connection
 
-__all__ = ["Listener"]
+__all__ = ["Listener", "refused"]
 
 
 class Listener(Closeable):
@@ -146,3 +146,18 @@ def _is_socket_or_gone(path: str) -> bool:
         return stat.S_ISSOCK(os.lstat(path).st_mode)
     except OSError:  # gone meanwhile: say what EADDRINUSE usually means
         return True
+
+
+def refused(path: str) -> bool:
+    """Whether connecting to `path` is refused: nobody listens there any more (a dead
+    listener's socket file, safe to remove; a full backlog or another error says nothing)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+    try:
+        s.connect(path)
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False  # EAGAIN (a full backlog: alive), EACCES, ...: leave it
+    finally:
+        s.close()
+    return False

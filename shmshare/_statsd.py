@@ -48,7 +48,6 @@ import os
 import re
 import secrets
 import select
-import socket
 import stat
 import threading
 import time
@@ -59,6 +58,7 @@ import msgpack
 
 from . import _fork, _registry, wire
 from ._errors import FdLimitError, ProtocolError, ShmshareError, ShmshareTimeout
+from ._listen import refused
 
 __all__ = ["serve_stats", "stop_stats", "stats_socket", "stats_dirs", "stats_sockets", "ask",
            "ENV_VAR", "VERSION", "TICK"]
@@ -447,21 +447,7 @@ def _stale(path: str) -> bool:
     except OSError:
         return False
     return (stat.S_ISSOCK(st.st_mode) and st.st_uid == os.getuid()
-            and time.time() - st.st_mtime > _YOUNG and _refused(path))
-
-
-def _refused(path: str) -> bool:
-    """Whether connecting to `path` is refused: nobody listens there any more."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
-    try:
-        s.connect(path)
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False  # EAGAIN (a full backlog: alive), EACCES, ...: leave it
-    finally:
-        s.close()
-    return False
+            and time.time() - st.st_mtime > _YOUNG and refused(path))
 
 
 # -- process life ------------------------------------------------------------------

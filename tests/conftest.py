@@ -48,3 +48,17 @@ def no_leaks():
     """Check the test process before and after each test, passing tests included."""
     with check_leaks():
         yield
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    """A private XDG_RUNTIME_DIR: the stats directory of this test alone (stats sockets, the
+    store's default socket); a stats server started in the test is stopped after it."""
+    from shmshare import _statsd
+
+    base = tmp_path / "xdg"
+    base.mkdir(mode=0o700)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(base))
+    monkeypatch.delenv(_statsd.ENV_VAR, raising=False)
+    yield base
+    _statsd.stop_stats()

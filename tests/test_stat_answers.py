@@ -14,24 +14,7 @@ from shmshare import _stat, _statask, _statsd
 from shmshare.memory import CachingAllocator, SimulatedDevice
 from shmshare.store import _find
 
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    """A private XDG_RUNTIME_DIR: the stats directory of this test alone; the server stopped after."""
-    base = tmp_path / "xdg"
-    base.mkdir(mode=0o700)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(base))
-    monkeypatch.delenv(_statsd.ENV_VAR, raising=False)
-    yield base
-    _statsd.stop_stats()
-
-
-def _stats_dir() -> str:
-    d = _statsd.stats_dirs()[0]
-    for part in (os.path.dirname(d), d):
-        if not os.path.isdir(part):
-            os.mkdir(part, 0o700)
-    return d
+from .stats_helpers import stats_dir as _stats_dir
 
 
 def test_a_reply_keeps_the_keys_stat_knows_each_of_its_type():

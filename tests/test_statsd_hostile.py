@@ -23,6 +23,8 @@ import pytest
 from shmshare import _registry, _stat, _statsd, wire
 from shmshare.memory import CachingAllocator, CachingHostAllocator, HostFallbackProvider, SimulatedDevice
 
+from .stats_helpers import stats_dir as _stats_dir
+
 WAIT = 20.0
 
 # A fake store daemon: its command line says `shmshare serve`; it listens on N sockets in DIR
@@ -61,25 +63,6 @@ while True:
         except Exception:
             conn.close()
 """
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    """A private XDG_RUNTIME_DIR: the stats directory of this test alone; the server stopped after."""
-    base = tmp_path / "xdg"
-    base.mkdir(mode=0o700)
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(base))
-    monkeypatch.delenv(_statsd.ENV_VAR, raising=False)
-    yield base
-    _statsd.stop_stats()
-
-
-def _stats_dir() -> str:
-    d = _statsd.stats_dirs()[0]
-    for part in (os.path.dirname(d), d):
-        if not os.path.isdir(part):
-            os.mkdir(part, 0o700)
-    return d
 
 
 def _env() -> dict[str, str]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import re
 import select
-import socket
 import stat
 import threading
 import time
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import wire
 from .._errors import PeerDied, ProtocolError, ShmshareError, ShmshareTimeout
+from .._listen import refused
 from ..channel._releases import WakePipe
 from ._common import DROP, ERROR, KIND, RELEASE, SEGMENT, TABLE, alive
 
@@ -62,7 +62,7 @@ def sweep_stale(base: str) -> int:
                 continue
             sock = os.path.join(d, "fd")
             if os.path.lexists(sock):
-                if not _refused(sock):
+                if not refused(sock):
                     continue  # someone listens (or may: we cannot tell): not ours to remove
             elif now - st.st_mtime < _YOUNG:
                 continue  # no socket yet: maybe an owner between its mkdir and its bind
@@ -73,20 +73,6 @@ def sweep_stale(base: str) -> int:
         except OSError:
             continue  # another process swept it first, or it is not ours to remove
     return n
-
-
-def _refused(path: str) -> bool:
-    """Whether connecting to `path` is refused: nobody listens there any more."""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK)
-    try:
-        s.connect(path)
-    except ConnectionRefusedError:
-        return True
-    except OSError:
-        return False  # EAGAIN (a full backlog: alive), EACCES, ...: leave it
-    finally:
-        s.close()
-    return False
 
 
 _REPLY_WAIT = 1.0  # s a reply waits for room on a peer's socket before the peer is dropped

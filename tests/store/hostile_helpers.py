@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from shmshare import wire
-from shmshare.store import Daemon
+from shmshare.store import Daemon, StoreError
 from shmshare.store._packing import SEALS, one_array_meta
 
 MiB = 1 << 20
@@ -150,3 +150,16 @@ def _no_free_fds() -> Any:
         for f in fill:
             os.close(f)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def fill_with_memfd_puts(store: Any, most: int = 200) -> int:
+    """Put 1 MiB objects (a memfd, so a fd in the daemon, each) until the daemon refuses one
+    (its fd table full) or `most` are in; return how many went in."""
+    n = 0
+    while n < most:
+        try:
+            store.put(f"big{n}", np.zeros(MiB, np.uint8))
+        except StoreError:
+            break
+        n += 1
+    return n

@@ -25,7 +25,15 @@ from shmshare.store._packing import Plan
 from shmshare.store._protocol import LARGE
 
 from .helpers import until
-from .hostile_helpers import MiB, _ask, _no_free_fds, _raw, _start_with_nofile, _stopped
+from .hostile_helpers import (
+    MiB,
+    _ask,
+    _no_free_fds,
+    _raw,
+    _start_with_nofile,
+    _stopped,
+    fill_with_memfd_puts,
+)
 
 # -- the client: threads, the flusher, close(), collection, its fd table -----------------------
 
@@ -213,13 +221,7 @@ def test_a_get_the_daemon_cannot_answer_for_lack_of_fds_takes_no_reference(
     try:
         with Store(path, timeout=5) as a, Store(path, timeout=5) as b:
             a.put("s", np.arange(10))
-            n = 0
-            while n < 200:
-                try:
-                    b.put(f"big{n}", np.zeros(MiB, np.uint8))  # a fd each, until none is left
-                except StoreError:
-                    break
-                n += 1
+            n = fill_with_memfd_puts(b)  # a fd each, until none is left
             with pytest.raises(StoreError):
                 a.get("s")
             for i in range(min(n, 8)):

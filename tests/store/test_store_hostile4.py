@@ -21,7 +21,7 @@ from shmshare.store import Daemon, Store, StoreError, StoreFull
 from shmshare.store._protocol import LARGE
 
 from .helpers import mapped_memfds, pattern, until
-from .hostile_helpers import MiB, _nfds, _no_free_fds, _start_with_nofile
+from .hostile_helpers import MiB, _nfds, _no_free_fds, _start_with_nofile, fill_with_memfd_puts
 
 # -- owed replies and fd-starved frames -------------------------------------------------------
 
@@ -79,13 +79,7 @@ def test_releases_carried_by_a_request_whose_fd_the_daemon_could_not_take_are_ke
         with Store(path, timeout=5) as a, Store(path, timeout=5) as b:
             a.put("s", np.arange(10))
             v = a.get("s")
-            n = 0
-            while n < 200:
-                try:
-                    b.put(f"big{n}", np.zeros(MiB, np.uint8))  # a fd each, until none is left
-                except StoreError:
-                    break
-                n += 1
+            n = fill_with_memfd_puts(b)  # a fd each, until none is left
             del v  # its release waits for a's next request ...
             with pytest.raises(StoreError):
                 a.put("a-big", np.zeros(MiB, np.uint8))  # ... which is refused: no fd for it
