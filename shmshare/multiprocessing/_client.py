@@ -8,13 +8,16 @@ Note [Unpickling a handle]
        the link, checked as a channel receiver checks one: a memfd sealed
        against shrinking, with every page backed), kept until the owner
        says the pool gave it back or the link dies.
-    3. The claim: one compare-and-swap in the table (Note [Claims without a
-       round trip]); after it, the owner may exit and the data stays valid.
-       The segment comes first: a claim made before the mapping could let
-       an exiting owner go before we had its fd.
-    4. The view: a ``_native.Lease`` over the bytes, whose callback queues
-       the release when the last view dies; a flusher thread sends the
-       releases to each owner in batches within ``_MAX_AGE``.
+    3. The claim: the handle's signature checked (``_table.sign``), our byte
+       of the claim map set, then one compare-and-swap in the table (Note
+       [Claims without a round trip], Note [The owner's record of claims]);
+       after it, the owner may exit and the data stays valid. The segment
+       comes first: a claim made before the mapping could let an exiting
+       owner go before we had its fd.
+    4. The view: a ``_native.Lease`` over the bytes, whose callback clears
+       the mark and queues the release when the last view dies; a flusher
+       thread sends the releases to each owner in batches within
+       ``_MAX_AGE``.
     A forked child starts with no links and never sends a release for an
     array it inherited: those leases are its parent's.
 """
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import hmac
 import os
 import select
 import threading
@@ -49,7 +53,7 @@ from ._common import (
     OwnerGone,
     alive,
 )
-from ._table import CLAIMED, PENDING, describe, word
+from ._table import CLAIMED, PENDING, SLOTS, describe, sign, word
 
 __all__ = ["client", "rebuild_array", "close_client"]
 
@@ -58,13 +62,14 @@ _STUCK_PAUSE = 0.1  # s: the flusher's longest pause while an owner's socket sta
 _SEND_WAIT = 0.05  # s a release frame waits for room before it is left for the next round
 _REQUEST_WAIT = 30.0  # s an fd request waits for the owner (its GIL may be busy)
 _CONNECT_WAIT = 10.0
+_MAX_SLOTS = 4 * SLOTS  # a table (and claim map) an owner may make us map
 
 
 class _Link:
     """This process's connection to one owner, and what it mapped of it."""
 
-    __slots__ = ("pid", "token", "conn", "lock", "table_buf", "slots", "segments", "dead",
-                 "readable", "claimed_low")
+    __slots__ = ("pid", "token", "conn", "lock", "table_buf", "marks", "secret", "slots", "segments",
+                 "dead", "readable", "claimed_low")
 
     def __init__(self, pid: int, token: int, path: str) -> None:
         self.pid, self.token = pid, token
@@ -82,18 +87,29 @@ class _Link:
             raise
         try:
             header, fds = self._request({KIND: TABLE})
-            if header.get(KIND) != TABLE or len(fds) != 1 or header.get("pid") != pid:
-                raise ShmshareError(f"pid {pid}'s fd server sent {header!r} for the lease table")
-            n = header.get("n")
-            if type(n) is not int or n <= 0:
-                raise ShmshareError(f"pid {pid}'s fd server sent a table of {n!r} slots")
-            check_fd(fds[0].fileno(), n * 8, trust_unsealed=False, writable=True)
-            table = locally(Segment.from_fd, fds.pop(), n * 8, Flags.FROMFD)
+            try:
+                if header.get(KIND) != TABLE or len(fds) != 2 or header.get("pid") != pid:
+                    raise ShmshareError(f"pid {pid}'s fd server sent {header!r} for the lease table")
+                n, secret = header.get("n"), header.get("m")
+                if type(n) is not int or not 0 < n <= _MAX_SLOTS:
+                    raise ShmshareError(f"pid {pid}'s fd server sent a table of {n!r} slots")
+                if type(secret) is not bytes or len(secret) != 16:
+                    raise ShmshareError(f"pid {pid}'s fd server sent no key for its handles")
+                check_fd(fds[0].fileno(), n * 8, trust_unsealed=False, writable=True)
+                check_fd(fds[1].fileno(), n, trust_unsealed=False, writable=True)
+                table = locally(Segment.from_fd, fds[0], n * 8, Flags.FROMFD)
+                claims = locally(Segment.from_fd, fds[1], n, Flags.FROMFD)
+            finally:
+                for f in fds:
+                    f.close()
             self.table_buf = table.buffer
+            self.marks = claims.buffer  # ours alone: a byte per slot we hold (Note [The owner's record of claims])
+            self.secret = secret
             self.slots = n
             me = header.get("you")  # our pid as the owner sees it (another pid namespace: not ours)
             self.claimed_low = word(0, CLAIMED, me if type(me) is int and me > 0 else os.getpid())
-            table.close()  # the buffer keeps the mapping; no fd kept
+            table.close()  # the buffers keep the mappings; no fd kept
+            claims.close()
             poller = select.poll()  # anything to read (a drop, the end) shows here, cheaply
             poller.register(self.conn.fileno(), select.POLLIN | select.POLLHUP)
             self.readable = poller.poll
@@ -186,19 +202,24 @@ class _Link:
         self.close()
         self.table_buf.release()
         self.table_buf = memoryview(b"")
+        self.marks = memoryview(bytearray(0))  # the parent's: our inherited views never clear them
 
 
 class _Released:
-    """on_release of a received array: queue its lease (no lock: any bytecode, any thread)."""
+    """on_release of a received array: unmark its slot and queue its release (no lock: any
+    bytecode, any thread)."""
 
-    __slots__ = ("client", "key", "slot", "gen", "pid")
+    __slots__ = ("client", "key", "slot", "gen", "pid", "marks")
 
-    def __init__(self, client: Client, key: tuple[int, int], slot: int, gen: int) -> None:
+    def __init__(self, client: Client, key: tuple[int, int], slot: int, gen: int,
+                 marks: memoryview) -> None:
         self.client, self.key, self.slot, self.gen, self.pid = client, key, slot, gen, os.getpid()
+        self.marks = marks
 
     def __call__(self) -> None:
         if self.pid != _pid:
             return  # inherited by a forked child: the lease is its parent's
+        self.marks[self.slot] = 0  # first: the owner may take the block back from now on
         c = self.client
         c.released.append((self.key, self.slot, self.gen))
         if not c.armed:
@@ -296,7 +317,7 @@ class Client:
 
     def rebuild(self, pid: int, token: int, path: str, seg_id: int, size: int, start: int,
                 span: int, lo: int, strides: tuple[int, ...], slot: int, gen: int,
-                dtype: np.dtype, shape: tuple[int, ...], external: bool) -> np.ndarray:
+                dtype: np.dtype, shape: tuple[int, ...], external: bool, mac: bytes) -> np.ndarray:
         if not (start >= 0 and span > 0 and start + span <= size and lo <= 0 and slot >= 0):
             raise HandleError(f"a malformed handle: {span} bytes at offset {start} of a "
                               f"{size}-byte segment of pid {pid}, slot {slot}")
@@ -312,17 +333,29 @@ class Client:
         link = self.links.get(key)
         if link is None or link.dead:
             link = self.link(pid, token, path)
+        expected = sign(link.secret, seg_id, size, start, span, lo, slot, gen, external)
+        if not expected or not hmac.compare_digest(expected, mac):
+            raise HandleError(f"a handle of pid {pid} (lease {slot}.{gen}) that its owner did not "
+                              f"make: {span} bytes at offset {start} of segment {seg_id} do not "
+                              "match its signature (altered on the way, or forged)")
         with link.lock:
             if link.dead or link.readable(0):
                 link.check()
             root = link.segments.get(seg_id)
             if root is None:
                 root = link.segment(seg_id, size, external)
+            if start + span > root.nbytes:  # what we mapped decides, not the handle's word
+                raise HandleError(f"a malformed handle: {span} bytes at offset {start} of pid "
+                                  f"{pid}'s segment {seg_id}, which is {root.nbytes} bytes")
             if slot >= link.slots:
                 raise HandleError(f"a malformed handle: slot {slot} of pid {pid}'s lease table")
+            marks = link.marks
+            was = marks[slot]
+            marks[slot] = 1  # before the claim: from the swap on, the owner must see we hold it
             pending = (gen << 32) | _PENDING_LOW
             found = _cas64(link.table_buf, slot, pending, (gen << 32) | link.claimed_low)
             if found != pending:
+                marks[slot] = was
                 raise _not_claimed(pid, slot, gen, found, link.claimed_low)
             with self.lock:
                 self.claims[key] += 1
@@ -330,7 +363,7 @@ class Client:
         try:
             return np.ndarray(shape, dtype,
                               _native.Lease(root, root.address + start, span, False,  # type: ignore[arg-type]
-                                            _Released(self, key, slot, gen)),
+                                            _Released(self, key, slot, gen, marks)),
                               -lo, strides)
         except (ValueError, TypeError) as exc:
             raise HandleError(f"a malformed handle from pid {pid}: {exc}") from exc
@@ -474,7 +507,7 @@ def close_client() -> None:
 
 def rebuild_array(pid: int, token: int, path: str, seg_id: int, size: int, start: int, span: int,
                   lo: int, strides: tuple[int, ...], slot: int, gen: int, dtype: str,
-                  shape: tuple[int, ...], external: bool = False) -> np.ndarray:
+                  shape: tuple[int, ...], external: bool = False, mac: bytes = b"") -> np.ndarray:
     """Unpickle a handle (Note [Unpickling a handle])."""
     dt = _dtypes.get(dtype)
     if dt is None:
@@ -487,7 +520,7 @@ def rebuild_array(pid: int, token: int, path: str, seg_id: int, size: int, start
     if c is None or c.closed:
         c = client()
     return c.rebuild(pid, token, path, seg_id, size, start, span, lo, strides, slot, gen, dt,
-                     shape, external)
+                     shape, external, mac)
 
 
 _dtypes: dict[str, np.dtype] = {}

@@ -3,11 +3,14 @@
 Frames (msgpack headers on a ``wire.Connection``; nothing is pickled):
 
 - peer -> owner ``{"k": "t"}``: the lease table, please; owner -> peer
-  ``{"k": "t", "n": slots, "pid": owner pid}`` with the table's fd.
+  ``{"k": "t", "n": slots, "pid": owner pid, "you": the peer's pid as the
+  owner sees it, "m": the key of the handles' signatures}`` with two fds:
+  the table's and the peer's own claim map's (``_claims.py``).
 - peer -> owner ``{"k": "s", "i": segment id}``; owner -> peer ``{"k": "s",
   "i": id, "n": size}`` with the segment's fd, or ``{"k": "e", "w": why}``.
 - peer -> owner ``{"k": "r", "l": [slot, gen, slot, gen, ...]}``: releases,
-  never answered; only slots CLAIMED by the peer's own pid are taken.
+  never answered; a slot is given back only if no live process's claim map
+  marks it.
 - owner -> peer ``{"k": "d", "i": id}``: a segment the pool gave back (drop
   the mapping once no view uses it). Sent without waiting; may be lost.
 """

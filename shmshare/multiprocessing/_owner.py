@@ -45,8 +45,9 @@ from ..channel._announce import SegmentBook
 from ..channel._blocks import SPARE_BYTES, BlockBook, _Held
 from ..memory import CachingAllocator, ShmProvider, ShmSegment
 from ..memory._shm import _new_id
+from ._claims import ClaimBook, ClaimMap
 from ._common import env_number
-from ._table import CLAIMED, PENDING, LeaseTable, word
+from ._table import CLAIMED, PENDING, LeaseTable, sign, word
 
 __all__ = ["Owner", "owner", "current_owner", "OwnerStatistics", "exit_linger", "set_exit_linger"]
 
@@ -157,6 +158,8 @@ class Owner(BlockBook):
         self._sent = 0
         self._local_done: collections.deque[_Held] = collections.deque()
         self.table = LeaseTable()
+        self.claims = ClaimBook(self.table.slots)  # who holds what, by our own record
+        self.secret = os.urandom(16)  # signs handles: one altered on the way is refused
         self._counts = collections.Counter[str]()
         self._copied = self._in_place = 0  # the hot counters, plain ints
         self.server: Any = None  # _server.Server, started by the first handle
@@ -239,6 +242,12 @@ class Owner(BlockBook):
             self._in_place += 1
             return ext.id, ext.size, ptr + lo - base, span, lo, arr.strides, *slot_gen
 
+    def sign(self, placed: tuple[int, int, int, int, int, tuple[int, ...], int, int],
+             external: bool) -> bytes:
+        """The signature of a handle to what :meth:`place` or :meth:`place_shared` returned."""
+        seg_id, size, start, span, lo, _strides, slot, gen = placed
+        return sign(self.secret, seg_id, size, start, span, lo, slot, gen, external)
+
     def _lease(self, rec: _Held | _External) -> tuple[int, int] | None:
         """A table slot for a handle to `rec`; None (and `rec` let go of) when all are out."""
         got = self.table.take()
@@ -319,34 +328,59 @@ class Owner(BlockBook):
 
     # -- the serving side (the server thread calls these) ----------------------
 
-    def release(self, pid: int, pairs: list[int]) -> int:
-        """Take back the leases (slot, gen, ...) that `pid` claimed; return how many."""
+    def release(self, pairs: list[int]) -> int:
+        """Look at the slots (slot, gen, ...) a peer says it released; give back each one that
+        is claimed and that no live process's claim map marks; return how many."""
         n = 0
-        claimed = word(0, CLAIMED, pid)  # the low half of a word `pid` claimed
         with self._lock:
-            words, slots = self.table.words, self._slots
+            slots, gens, claims = self._slots, self.table.gens, self.claims
             for i in range(0, len(pairs) - 1, 2):
                 slot, gen = pairs[i], pairs[i + 1]
-                if type(slot) is not int or type(gen) is not int or slot not in slots:
-                    continue
-                if words[slot] != (gen << 32) | claimed:
-                    continue  # not its to give back (a stale or a forged release)
+                if type(slot) is not int or type(gen) is not int or slot not in slots \
+                        or gens[slot] != gen:
+                    continue  # stale, or never ours
+                if self.table.state(slot)[:2] != (gen, CLAIMED) or claims.held(slot):
+                    continue  # unclaimed yet, or a live process still holds it (a forged release)
                 self._give_back(slot, gen)
                 n += 1
             if self._local_done:
                 self._drain_local()
         return n
 
-    def reclaim(self, pid: int) -> int:
-        """The process `pid` went: take back every lease it claimed."""
-        n = 0
+    def join(self, pid: int) -> tuple[ClaimMap, ClaimMap | None]:
+        """A process connected to the fd server: its claim map (made on its first connection),
+        and a map of the same pid whose process is gone (for the caller's ``left``)."""
         with self._lock:
-            for slot in list(self._slots):
-                gen, state, claimer = self.table.state(slot)
-                if state == CLAIMED and claimer == pid:
-                    self._give_back(slot, gen)
-                    n += 1
-            self._counts["reclaimed"] += n
+            return self.claims.join(pid)
+
+    def left(self, cm: ClaimMap, exited: bool) -> int:
+        """One of `cm`'s connections ended, or (`exited`) its process is gone: once the process is
+        gone (or, for a map without a pidfd, its last connection ended), take back what it held."""
+        with self._lock:
+            if not exited:
+                cm.conns -= 1
+                if cm.pidfd is not None or cm.conns > 0:
+                    return 0  # alive: its arrays stay valid however its connections come and go
+            return self._reclaim(cm)
+
+    def _reclaim(self, cm: ClaimMap) -> int:
+        if cm.closed:
+            return 0  # retired already
+        words = np.frombuffer(self.table.buffer, np.uint64)
+        low = words & np.uint64(0xFFFFFFFF)
+        # what it marked, and what the table says it claimed (a release it cleared but never sent)
+        look = set(self.claims.retire(cm).tolist())
+        if cm.pid > 0:
+            look.update(np.flatnonzero(low == np.uint64(word(0, CLAIMED, cm.pid))).tolist())
+        n = 0
+        for slot in look:
+            if slot not in self._slots:
+                continue
+            gen, state, _ = self.table.state(slot)
+            if state == CLAIMED and gen == self.table.gens[slot] and not self.claims.held(slot):
+                self._give_back(slot, gen)
+                n += 1
+        self._counts["reclaimed"] += n
         return n
 
     def _give_back(self, slot: int, gen: int) -> None:
@@ -420,11 +454,12 @@ class Owner(BlockBook):
             server.close()
         with self._lock:
             for slot in list(self._slots):  # every peer is gone from our books: void them all
-                self._give_back(slot, self.table.state(slot)[0])
+                self._give_back(slot, self.table.gens[slot])
             self._drain_local()
             self._free_spares()
             self._alloc.empty_cache()
             self.table.close()
+            self.claims.close()
             for ext in list(self._externals.values()):
                 ext.leases = 0
                 self._drop_external(ext)
@@ -510,6 +545,7 @@ def _after_fork_in_child() -> None:
     _inherited.append(got._provider.after_fork_in_child(in_use))
     got.table.segment._forget_after_fork()
     got.table.close()  # nothing of the child's points into the parent's table
+    got.claims.forget_in_child()
     for ext in got._externals.values():
         os.close(ext.fd)
     got._externals.clear()

@@ -82,7 +82,8 @@ def _make_handle(arr: np.ndarray, storage: Any) -> tuple[Any, ...] | None:
     if storage is not None:  # torch shared it: no copy (Note [What goes as a handle])
         got = ow.place_shared(arr, storage)
         if got is not None:
-            return (ow.pid, ow.token, ow.path, *got, _dtype_str(arr.dtype), arr.shape, True)
+            return (ow.pid, ow.token, ow.path, *got, _dtype_str(arr.dtype), arr.shape, True,
+                    ow.sign(got, True))
     if arr.nbytes < BY_VALUE_BELOW:
         if not ow._addrs:
             return None
@@ -93,7 +94,8 @@ def _make_handle(arr: np.ndarray, storage: Any) -> tuple[Any, ...] | None:
     got = ow.place(arr)
     if got is None:
         return None
-    return (ow.pid, ow.token, ow.path, *got, _dtype_str(arr.dtype), arr.shape)
+    return (ow.pid, ow.token, ow.path, *got, _dtype_str(arr.dtype), arr.shape, False,
+            ow.sign(got, False))
 
 
 _dtype_strs: dict[np.dtype, str] = {}

@@ -27,7 +27,8 @@ from .. import wire
 from .._errors import PeerDied, ProtocolError, ShmshareError, ShmshareTimeout
 from .._listen import refused
 from ..channel._releases import WakePipe
-from ._common import DROP, ERROR, KIND, RELEASE, SEGMENT, TABLE, alive
+from ._claims import ClaimMap
+from ._common import DROP, ERROR, KIND, RELEASE, SEGMENT, TABLE
 
 if TYPE_CHECKING:
     from ._owner import Owner
@@ -79,12 +80,13 @@ _REPLY_WAIT = 1.0  # s a reply waits for room on a peer's socket before the peer
 
 
 class _Peer:
-    __slots__ = ("conn", "pid", "segments")
+    __slots__ = ("conn", "pid", "segments", "claims")
 
-    def __init__(self, conn: wire.Connection) -> None:
+    def __init__(self, conn: wire.Connection, claims: ClaimMap) -> None:
         self.conn = conn
         self.pid = conn.peer_cred.pid
         self.segments: set[int] = set()  # ids whose fds it was sent
+        self.claims = claims  # its process's claim map (Note [The owner's record of claims])
 
 
 class Server:
@@ -95,6 +97,7 @@ class Server:
         self._listener = wire.Listener(path, role="mp-owner")
         self.path = path
         self._peers: dict[int, _Peer] = {}  # fd -> peer
+        self._exits: dict[int, ClaimMap] = {}  # pidfd -> the map of the process it watches
         self._lock = threading.Lock()  # _peers, against dropped() from other threads
         self._wake = WakePipe()
         self._stop = False
@@ -157,6 +160,8 @@ class Server:
                         pass
                 elif fd == listen_fd:
                     self._accept(poller)
+                elif fd in self._exits:
+                    self._exited(poller, self._exits[fd])
                 else:
                     peer = self._peers.get(fd)
                     if peer is not None:
@@ -169,13 +174,28 @@ class Server:
             return  # another process took it, or it gave up
         except (ShmshareError, OSError):
             return  # a peer of another uid (refused), or no fd free: it sees the socket close
-        peer = _Peer(conn)
+        try:
+            claims, stale = self._owner.join(conn.peer_cred.pid)
+        except (ShmshareError, OSError):
+            conn.close()  # no memory or fd for its claim map: it sees the socket close
+            return
+        if stale is not None:  # that pid's process exited and the pid came back before we saw it
+            self._exited(poller, stale)
+        if claims.pidfd is not None and claims.pidfd not in self._exits:
+            self._exits[claims.pidfd] = claims
+            poller.register(claims.pidfd, select.POLLIN)
+        peer = _Peer(conn, claims)
         with self._lock:
             self._peers[conn.fileno()] = peer
         poller.register(conn.fileno(), select.POLLIN)
 
+    def _exited(self, poller: Any, claims: ClaimMap) -> None:
+        """A process with a claim map is gone: take back what it held."""
+        if claims.pidfd is not None and self._exits.pop(claims.pidfd, None) is not None:
+            poller.unregister(claims.pidfd)
+        self._owner.left(claims, exited=True)
+
     def _serve(self, poller: Any, fd: int, peer: _Peer) -> None:
-        hung_up = False
         try:
             while True:
                 got = peer.conn.recv_nowait()
@@ -186,18 +206,17 @@ class Server:
                     f.close()  # a peer sends none
                 self._answer(peer, header)
         except PeerDied:
-            hung_up = True  # it closed its end: it exited, or was killed
+            pass  # it closed its end: it exited, was killed, or made a new connection
         except (ProtocolError, ShmshareError, OSError, ValueError, TypeError):
             pass  # broken, or not reading its answers: dropped below
         poller.unregister(fd)
         with self._lock:
             self._peers.pop(fd, None)
         peer.conn.close()
-        # Its claims come back only if it is gone: a live process dropped for a bad frame or a
-        # full socket still holds its arrays, whose blocks must not be reused under them (they
-        # stay pinned until it releases them on a new connection, or exits, or we do).
-        if hung_up or not alive(peer.pid):
-            self._owner.reclaim(peer.pid)
+        # Its claims come back only once its process is gone (its pidfd says so), never because
+        # a connection ended: a live process that reconnected, or that we dropped for a bad
+        # frame or a full socket, still holds its arrays (Note [The owner's record of claims]).
+        self._owner.left(peer.claims, exited=False)
 
     def _answer(self, peer: _Peer, header: dict[Any, Any]) -> None:
         kind = header.get(KIND)
@@ -205,7 +224,7 @@ class Server:
             pairs = header.get("l")
             if not isinstance(pairs, list):
                 raise ProtocolError("a release frame without a list")
-            self._owner.release(peer.pid, pairs)
+            self._owner.release(pairs)
         elif kind == SEGMENT:
             seg_id = header.get("i")
             try:
@@ -230,7 +249,8 @@ class Server:
             table = self._owner.table
             # "you": the pid we see it as (SO_PEERCRED), which its claims must carry: in another
             # pid namespace its own getpid() is another number
-            peer.conn.send({KIND: TABLE, "n": table.slots, "pid": os.getpid(), "you": peer.pid},
-                           [table.fd], timeout=_REPLY_WAIT)
+            # with it, its own claim map, and the key that signs our handles
+            peer.conn.send({KIND: TABLE, "n": table.slots, "pid": os.getpid(), "you": peer.pid,
+                            "m": self._owner.secret}, [table.fd, peer.claims.fd], timeout=_REPLY_WAIT)
         else:
             raise ProtocolError(f"unknown frame kind {kind!r}")

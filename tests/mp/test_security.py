@@ -16,7 +16,7 @@ import pytest
 
 import shmshare.multiprocessing as smp
 from shmshare import wire
-from shmshare.multiprocessing import _client, _owner
+from shmshare.multiprocessing import _client, _owner, _table
 
 WAIT = 30.0
 
@@ -158,6 +158,9 @@ def test_a_malformed_handle_is_a_clear_error(field, value, match):
                 span=span, lo=lo, strides=strides, slot=slot, gen=gen, dtype="<f8",
                 shape=(1 << 12,))
     args[field] = value
+    # signed as the owner signs (a peer holding its key): the checks behind the signature hold
+    args["mac"] = _table.sign(ow.secret, args["seg_id"], args["size"], args["start"], args["span"],
+                              args["lo"], args["slot"], args["gen"], False)
     with pytest.raises(smp.HandleError, match=match):
         _client.rebuild_array(**args)
 

@@ -1,0 +1,192 @@
+"""The owner's own record of claims (Note [The owner's record of claims]): a block is never
+reused while a live process holds an array of it, whatever a peer writes in the shared lease
+table and however a receiver's connections come and go."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import signal
+import struct
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import pytest
+
+import shmshare.multiprocessing as smp
+from shmshare import ShmshareTimeout, wire
+from shmshare.multiprocessing import _client, _owner, _reduce
+from shmshare.multiprocessing._table import CLAIMED, word
+
+from .helpers import WAIT
+from .test_mp_hostile import _kill, _wait_for
+
+N = 1 << 14  # elements of each small array: 128 KiB, many to a segment
+
+
+def _owner_behind_a_pause(conn) -> None:
+    """Send A, then B (a segment of its own), wait for "go", then C; once the receiver's first
+    connection is gone, send D arrays and report how many handles were reclaimed."""
+    conn.send(np.full(N, 1.0))
+    conn.send(np.full(8 << 20, 2.0))  # 64 MiB: a segment the receiver has not mapped yet
+    assert conn.recv() == "go"
+    conn.send(np.full(N, 3.0))
+    _wait_for(lambda: smp.statistics().peers <= 1, WAIT, "the old connection to end")
+    for i in range(8):
+        conn.send(np.full(N, 10.0 + i))
+    conn.send(("reclaimed", smp.statistics().reclaimed))
+    assert conn.recv() == "bye"
+
+
+def test_a_receiver_that_reconnects_to_a_paused_owner_keeps_its_arrays(monkeypatch):
+    """An owner that does not answer a segment request in time (SIGSTOP, ``docker pause``, a
+    debugger): the receiver gives the link up and makes a new one. The owner then sees the old
+    connection end while the receiver lives and still holds arrays claimed on both links; it
+    must not take them back (it did: the next arrays were copied into their blocks)."""
+    monkeypatch.setattr(_client, "_REQUEST_WAIT", 0.5)
+    ctx = smp.get_context("fork")
+    here, there = ctx.Pipe()
+    p = ctx.Process(target=_owner_behind_a_pause, args=(there,))
+    p.start()
+    there.close()
+    try:
+        a = ForkingPickler.loads(here.recv_bytes())  # claimed over the first link
+        raw_b = here.recv_bytes()
+        os.kill(p.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(ShmshareTimeout):
+                ForkingPickler.loads(raw_b)  # the segment's fd does not come: the link is given up
+        finally:
+            os.kill(p.pid, signal.SIGCONT)
+        here.send("go")
+        c = ForkingPickler.loads(here.recv_bytes())  # over a new link; the old one is closed
+        later = [ForkingPickler.loads(here.recv_bytes()) for _ in range(8)]
+        tag, reclaimed = here.recv()
+        assert tag == "reclaimed"
+        assert float(a.min()) == float(a.max()) == 1.0, "A's block was reused under it"
+        assert float(c.min()) == float(c.max()) == 3.0, "C's block was reused under it"
+        assert [float(d[0]) for d in later] == [10.0 + i for i in range(8)]
+        assert reclaimed == 0, f"the owner reclaimed {reclaimed} handles of a live receiver"
+        here.send("bye")
+        p.join(WAIT)
+        assert p.exitcode == 0
+    finally:
+        _kill(p)
+        here.close()
+
+
+def _forge(path: str, slot: int, gen: int, how: str, out) -> None:
+    """A same-uid peer: write the victim's table word over with our own pid, then release it
+    (``how == "release"``) or hang up."""
+    conn = wire.connect(path, timeout=5, role="mp-peer")
+    conn.send({"k": "t"})
+    header, fds = conn.recv(timeout=5)
+    table = mmap.mmap(fds[0].fileno(), header["n"] * 8)
+    for f in fds:
+        f.close()
+    me = header["you"]
+    table[slot * 8:slot * 8 + 8] = struct.pack("<Q", (gen << 32) | word(0, CLAIMED, me))
+    if how == "release":
+        conn.send({"k": "r", "l": [slot, gen]})
+    table.close()
+    conn.close()
+    out.put("done")
+
+
+@pytest.mark.parametrize("how", ["release", "hang up"])
+def test_a_peer_that_rewrites_a_claim_cannot_free_another_processs_block(how):
+    got = ForkingPickler.loads(ForkingPickler.dumps(np.full(N, 5.0)))  # this process holds it
+    ow = _owner.current_owner()
+    assert ow is not None
+    (slot,) = ow._slots
+    gen = ow.table.state(slot)[0]
+    ctx = smp.get_context("fork")
+    out = ctx.Queue()
+    p = ctx.Process(target=_forge, args=(ow.path, slot, gen, how, out))
+    p.start()
+    try:
+        assert out.get(timeout=WAIT) == "done"
+        p.join(WAIT)
+        assert p.exitcode == 0
+        _wait_for(lambda: smp.statistics().peers == 1, WAIT, "the forger's connection to end")
+        # anything the owner freed would be the first fit for arrays of the same size
+        later = [ForkingPickler.loads(ForkingPickler.dumps(np.full(N, 9.0))) for _ in range(4)]
+        assert float(got.min()) == float(got.max()) == 5.0, "the victim's block was reused"
+        assert smp.statistics().handles_claimed == 5
+        del later
+    finally:
+        _kill(p)
+        out.close()
+        out.join_thread()
+    del got
+    _wait_for(lambda: smp.statistics().handles_claimed == 0, WAIT, "every release")
+
+
+def _handle_of(arr: np.ndarray) -> list:
+    """The arguments of the handle that pickling `arr` makes (never unpickled here)."""
+    fn, args = _reduce.reduce_ndarray(arr)
+    assert fn is _client.rebuild_array
+    return list(args)
+
+
+def _resign(ow: _owner.Owner, args: list) -> list:
+    """Sign `args` as the owner would: a peer that knows the key (every peer of the owner does)."""
+    if hasattr(_owner.Owner, "sign"):  # (the code before handles were signed: nothing to do)
+        _pid, _token, _path, *placed, _dtype, _shape, external, _mac = args
+        args[-1] = ow.sign(tuple(placed), external)
+    return args
+
+
+def _rebuild_in_child(first: list | None, args: list, out) -> None:
+    if first is not None:
+        _client.rebuild_array(*first)  # a good handle first: the segment is mapped here
+    try:
+        arr = _client.rebuild_array(*args)
+        out.put(("read", float(arr.sum())))
+    except smp.HandleError as exc:
+        out.put(("refused", str(exc)))
+
+
+def _outcome_in_a_child(args: list, first: list | None = None) -> tuple[str, object]:
+    """What a receiver makes of `args` after handle `first` (in a child: the forged handle may
+    crash it)."""
+    ctx = smp.get_context("fork")
+    out = ctx.Queue()
+    p = ctx.Process(target=_rebuild_in_child, args=(first, args, out))
+    p.start()
+    try:
+        p.join(WAIT)
+        if p.exitcode != 0:
+            return "died", p.exitcode
+        return out.get(timeout=WAIT)
+    finally:
+        _kill(p)
+        out.close()
+        out.join_thread()
+
+
+def test_a_handle_past_the_end_of_a_mapped_segment_is_refused_not_a_crash():
+    """A handle that says its segment is larger than the one the receiver mapped already, and
+    points past the mapping's end (signed with the owner's key: the checks behind the signature
+    hold too). The receiver crashed with SIGSEGV."""
+    first = _handle_of(np.full(N, 1.0))
+    ow = _owner.current_owner()
+    assert ow is not None
+    args = _handle_of(np.full(N, 2.0))
+    assert args[3] == first[3]  # one segment: the first handle maps it
+    size = args[4]
+    args[4] = size + (64 << 20)  # the segment's size, as the handle claims it
+    args[5] = size + (32 << 20)  # start: past what is mapped
+    outcome = _outcome_in_a_child(_resign(ow, args), first)
+    assert outcome[0] == "refused" and "malformed handle" in str(outcome[1]), outcome
+
+
+def test_a_handle_whose_start_was_moved_does_not_read_the_next_block():
+    """A handle whose offset alone was moved by a few bytes (altered on the way): it read into
+    the next block of the same segment, another array's bytes."""
+    first = np.full(N, 1.0)
+    args = _handle_of(first)
+    _handle_of(np.full(N, 7.0))  # the next block: another handle's array
+    args[5] += 8 * N // 2  # start: half an array on, into the neighbour
+    outcome = _outcome_in_a_child(args)
+    assert outcome[0] == "refused" and "did not make" in str(outcome[1]), outcome
