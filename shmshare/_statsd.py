@@ -57,8 +57,8 @@ from typing import Any
 import msgpack
 
 from . import _fork, _registry, wire
-from ._errors import FdLimitError, ProtocolError, ShmshareError, ShmshareTimeout
-from ._listen import refused
+from ._errors import ProtocolError
+from ._listen import AcceptGate, refused
 
 __all__ = ["serve_stats", "stop_stats", "stats_socket", "stats_dirs", "stats_sockets", "ask",
            "ENV_VAR", "VERSION", "TICK"]
@@ -69,6 +69,7 @@ TICK = 0.5  # s between the reporters' notes (Note [The age of a lease, for noth
 REQUEST, REPLY = "stats", "stats"
 _CLIENT_WAIT = 1.0  # s a client has, from accept, to send its request
 _MAX_CLIENTS = 8
+_ACCEPT_PAUSE = 1.0  # s accepting pauses while no fd is free (AcceptGate)
 _REPLY_BUDGET = wire.MAX_FRAME - 4096  # the reply's frame, with room for the wire's own bytes
 _YOUNG = 5.0  # s: a socket this new may be a server between its bind and its listen: not swept
 _NAME = re.compile(r"[0-9]{1,10}(-[0-9a-f]{1,16})?\.sock\Z", re.ASCII)
@@ -250,52 +251,38 @@ class _Server:
 
     def _loop(self) -> None:
         poller = select.poll()
-        lfd = self._listener.fileno()
-        poller.register(lfd, select.POLLIN)
+        gate = AcceptGate(self._listener, poller, _ACCEPT_PAUSE)  # no fd free: look again later
         poller.register(self._r, select.POLLIN)
-        next_tick = paused = 0.0
+        next_tick = 0.0
         while not self._stop:
             now = time.monotonic()
             if now >= next_tick:
                 _registry.tick(now)
                 next_tick = now + TICK
-            if paused and now >= paused:
-                poller.register(lfd, select.POLLIN)
-                paused = 0.0
-            wake = min([next_tick, *(d for _, d in self._clients.values())] + ([paused] if paused else []))
-            for fd, _ in poller.poll(max(1, int((wake - now) * 1000) + 1)):
+            gate.resume_if_due(now)
+            wake = min([next_tick, *(d for _, d in self._clients.values())])
+            for fd, _ in poller.poll(gate.wait_ms(now, max(1, int((wake - now) * 1000) + 1))):
                 if self._stop:
                     return
                 if fd == self._r:
                     with contextlib.suppress(OSError):
                         os.read(self._r, 64)
-                elif fd == lfd:
-                    if not self._accept(poller):
-                        poller.unregister(lfd)  # no fd free: look again in a second
-                        paused = time.monotonic() + 1.0
+                elif fd == gate.fd:
+                    conn = gate.accept()
+                    if conn is not None:
+                        self._took(poller, conn)
                 elif fd in self._clients:
                     self._serve(poller, fd)
             now = time.monotonic()
             for fd in [fd for fd, (_, d) in self._clients.items() if d <= now]:
                 self._drop(poller, fd)  # it never asked
 
-    def _accept(self, poller: Any) -> bool:
-        try:
-            conn = self._listener.accept(timeout=0)
-        except ShmshareTimeout:
-            return True  # it gave up before we took it
-        except FdLimitError:
-            return False
-        except ShmshareError:
-            return True  # another uid: refused, its socket closed
-        except OSError:
-            return False
+    def _took(self, poller: Any, conn: wire.Connection) -> None:
         if len(self._clients) >= _MAX_CLIENTS:
             conn.close()  # too many at once: it sees the end at once, and may try again
-            return True
+            return
         self._clients[conn.fileno()] = (conn, time.monotonic() + _CLIENT_WAIT)
         poller.register(conn.fileno(), select.POLLIN)
-        return True
 
     def _serve(self, poller: Any, fd: int) -> None:
         conn, _ = self._clients[fd]

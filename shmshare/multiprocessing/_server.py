@@ -24,9 +24,10 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .. import wire
-from .._errors import PeerDied, ProtocolError, ShmshareError, ShmshareTimeout
-from .._listen import refused
+from .._errors import PeerDied, ProtocolError, ShmshareError
+from .._listen import AcceptGate, refused
 from ..channel._releases import WakePipe
+from ..channel._trust import check_fd_room
 from ._claims import ClaimMap
 from ._common import DROP, ERROR, KIND, RELEASE, SEGMENT, TABLE
 
@@ -77,6 +78,7 @@ def sweep_stale(base: str) -> int:
 
 
 _REPLY_WAIT = 1.0  # s a reply waits for room on a peer's socket before the peer is dropped
+_ACCEPT_PAUSE = 0.2  # s accepting pauses while our fd table is full (the backlog waits)
 
 
 class _Peer:
@@ -146,11 +148,13 @@ class Server:
 
     def _main(self) -> None:
         poller = select.poll()
-        poller.register(self._listener.fileno(), select.POLLIN)
+        # a peer costs us its connection, its claim map, its pidfd and a segment's dup at a time
+        gate = AcceptGate(self._listener, poller, _ACCEPT_PAUSE, room=lambda: check_fd_room(0))
         poller.register(self._wake.r, select.POLLIN)
         listen_fd, wake_fd = self._listener.fileno(), self._wake.r
         while not self._stop:
-            for fd, _ in poller.poll(1000):
+            gate.resume_if_due(time.monotonic())
+            for fd, _ in poller.poll(gate.wait_ms(time.monotonic(), 1000)):
                 if self._stop:
                     return
                 if fd == wake_fd:
@@ -159,7 +163,9 @@ class Server:
                     except BlockingIOError:
                         pass
                 elif fd == listen_fd:
-                    self._accept(poller)
+                    conn = gate.accept()
+                    if conn is not None:
+                        self._accept(poller, conn)
                 elif fd in self._exits:
                     self._exited(poller, self._exits[fd])
                 else:
@@ -167,13 +173,7 @@ class Server:
                     if peer is not None:
                         self._serve(poller, fd, peer)
 
-    def _accept(self, poller: Any) -> None:
-        try:
-            conn = self._listener.accept(timeout=0)
-        except ShmshareTimeout:
-            return  # another process took it, or it gave up
-        except (ShmshareError, OSError):
-            return  # a peer of another uid (refused), or no fd free: it sees the socket close
+    def _accept(self, poller: Any, conn: wire.Connection) -> None:
         try:
             claims, stale = self._owner.join(conn.peer_cred.pid)
         except (ShmshareError, OSError):
