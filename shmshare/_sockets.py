@@ -10,16 +10,21 @@ import array
 import errno
 import socket
 import struct
+import time
 from typing import Any
 
 import msgpack
 
-from ._errors import FdLimitError, ProtocolError
+from ._errors import FdLimitError, ProtocolError, ShmshareTimeout
 from ._fd import Fd
 
-__all__ = ["ms", "fdnum", "take_fds", "close_all", "ctrunc_error", "peer_cred", "grow_buffers"]
+__all__ = ["ms", "fdnum", "take_fds", "close_all", "ctrunc_error", "peer_cred", "grow_buffers",
+           "connect"]
 
 _PEERCRED = struct.Struct("3i")
+_RETRY_FIRST, _RETRY_MOST = 0.001, 0.02  # s: the first and the longest pause between connects
+_HINTS = {errno.ENOENT: "no listener there", errno.ECONNREFUSED: "nobody is accepting",
+          errno.EACCES: "permission denied: the listener belongs to another user"}
 
 
 def ms(timeout: float) -> int:
@@ -98,3 +103,44 @@ def grow_buffers(sock: socket.socket, max_frame: int) -> None:
                 sock.setsockopt(socket.SOL_SOCKET, opt, want)
             except OSError:
                 pass  # capped by net.core.{w,r}mem_max: send() reports an oversize frame
+
+
+def connect(sock: socket.socket, path: str, timeout: float | None) -> None:
+    """Connect the AF_UNIX `sock` to `path`, waiting up to `timeout` s (None: as long as it
+    takes) for room in the listener's backlog; leave `sock` blocking (Connection sets its own
+    flags per call).
+
+    Note [A full backlog]
+        A listener that is alive but does not accept (stopped, hung, busy) keeps connects
+        queued in its backlog. Once that is full, a blocking AF_UNIX connect sleeps in the
+        kernel, where no close() or deadline of ours reaches it, and a non-blocking one fails
+        at once with EAGAIN -- not EINPROGRESS, so Python's own socket timeout does not wait
+        either (it raised a bare BlockingIOError after 0.0 s). Nor does poll() say when room
+        frees up: the socket is not connected to anything yet. So the connect is non-blocking
+        and tried again, after pauses growing from _RETRY_FIRST to _RETRY_MOST, until the
+        deadline; then ShmshareTimeout says the backlog stayed full. A signal's exception
+        (ctrl-C's KeyboardInterrupt) ends the wait in a pause.
+
+    Raises ShmshareTimeout when the backlog stays full past `timeout` (0: one try), and an
+    OSError naming the path and what its errno usually means otherwise.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    pause = _RETRY_FIRST
+    sock.setblocking(False)
+    while True:
+        try:
+            sock.connect(path)
+            break
+        except BlockingIOError:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise ShmshareTimeout(
+                    f"connect to {path!r} timed out after {timeout} s: the listener's backlog is "
+                    "full (connect returned EAGAIN): it is alive but not accepting (stopped, hung "
+                    "or busy); wait longer, or see why that process does not accept") from None
+            time.sleep(pause if left is None else min(pause, left))
+            pause = min(2 * pause, _RETRY_MOST)
+        except OSError as exc:
+            raise OSError(exc.errno, f"cannot connect to {path!r}: {exc.strerror} "
+                          f"({_HINTS.get(exc.errno or 0, 'see errno')})") from exc
+    sock.setblocking(True)

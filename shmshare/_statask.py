@@ -22,6 +22,24 @@ Note [An answer is hostile]
     most). Anything else -- bytes, a string where a number goes, totals that
     are not a dict -- makes the socket one that did not answer, with why:
     the table and ``--json`` then never meet a value they cannot print.
+
+Note [Only the directory owner's sockets]
+    Root asks every user's stats directory, and a user owns what is in
+    theirs: a symlink there (or the directory itself a link, or a link
+    above it: ``/tmp/shmshare-<uid>`` is anyone's name to take) would have
+    root connect to any socket it points at, root's own daemons' included,
+    and send them a request. So a socket is asked only if it is one (not a
+    link), and its owner is its directory's owner; that uid alone (and our
+    own, as ``wire`` always does) is accepted as the peer. Nothing is
+    followed on the way: the directory is opened O_PATH|O_NOFOLLOW and,
+    for root, its real path (``/proc/self/fd``) must be the one listed; the
+    socket is opened O_PATH|O_NOFOLLOW beside it and checked with fstat;
+    and the connect goes to ``/proc/self/fd/<that fd>``, the very inode
+    checked, so swapping the name for a link after the check changes
+    nothing. Only root pays for the real-path rule (a root whose
+    ``$XDG_RUNTIME_DIR`` lies under a link is not asked its own socket):
+    another user's stat may follow links, since nothing it reaches is more
+    than that user's. What is refused is listed as "not asked", with why.
 """
 
 from __future__ import annotations
@@ -31,6 +49,7 @@ import math
 import os
 import select
 import socket
+import stat
 import time
 from typing import Any
 
@@ -41,6 +60,7 @@ __all__ = ["ask_all", "check_reply", "Malformed"]
 
 _AT_ONCE = 128  # sockets open together at most
 _RETRY = 0.01  # s between connects to a socket whose backlog is full
+_NOFOLLOW = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC  # a link is opened as itself, not followed
 _DEPTH = 6  # levels of lists and dicts kept in a reporter's entry
 _ITEMS = 10_000  # entries kept of one list or dict
 _TEXT = 500  # characters kept of a string
@@ -54,6 +74,10 @@ Outcome = tuple[int, "dict[str, Any] | None", "str | None"]  # (peer pid or 0, r
 
 class Malformed(ProtocolError):
     """A stats reply with a value that is not what it should be."""
+
+
+class _NotAsked(Exception):
+    """A stats socket that stat does not connect to (Note [Only the directory owner's sockets])."""
 
 
 def ask_all(paths: list[str], timeout: float) -> dict[str, Outcome]:
@@ -99,16 +123,22 @@ def _start(path: str, active: dict[int, tuple[str, wire.Connection]], retry: col
            out: dict[str, Outcome], poller: Any) -> None:
     """Connect to `path` and send the request, without waiting for either."""
     try:
-        uid = os.lstat(path).st_uid
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK
-                             | socket.SOCK_CLOEXEC)
+        fd, uid = _open_checked(path)
         try:
-            sock.connect(path)
-        except BaseException:
-            sock.close()
-            raise
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK
+                                 | socket.SOCK_CLOEXEC)
+            try:
+                sock.connect(f"/proc/self/fd/{fd}")  # the inode checked, whatever the name is now
+            except BaseException:
+                sock.close()
+                raise
+        finally:
+            os.close(fd)
         # the Connection owns the socket from here, and closes it if it refuses the peer
         conn = wire.Connection(sock, role="stat", allow_uids=(uid,), max_fds=1)
+    except _NotAsked as exc:
+        out[path] = (0, None, f"not asked: {exc}")
+        return
     except (ConnectionRefusedError, FileNotFoundError):
         out[path] = (0, None, None)  # nobody listens (the next server removes it), or gone
         return
@@ -126,6 +156,42 @@ def _start(path: str, active: dict[int, tuple[str, wire.Connection]], retry: col
         out[path] = (conn.peer_cred.pid, None, f"{type(exc).__name__}: {exc}"[:200])
         return
     active[conn.fileno()] = (path, conn)
+
+
+def _open_checked(path: str) -> tuple[int, int]:
+    """Return an O_PATH fd of the socket at `path` and its owner's uid, once it is a socket of
+    its directory's owner, reached through no link (Note [Only the directory owner's sockets]);
+    raise _NotAsked saying why not."""
+    where, name = os.path.split(os.path.abspath(path))
+    dfd = os.open(where, _NOFOLLOW)
+    try:
+        dst = os.fstat(dfd)
+        if not stat.S_ISDIR(dst.st_mode):
+            raise _NotAsked(f"its directory {where!r} is a {_kind(dst.st_mode)}")
+        if os.getuid() == 0:
+            real = os.readlink(f"/proc/self/fd/{dfd}")
+            if real != where:
+                raise _NotAsked(f"its directory {where!r} is reached through a symlink (it is "
+                                f"{real!r})")
+        fd = os.open(name, _NOFOLLOW, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISSOCK(st.st_mode):
+            raise _NotAsked(f"a {_kind(st.st_mode)}, not a socket")
+        if st.st_uid != dst.st_uid:
+            raise _NotAsked(f"the socket is uid {st.st_uid}'s and its directory uid "
+                            f"{dst.st_uid}'s")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st.st_uid
+
+
+def _kind(mode: int) -> str:
+    return ("symlink" if stat.S_ISLNK(mode) else "directory" if stat.S_ISDIR(mode)
+            else "socket" if stat.S_ISSOCK(mode) else "file")
 
 
 def _read(fd: int, active: dict[int, tuple[str, wire.Connection]], out: dict[str, Outcome],

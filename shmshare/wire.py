@@ -57,6 +57,7 @@ from ._errors import FdLimitError, PeerDied, PeerRefused, ProtocolError, Shmshar
 from ._fd import Fd
 from ._lifetime import Closeable
 from ._sockets import close_all as _close_all
+from ._sockets import connect as _connect
 from ._sockets import ctrunc_error as _ctrunc_error
 from ._sockets import fdnum as _fdnum
 from ._sockets import grow_buffers as _grow_buffers
@@ -538,20 +539,17 @@ def pipe(**conn_kw: Any) -> tuple[Connection, Connection]:
 
 
 def connect(path: str | os.PathLike[str], timeout: float | None = None, **conn_kw: Any) -> Connection:
-    """Connect to a :class:`Listener` at `path` and return the Connection."""
+    """Connect to a :class:`Listener` at `path` and return the Connection.
+
+    Waits up to `timeout` s (None: as long as it takes) for room in the listener's backlog, and
+    raises ShmshareTimeout when it stays full (Note [A full backlog] in ``_sockets.py``).
+    """
     sock = making_fds("socket", socket.socket, socket.AF_UNIX, socket.SOCK_SEQPACKET)
     try:
-        sock.settimeout(timeout)
-        sock.connect(os.fspath(path))
-        sock.settimeout(None)
-    except OSError as exc:
+        _connect(sock, os.fspath(path), timeout)
+    except BaseException:  # a timeout, an OSError, or a signal's exception during the wait
         sock.close()
-        if isinstance(exc, TimeoutError):
-            raise ShmshareTimeout(f"connect to {os.fspath(path)!r} timed out after {timeout} s") from exc
-        hint = {errno.ENOENT: "no listener there", errno.ECONNREFUSED: "nobody is accepting",
-                errno.EACCES: "permission denied: the listener belongs to another user"}
-        raise OSError(exc.errno, f"cannot connect to {os.fspath(path)!r}: {exc.strerror} "
-                      f"({hint.get(exc.errno or 0, 'see errno')})") from exc
+        raise
     return Connection(sock, **conn_kw)
 
 

@@ -228,6 +228,7 @@ class MultiProcessIter(_BaseIter):
         self._worker_cycle = itertools.cycle(range(n))
         if not first_iter:
             if self._failed is not None:
+                self._shutdown_workers()  # a persistent loader's iterator that failed
                 raise self._failed
             for i in range(n):
                 self._tell(i, ["r", 0])
@@ -243,6 +244,7 @@ class MultiProcessIter(_BaseIter):
 
     def _next_data(self) -> Any:
         if self._failed is not None:
+            self._shutdown_workers()  # told to stop when it failed: now they are reaped
             raise self._failed
         while True:
             while self._rcvd_idx < self._send_idx:
@@ -363,9 +365,9 @@ class MultiProcessIter(_BaseIter):
                 bad = getattr(exc, "sender", None)
                 pid = self._workers[bad].pid if isinstance(bad, int) else "?"
                 exc.add_note(f"shmshare: receiving a batch from DataLoader worker {bad} (pid {pid}); "
-                             "the loader stopped its workers")
+                             "the loader stops its workers")
                 self._failed = exc
-                self._shutdown_workers()
+                self._tell_all_to_stop()  # and raise now (Note [Raise first, reap after])
                 raise
             except PeerDied as exc:
                 who: int | None = getattr(exc, "sender", None)
@@ -403,12 +405,23 @@ class MultiProcessIter(_BaseIter):
         return None  # exited 0 without being told to: "exited unexpectedly" says it all
 
     def _fail(self, worker: int | None, cause: BaseException | None) -> NoReturn:
-        """A worker died: stop them all, and raise now and on every later call.
+        """A worker died: raise now and on every later call; tell the others to stop.
 
         As torch's loader does when its SIGCHLD handler fires during a wait: a
         RuntimeError that the worker "exited unexpectedly", caused by what its
         exit status says ("... is killed by signal: Killed.", "... exited
         unexpectedly with exit code 1. ...").
+
+        Note [Raise first, reap after]
+            The other workers are told to stop (a note sent with timeout=0)
+            but not joined here: one busy in a slow ``__getitem__`` would
+            hold the error back for _JOIN_WAIT. torch's ``_try_get_data``
+            raises the same way, marking the dead worker unavailable without
+            joining it, and joins in ``_shutdown_workers``: here that runs at
+            the next ``next()`` (which then raises the same error), on
+            ``loader.close()``, and when the iterator is collected. A worker
+            that finishes its task reads the note and exits before that; one
+            that does not is terminated after _JOIN_WAIT, as at any shutdown.
         """
         if worker is None:
             top = RuntimeError("DataLoader workers exited unexpectedly")
@@ -423,12 +436,22 @@ class MultiProcessIter(_BaseIter):
             else:
                 top.__cause__ = cause
         self._failed = top
-        self._shutdown_workers()
+        self._tell_all_to_stop()
         raise top
 
     def _mark_unavailable(self, worker: int) -> None:
         self._workers_status[worker] = False
-        assert self._rx is not None
+        self._tell_stop(worker)
+
+    def _tell_all_to_stop(self) -> None:
+        """After a failure: every worker is told to stop, without waiting on any."""
+        for i in range(len(self._workers)):
+            self._workers_status[i] = False
+            self._tell_stop(i)
+
+    def _tell_stop(self, worker: int) -> None:
+        if self._rx is None:
+            return
         try:
             self._rx.tell(worker, ["s"], timeout=0)
         except (PeerDied, ShmshareTimeout, OSError, ValueError):
@@ -442,12 +465,8 @@ class MultiProcessIter(_BaseIter):
         self._shutdown = True
         rx = self._rx
         try:
-            if rx is not None:
-                for i in range(len(self._workers)):
-                    try:
-                        rx.tell(i, ["s"], timeout=0)
-                    except (PeerDied, ShmshareTimeout, OSError, ValueError):
-                        pass  # dead, or not reading: it is terminated below
+            for i in range(len(self._workers)):
+                self._tell_stop(i)  # dead, or not reading: it is terminated below
             # Our ends go before the joins: a worker waiting for pool room (the program holds
             # its batches) or for room on its socket sees the end now, not after _JOIN_WAIT.
             if self._copier is not None:

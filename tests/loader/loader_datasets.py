@@ -33,6 +33,30 @@ class Slow(Arrays):
         return super().__getitem__(i)
 
 
+class DiesWhileAnotherSleeps(Arrays):
+    """Worker 1 writes `where`/started, sleeps `sleep` s, then writes `where`/done; worker 0 exits
+    with code 7 once worker 1 has started (a death while another worker is busy)."""
+
+    def __init__(self, where: str, sleep: float = 30.0) -> None:
+        super().__init__(8, (2,))
+        self.where, self.sleep = where, sleep
+
+    def __getitem__(self, i: int) -> dict[str, object]:
+        from shmshare.loader import get_worker_info
+
+        started = os.path.join(self.where, "started")
+        if get_worker_info().id == 1:
+            open(started, "w").close()
+            time.sleep(self.sleep)
+            open(os.path.join(self.where, "done"), "w").close()
+        else:
+            end = time.monotonic() + 30
+            while not os.path.exists(started) and time.monotonic() < end:
+                time.sleep(0.01)
+            os._exit(7)
+        return super().__getitem__(i)
+
+
 class Keys:
     """Indexed by anything hashable: returns the index it was given, and its type's name."""
 

@@ -1,0 +1,58 @@
+"""A worker's death is reported at once, whatever the other workers are doing; they are stopped
+after the error is raised (as torch's loader does), and none outlives the iterator."""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import signal
+
+import pytest
+
+import shmshare.loader as L
+from shmshare.loader import _iters
+from tests.loader.loader_datasets import DiesWhileAnotherSleeps, gone
+
+WAIT = 20.0  # s: the bound of every wait for a process to go
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is alive and not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("drop", ["del", "next"])
+def test_a_dead_worker_is_reported_while_another_sleeps_in_getitem(tmp_path, monkeypatch, drop):
+    monkeypatch.setattr(_iters, "_JOIN_WAIT", 0.5)  # the sleeper is terminated after it: sooner
+    dl = L.DataLoader(DiesWhileAnotherSleeps(str(tmp_path)), batch_size=1, num_workers=2,
+                      collate_fn=L.numpy_collate, timeout=WAIT)
+    it = iter(dl)
+    dead, busy = (w.pid for w in it._workers)
+    try:
+        with pytest.raises(RuntimeError, match=rf"DataLoader worker \(pid\(s\) {dead}\) exited "
+                                               "unexpectedly") as info:
+            next(it)
+        # the error came while worker 1 still sleeps in its __getitem__ (30 s), not after it
+        # was joined or terminated
+        assert _running(busy) and os.path.exists(tmp_path / "started")
+        assert not os.path.exists(tmp_path / "done")
+        assert re.fullmatch(rf"DataLoader worker \(pid {dead}\) exited unexpectedly with exit code "
+                            r"7\. .*", str(info.value.__cause__))
+        del info
+        if drop == "next":  # a later use raises the same error, and stops the workers first
+            with pytest.raises(RuntimeError, match="exited unexpectedly"):
+                next(it)
+            assert not _running(busy)
+        del it, dl
+        gc.collect()
+        assert gone(dead, WAIT) and gone(busy, WAIT)
+        assert not os.path.exists(tmp_path / "done")  # stopped, not left to finish its sleep
+    finally:
+        for pid in (dead, busy):
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)

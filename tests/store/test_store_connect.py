@@ -1,0 +1,68 @@
+"""A Store made while its daemon is alive but not accepting (stopped, with its backlog full):
+it waits for room within its timeout, and says what happened when the timeout runs out."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+
+from shmshare import ShmshareTimeout
+from shmshare.store import Daemon, Store, StoreError
+
+from .helpers import WAIT, pattern
+
+
+@contextmanager
+def _stopped_and_full(d: Daemon) -> Iterator[None]:
+    """SIGSTOP the daemon and fill its listen backlog; SIGCONT it (and close ours) after."""
+    queued: list[socket.socket] = []
+    os.kill(d.pid, signal.SIGSTOP)
+    try:
+        for _ in range(10_000):  # its backlog (256) + 1 fit; then EAGAIN
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK
+                              | socket.SOCK_CLOEXEC)
+            try:
+                s.connect(d.path)
+            except BlockingIOError:
+                s.close()
+                break
+            queued.append(s)
+        else:
+            pytest.fail("10,000 connects never filled the daemon's backlog")
+        yield
+    finally:
+        os.kill(d.pid, signal.SIGCONT)
+        for s in queued:
+            s.close()
+
+
+def test_a_store_connects_to_a_stopped_daemon_that_resumes_within_its_timeout(own_daemon):
+    with _stopped_and_full(own_daemon):
+        resume = threading.Timer(0.3, os.kill, (own_daemon.pid, signal.SIGCONT))
+        resume.start()
+        try:
+            st = Store(own_daemon.path, timeout=WAIT)
+        finally:
+            resume.join(WAIT)
+    try:
+        assert st.daemon_pid == own_daemon.pid
+        want = pattern(7, 1000)
+        st.put("a", want)
+        assert np.array_equal(st.get("a"), want)
+        st.delete("a")
+    finally:
+        st.close()
+
+
+def test_a_store_whose_daemon_stays_stopped_times_out_naming_the_full_backlog(own_daemon):
+    with _stopped_and_full(own_daemon), pytest.raises(StoreError) as info:
+        Store(own_daemon.path, timeout=0.2)
+    assert isinstance(info.value.__cause__, ShmshareTimeout)
+    assert "backlog is full" in str(info.value) and "alive but not accepting" in str(info.value)
