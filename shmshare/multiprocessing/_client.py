@@ -88,6 +88,8 @@ class _Link:
         try:
             header, fds = self._request({KIND: TABLE})
             try:
+                if header.get(KIND) == ERROR:
+                    raise _owner_error(pid, header, "our claim map")
                 if header.get(KIND) != TABLE or len(fds) != 2 or header.get("pid") != pid:
                     raise ShmshareError(f"pid {pid}'s fd server sent {header!r} for the lease table")
                 n, secret = header.get("n"), header.get("m")
@@ -134,6 +136,10 @@ class _Link:
                 return got, fds
         except PeerDied as exc:
             self.dead = True
+            if alive(self.pid):
+                raise ShmshareError(f"pid {self.pid}'s fd server closed our connection while it "
+                                    "lives (it dropped us, or is shutting down): the handle may "
+                                    "still be good; the next unpickle connects again") from exc
             raise self.gone() from exc
         except ShmshareTimeout:
             self.dead = True  # a late answer would be taken for the next request's
@@ -171,10 +177,8 @@ class _Link:
         header, fds = self._request({KIND: SEGMENT, "i": seg_id})
         try:
             if header.get(KIND) == ERROR:
-                code = header.get("c")
-                if code in (errno.EMFILE, errno.ENFILE):
-                    raise FdLimitError(code, f"{header.get('w')} (its fd table is full: the "
-                                       "handle is still good while it lives; raise its ulimit -n)")
+                if header.get("c") is not None:
+                    raise _owner_error(self.pid, header, f"segment {seg_id}")
                 raise HandleError(f"pid {self.pid} says: {header.get('w')}")
             if header.get(KIND) != SEGMENT or header.get("i") != seg_id or len(fds) != 1 \
                     or header.get("n") != size:
@@ -350,12 +354,17 @@ class Client:
             if slot >= link.slots:
                 raise HandleError(f"a malformed handle: slot {slot} of pid {pid}'s lease table")
             marks = link.marks
-            was = marks[slot]
-            marks[slot] = 1  # before the claim: from the swap on, the owner must see we hold it
+            # before the claim: from the swap on, the owner must see we hold it. Set already: we
+            # hold this slot (this is a second unpickle of a handle): leave the byte to the view
+            # that owns it, whose death clears it
+            mark = not marks[slot]
+            if mark:
+                marks[slot] = 1
             pending = (gen << 32) | _PENDING_LOW
             found = _cas64(link.table_buf, slot, pending, (gen << 32) | link.claimed_low)
             if found != pending:
-                marks[slot] = was
+                if mark:
+                    marks[slot] = 0  # a release the owner saw meanwhile is looked at again
                 raise _not_claimed(pid, slot, gen, found, link.claimed_low)
             with self.lock:
                 self.claims[key] += 1
@@ -464,6 +473,16 @@ class Client:
         if self.closed:
             self._flusher.join(5.0)
             self.wake.close()
+
+
+def _owner_error(pid: int, header: dict[Any, Any], what: str) -> ShmshareError:
+    """An owner's own trouble giving us `what` (out of fds or memory): the handle stays good."""
+    code, why = header.get("c"), str(header.get("w"))[:500]
+    if code in (errno.EMFILE, errno.ENFILE):
+        return FdLimitError(code, f"{why} (its fd table is full: the handle is still good while "
+                            "it lives; raise its ulimit -n)")
+    return ShmshareError(f"pid {pid} could not give us {what}: {why} (its own trouble: the handle "
+                         "is still good while it lives; try again once it has memory and fds)")
 
 
 def _not_claimed(pid: int, slot: int, gen: int, found: int, mine: int) -> HandleError:

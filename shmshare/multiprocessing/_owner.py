@@ -52,6 +52,7 @@ from ._table import CLAIMED, PENDING, LeaseTable, sign, word
 __all__ = ["Owner", "owner", "current_owner", "OwnerStatistics", "exit_linger", "set_exit_linger"]
 
 _DEFAULT_LINGER = 10.0
+_RECHECK = 0.1  # s between two looks at slots released while still marked
 
 
 def _env_linger() -> float:
@@ -159,6 +160,8 @@ class Owner(BlockBook):
         self._local_done: collections.deque[_Held] = collections.deque()
         self.table = LeaseTable()
         self.claims = ClaimBook(self.table.slots)  # who holds what, by our own record
+        self._recheck: set[int] = set()  # slots released while still marked: looked at again
+        self._recheck_at = 0.0  # not before then (a forged release must not cost every round)
         self.secret = os.urandom(16)  # signs handles: one altered on the way is refused
         self._counts = collections.Counter[str]()
         self._copied = self._in_place = 0  # the hot counters, plain ints
@@ -333,18 +336,51 @@ class Owner(BlockBook):
         is claimed and that no live process's claim map marks; return how many."""
         n = 0
         with self._lock:
-            slots, gens, claims = self._slots, self.table.gens, self.claims
+            slots, gens, held = self._slots, self.table.gens, self.claims.held
             for i in range(0, len(pairs) - 1, 2):
                 slot, gen = pairs[i], pairs[i + 1]
                 if type(slot) is not int or type(gen) is not int or slot not in slots \
                         or gens[slot] != gen:
                     continue  # stale, or never ours
-                if self.table.state(slot)[:2] != (gen, CLAIMED) or claims.held(slot):
-                    continue  # unclaimed yet, or a live process still holds it (a forged release)
+                if self.table.state(slot)[:2] != (gen, CLAIMED):
+                    continue  # not claimed (yet)
+                if held(slot):
+                    # a live process holds it (a forged release), or its mark is set for a
+                    # moment (a failed second unpickle of the same handle): look again later
+                    self._recheck.add(slot)
+                    continue
                 self._give_back(slot, gen)
                 n += 1
+            if self._recheck:
+                n += self._look_again()
             if self._local_done:
                 self._drain_local()
+        return n
+
+    def recheck(self) -> int:
+        """Give back the released slots that were still marked, now that they are not."""
+        if not self._recheck:
+            return 0
+        with self._lock:
+            return self._look_again()
+
+    def _look_again(self) -> int:
+        now = _monotonic()
+        if now < self._recheck_at:
+            return 0
+        self._recheck_at = now + _RECHECK
+        n = 0
+        for slot in list(self._recheck):
+            if slot not in self._slots:
+                self._recheck.discard(slot)
+                continue
+            gen, state, _ = self.table.state(slot)
+            if self.claims.held(slot):
+                continue
+            self._recheck.discard(slot)
+            if state == CLAIMED and gen == self.table.gens[slot]:
+                self._give_back(slot, gen)
+                n += 1
         return n
 
     def join(self, pid: int) -> tuple[ClaimMap, ClaimMap | None]:
@@ -386,6 +422,7 @@ class Owner(BlockBook):
     def _give_back(self, slot: int, gen: int) -> None:
         held = self._slots.pop(slot)
         self._since.pop(slot, None)
+        self._recheck.discard(slot)
         self.table.give_back(slot, gen)
         held.leases -= 1
         if isinstance(held, _External):

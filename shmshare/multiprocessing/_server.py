@@ -84,11 +84,12 @@ _ACCEPT_PAUSE = 0.2  # s accepting pauses while our fd table is full (the backlo
 class _Peer:
     __slots__ = ("conn", "pid", "segments", "claims")
 
-    def __init__(self, conn: wire.Connection, claims: ClaimMap) -> None:
+    def __init__(self, conn: wire.Connection) -> None:
         self.conn = conn
         self.pid = conn.peer_cred.pid
         self.segments: set[int] = set()  # ids whose fds it was sent
-        self.claims = claims  # its process's claim map (Note [The owner's record of claims])
+        # its process's claim map (Note [The owner's record of claims]), from its table request
+        self.claims: ClaimMap | None = None
 
 
 class Server:
@@ -100,6 +101,7 @@ class Server:
         self.path = path
         self._peers: dict[int, _Peer] = {}  # fd -> peer
         self._exits: dict[int, ClaimMap] = {}  # pidfd -> the map of the process it watches
+        self._poller: Any = None  # the thread's poll object
         self._lock = threading.Lock()  # _peers, against dropped() from other threads
         self._wake = WakePipe()
         self._stop = False
@@ -147,14 +149,17 @@ class Server:
     # -- the thread ------------------------------------------------------------
 
     def _main(self) -> None:
-        poller = select.poll()
+        poller = self._poller = select.poll()
         # a peer costs us its connection, its claim map, its pidfd and a segment's dup at a time
         gate = AcceptGate(self._listener, poller, _ACCEPT_PAUSE, room=lambda: check_fd_room(0))
         poller.register(self._wake.r, select.POLLIN)
         listen_fd, wake_fd = self._listener.fileno(), self._wake.r
         while not self._stop:
             gate.resume_if_due(time.monotonic())
-            for fd, _ in poller.poll(gate.wait_ms(time.monotonic(), 1000)):
+            ready = poller.poll(gate.wait_ms(time.monotonic(), 1000))
+            if not ready:
+                self._owner.recheck()  # idle: releases that found their slot still marked
+            for fd, _ in ready:
                 if self._stop:
                     return
                 if fd == wake_fd:
@@ -174,26 +179,31 @@ class Server:
                         self._serve(poller, fd, peer)
 
     def _accept(self, poller: Any, conn: wire.Connection) -> None:
-        try:
-            claims, stale = self._owner.join(conn.peer_cred.pid)
-        except (ShmshareError, OSError):
-            conn.close()  # no memory or fd for its claim map: it sees the socket close
-            return
-        if stale is not None:  # that pid's process exited and the pid came back before we saw it
-            self._exited(poller, stale)
-        if claims.pidfd is not None and claims.pidfd not in self._exits:
-            self._exits[claims.pidfd] = claims
-            poller.register(claims.pidfd, select.POLLIN)
-        peer = _Peer(conn, claims)
+        peer = _Peer(conn)
         with self._lock:
             self._peers[conn.fileno()] = peer
         poller.register(conn.fileno(), select.POLLIN)
 
+    def _claim_map(self, peer: _Peer) -> ClaimMap:
+        """The claim map of the peer's process, made at its first table request."""
+        claims, stale = self._owner.join(peer.pid)  # ShmshareError, OSError: said to the peer
+        if stale is not None:  # that pid's process exited and the pid came back before we saw it
+            self._exited(self._poller, stale)
+        if claims.pidfd is not None and claims.pidfd not in self._exits:
+            self._exits[claims.pidfd] = claims
+            self._poller.register(claims.pidfd, select.POLLIN)
+        peer.claims = claims
+        return claims
+
     def _exited(self, poller: Any, claims: ClaimMap) -> None:
-        """A process with a claim map is gone: take back what it held."""
+        """A process with a claim map is gone: take back what it held, and drop what is left of
+        its connections (a child it forked may hold one: its claims would not be its own)."""
         if claims.pidfd is not None and self._exits.pop(claims.pidfd, None) is not None:
             poller.unregister(claims.pidfd)
         self._owner.left(claims, exited=True)
+        for fd, peer in list(self._peers.items()):
+            if peer.claims is claims:
+                self._drop(poller, fd, peer)
 
     def _serve(self, poller: Any, fd: int, peer: _Peer) -> None:
         try:
@@ -209,6 +219,11 @@ class Server:
             pass  # it closed its end: it exited, was killed, or made a new connection
         except (ProtocolError, ShmshareError, OSError, ValueError, TypeError):
             pass  # broken, or not reading its answers: dropped below
+        except Exception:  # noqa: BLE001, S110 -- a bug of ours drops that peer, never the server
+            pass
+        self._drop(poller, fd, peer)
+
+    def _drop(self, poller: Any, fd: int, peer: _Peer) -> None:
         poller.unregister(fd)
         with self._lock:
             self._peers.pop(fd, None)
@@ -216,7 +231,9 @@ class Server:
         # Its claims come back only once its process is gone (its pidfd says so), never because
         # a connection ended: a live process that reconnected, or that we dropped for a bad
         # frame or a full socket, still holds its arrays (Note [The owner's record of claims]).
-        self._owner.left(peer.claims, exited=False)
+        if peer.claims is not None:
+            self._owner.left(peer.claims, exited=False)
+            peer.claims = None
 
     def _answer(self, peer: _Peer, header: dict[Any, Any]) -> None:
         kind = header.get(KIND)
@@ -247,10 +264,17 @@ class Server:
                 os.close(fd)
         elif kind == TABLE:
             table = self._owner.table
+            try:
+                claims = peer.claims if peer.claims is not None else self._claim_map(peer)
+            except (ShmshareError, OSError) as exc:  # no memory or no fd for it: ours, not the peer's
+                peer.conn.send({KIND: ERROR, "w": f"pid {os.getpid()} could not make a claim map for "
+                                f"pid {peer.pid}: {exc}", "c": getattr(exc, "errno", None)},
+                               timeout=_REPLY_WAIT)
+                return
             # "you": the pid we see it as (SO_PEERCRED), which its claims must carry: in another
-            # pid namespace its own getpid() is another number
-            # with it, its own claim map, and the key that signs our handles
+            # pid namespace its own getpid() is another number; with the table, its own claim
+            # map, and the key that signs our handles
             peer.conn.send({KIND: TABLE, "n": table.slots, "pid": os.getpid(), "you": peer.pid,
-                            "m": self._owner.secret}, [table.fd, peer.claims.fd], timeout=_REPLY_WAIT)
+                            "m": self._owner.secret}, [table.fd, claims.fd], timeout=_REPLY_WAIT)
         else:
             raise ProtocolError(f"unknown frame kind {kind!r}")

@@ -8,13 +8,18 @@ import mmap
 import os
 import signal
 import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
 import pytest
 
 import shmshare.multiprocessing as smp
-from shmshare import ShmshareTimeout, wire
+from shmshare import ShmshareError, ShmshareTimeout, wire
 from shmshare.multiprocessing import _client, _owner, _reduce
 from shmshare.multiprocessing._table import CLAIMED, word
 
@@ -27,6 +32,7 @@ N = 1 << 14  # elements of each small array: 128 KiB, many to a segment
 def _owner_behind_a_pause(conn) -> None:
     """Send A, then B (a segment of its own), wait for "go", then C; once the receiver's first
     connection is gone, send D arrays and report how many handles were reclaimed."""
+    smp.set_exit_linger(0)  # B is never unpickled: no wait for it at exit
     conn.send(np.full(N, 1.0))
     conn.send(np.full(8 << 20, 2.0))  # 64 MiB: a segment the receiver has not mapped yet
     assert conn.recv() == "go"
@@ -36,6 +42,15 @@ def _owner_behind_a_pause(conn) -> None:
         conn.send(np.full(N, 10.0 + i))
     conn.send(("reclaimed", smp.statistics().reclaimed))
     assert conn.recv() == "bye"
+
+
+def _all_threads_stopped(pid: int) -> bool:
+    task = f"/proc/{pid}/task"
+    states = []
+    for tid in os.listdir(task):
+        with open(f"{task}/{tid}/stat") as f:
+            states.append(f.read().rpartition(") ")[2][:1])
+    return all(st == "T" for st in states)
 
 
 def test_a_receiver_that_reconnects_to_a_paused_owner_keeps_its_arrays(monkeypatch):
@@ -53,6 +68,9 @@ def test_a_receiver_that_reconnects_to_a_paused_owner_keeps_its_arrays(monkeypat
         a = ForkingPickler.loads(here.recv_bytes())  # claimed over the first link
         raw_b = here.recv_bytes()
         os.kill(p.pid, signal.SIGSTOP)
+        # a group stop reaches the fd server thread only once another thread took the signal:
+        # under load, it answers for a few ms more
+        _wait_for(lambda: _all_threads_stopped(p.pid), WAIT, "the owner's threads to stop")
         try:
             with pytest.raises(ShmshareTimeout):
                 ForkingPickler.loads(raw_b)  # the segment's fd does not come: the link is given up
@@ -190,3 +208,127 @@ def test_a_handle_whose_start_was_moved_does_not_read_the_next_block():
     args[5] += 8 * N // 2  # start: half an array on, into the neighbour
     outcome = _outcome_in_a_child(args)
     assert outcome[0] == "refused" and "did not make" in str(outcome[1]), outcome
+
+
+# -- the fd server's own troubles, and races in one receiver --------------------------------------
+
+_HOLDER_OF_A_DEAD_PROCESSS_CONNECTION = textwrap.dedent("""
+    import os, sys, time
+    from shmshare import wire
+    conn = wire.connect(sys.argv[1], timeout=10, role="mp-peer")
+    if os.fork():
+        os._exit(0)          # the process that connected is gone ...
+    time.sleep(0.5)          # ... while its connection lives on in this child
+    conn.send({"k": "t"}, timeout=5)
+    try:
+        h, fds = conn.recv(timeout=5)
+        print("reply", h.get("k"), len(fds), flush=True)
+    except Exception as exc:
+        print("no reply", type(exc).__name__, flush=True)
+""")
+
+
+def _python(code: str, *args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def _end(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(WAIT)
+    for f in (p.stdin, p.stdout, p.stderr):
+        if f is not None:
+            f.close()
+
+
+def test_a_connection_that_outlives_its_process_does_not_stop_the_fd_server():
+    """A same-uid process connects, forks and exits; its child asks for the table on the
+    inherited connection. That reached a claim map already retired for the exited process, and
+    the AssertionError ended the server thread: no handle of the owner could be unpickled."""
+    _handle_of(np.ones(4096))  # the fd server runs
+    ow = _owner.current_owner()
+    assert ow is not None
+    p = _python(_HOLDER_OF_A_DEAD_PROCESSS_CONNECTION, ow.path)
+    try:
+        _wait_for(lambda: p.poll() is not None, WAIT, "the connecting process to exit")
+        # its child has sent its request once it printed; read that from the shared stdout
+        out = p.stdout.readline()
+        assert out.startswith(("reply", "no reply")), (out, p.stderr.read()[-500:])
+        assert ow.server._thread.is_alive(), f"the fd server thread died: the peer said {out!r}"
+        got = ForkingPickler.loads(ForkingPickler.dumps(np.full(N, 6.0)))  # still served
+        assert float(got[0]) == 6.0
+    finally:
+        _end(p)
+
+
+def test_a_failed_second_unpickle_racing_the_views_death_does_not_pin_the_block(monkeypatch):
+    """One thread unpickles a handle a second time (a HandleError) while another drops the
+    first unpickle's array: the failed claim put back the mark the drop had just cleared, and
+    the owner kept the block for as long as the receiver lived."""
+    real = _client._cas64
+
+    def slow_cas(*a):  # the race's window, widened: the other thread runs right after the swap
+        got = real(*a)
+        time.sleep(0.002)
+        return got
+
+    monkeypatch.setattr(_client, "_cas64", slow_cas)
+    n = 200
+    handles = [_handle_of(np.full(1024, float(i))) for i in range(n)]
+    views: list = [_client.rebuild_array(*h) for h in handles]
+    barrier = threading.Barrier(2, timeout=WAIT)
+    errors: list[BaseException] = []
+
+    def again() -> None:
+        for h in handles:
+            barrier.wait()
+            try:
+                _client.rebuild_array(*h)
+            except smp.HandleError:
+                pass
+            except Exception as exc:  # noqa: BLE001  (reported below)
+                errors.append(exc)
+
+    def drop() -> None:
+        for i in range(n):
+            barrier.wait()
+            views[i] = None
+
+    threads = [threading.Thread(target=again), threading.Thread(target=drop)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT)
+    assert not errors, errors
+    _wait_for(lambda: smp.statistics().handles_claimed == 0, WAIT, "every block to come back")
+
+
+_OWNER_WITHOUT_MEMORY_FOR_A_CLAIM_MAP = textwrap.dedent("""
+    import resource, sys
+    import numpy as np
+    from multiprocessing.reduction import ForkingPickler
+    import shmshare.multiprocessing as smp
+    smp.set_exit_linger(0)
+    raw = bytes(ForkingPickler.dumps(np.ones(4096)))  # the fd server runs
+    vm = int([l for l in open("/proc/self/status") if l.startswith("VmSize")][0].split()[1])
+    resource.setrlimit(resource.RLIMIT_AS, ((vm << 10) + (64 << 10), resource.RLIM_INFINITY))
+    print(raw.hex(), flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_an_owner_that_cannot_make_a_claim_map_is_not_reported_as_gone():
+    """The owner cannot map a new peer's claim map (RLIMIT_AS here; a full memory cgroup
+    alike): the receiver was told that the live owner had exited (OwnerGone)."""
+    p = _python(_OWNER_WITHOUT_MEMORY_FOR_A_CLAIM_MAP, stdin=subprocess.PIPE)
+    try:
+        line = p.stdout.readline().split()
+        assert line, p.stderr.read()
+        with pytest.raises(ShmshareError) as caught:
+            ForkingPickler.loads(bytes.fromhex(line[0]))
+        assert not isinstance(caught.value, smp.OwnerGone), caught.value
+        assert f"pid {p.pid}" in str(caught.value) and "still good" in str(caught.value)
+        assert p.poll() is None
+    finally:
+        _end(p)
