@@ -18,7 +18,7 @@ from ..channel._trust import check_fd
 from ..memory._shm import ShmSegment, _new_id
 from ..tensors import decode
 from ._objects import Obj
-from ._packing import SEALS, new_memfd, reserve
+from ._packing import SEALS, new_memfd, reserve, torch_dtype_problem
 from ._protocol import (
     BAD,
     EXISTS,
@@ -273,10 +273,15 @@ def _exists(name: str) -> str:
 
 
 def _check_meta(meta: bytes, size: int) -> None:
-    """Refuse meta whose arrays do not lie inside the object (a getter trusts it)."""
+    """Refuse meta a getter could not rebuild: arrays outside the object, object dtypes, a
+    torch dtype that is not its numpy dtype's (a getter trusts the meta)."""
     def view(seg: int, block: int, offset: int, lay: Any) -> None:
         if lay.dtype.hasobject:
             raise Bad(BAD, f"an array of dtype {lay.dtype} holds object references")
+        if lay.torch_dtype is not None:
+            problem = torch_dtype_problem(lay.dtype, lay.torch_dtype)
+            if problem is not None:
+                raise Bad(BAD, problem)
         if seg == 0:
             if 0 not in lay.shape and (lay.dtype.itemsize or lay.dtype.kind in "SU"):
                 raise Bad(BAD, f"an empty array's descriptor has shape {lay.shape}")

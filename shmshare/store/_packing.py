@@ -33,7 +33,8 @@ from .. import _native, tensors
 from .._errors import SegmentError, making_fds
 from ._protocol import ALIGN, MAX_META, StoreError
 
-__all__ = ["Plan", "write_memfd", "new_memfd", "reserve", "build", "one_array_meta"]
+__all__ = ["Plan", "write_memfd", "new_memfd", "reserve", "build", "one_array_meta",
+           "torch_dtype_problem"]
 
 _WRITE_MAX = 1 << 30  # bytes per pwrite call (Linux writes at most 0x7ffff000 at once)
 _TWO_THREADS = 64 << 20  # objects from this size are written on two threads
@@ -89,6 +90,39 @@ def one_array_meta(shape: tuple[int, ...], dtype: np.dtype, torch_dtype: str | N
 
 def _no_arrays(obj: Any) -> Any:
     raise TypeError("no array here")
+
+
+# What a tensor of each torch dtype is as numpy (tensors.as_numpy), known without importing
+# torch -- the daemon never does: (item size, numpy's own dtype, or None where numpy has none
+# and the tensor comes as the same-size integer). A meta that says torch dtype X over another
+# numpy dtype would make every getter's as_torch fail, or view the bits as another shape.
+_TORCH_DTYPES: dict[str, tuple[int, str | None]] = {
+    "bool": (1, "?"), "uint8": (1, "u1"), "int8": (1, "i1"), "int16": (2, "i2"),
+    "uint16": (2, "u2"), "int32": (4, "i4"), "uint32": (4, "u4"), "int64": (8, "i8"),
+    "uint64": (8, "u8"), "float16": (2, "f2"), "float32": (4, "f4"), "float64": (8, "f8"),
+    "complex64": (8, "c8"), "complex128": (16, "c16"),
+    "bfloat16": (2, None), "complex32": (4, None), "bits16": (2, None),
+    **{n: (1, None) for n in (
+        "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+        "float4_e2m1fn_x2", "bits8", "bits1x8", "bits2x4", "bits4x2",
+        *(f"{u}int{b}" for u in ("", "u") for b in range(1, 8)))},
+}
+_AS_INT = {1: "u1", 2: "i2", 4: "i4", 8: "i8"}  # as_numpy's view of a dtype numpy lacks
+
+
+def torch_dtype_problem(dt: np.dtype, torch_dtype: str) -> str | None:
+    """Why an array of numpy dtype `dt` cannot be a tensor of `torch_dtype`; None if it can."""
+    known = _TORCH_DTYPES.get(torch_dtype)
+    if known is None:
+        return (f"an array's torch dtype {torch_dtype!r} (over numpy {dt.str!r}) is not a torch "
+                "dtype the store knows (a newer torch's dtype needs a newer shmshare)")
+    size, own = known
+    fits = [np.dtype("=" + x) for x in (own, _AS_INT.get(size)) if x is not None]
+    if any(dt == f for f in fits):
+        return None
+    return (f"an array's torch dtype {torch_dtype!r} does not match its numpy dtype {dt.str!r}: "
+            f"a {torch_dtype} tensor is numpy {' or '.join(repr(f.str) for f in fits)}, so no "
+            "getter could rebuild it")
 
 
 def _copy(dst: np.ndarray, src: np.ndarray) -> None:
@@ -209,6 +243,9 @@ def build(meta: bytes, address: int, size: int, root: Any, readonly: bool, on_re
                 arr.flags.writeable = False  # a copy-on-write mapping: numpy arrays stay read-only
         if lay.torch_dtype is None:
             return arr
+        problem = torch_dtype_problem(dt, lay.torch_dtype)  # the daemon checked it: ours too
+        if problem is not None:
+            raise StoreError(f"the store sent a malformed object: {problem}")
         return tensors.as_torch(arr.copy() if torch_copy else arr, lay.torch_dtype)
 
     try:

@@ -45,7 +45,7 @@ from typing import Any
 from .._errors import ShmshareError
 
 __all__ = ["ObjectInfo", "LARGE", "MAX_META", "MAX_NAME", "StoreError", "StoreFull", "StoreGone", "ObjectExists",
-           "default_path", "check_name", "check_dir", "raise_for"]
+           "BadRequest", "default_path", "check_name", "check_dir", "raise_for"]
 
 LARGE = 1 << 20  # bytes from which an object owns its memfd (sealed against writes)
 MAX_META = 96 * 1024  # bytes of a value's description (its arrays' descriptors, plain values)
@@ -67,6 +67,11 @@ class StoreFull(StoreError, MemoryError):
 
 class StoreGone(StoreError, ConnectionError):
     """The store daemon went away (exited or was killed); objects it held are gone too."""
+
+
+class BadRequest(StoreError, ValueError):
+    """The daemon refused a request as malformed: its name, size, meta or fd (a ValueError, as
+    a bad argument is)."""
 
 
 class ObjectExists(StoreError, KeyError):
@@ -108,7 +113,7 @@ def raise_for(code: str, text: str) -> None:
 
         raise ShmshareTimeout(text)
     if code == BAD:
-        raise ValueError(text)
+        raise BadRequest(text)
     raise StoreError(text)
 
 
