@@ -21,7 +21,15 @@ from __future__ import annotations
 from ._client import ObjectInfo, Store
 from ._daemon import serve
 from ._launch import Daemon
-from ._protocol import BadRequest, ObjectExists, StoreError, StoreFull, StoreGone, default_path
+from ._protocol import (
+    BadRequest,
+    ObjectExists,
+    StoreBusy,
+    StoreError,
+    StoreFull,
+    StoreGone,
+    default_path,
+)
 
 __all__ = ["Store", "ObjectInfo", "Daemon", "serve", "default_path", "StoreError", "StoreFull",
-           "StoreGone", "ObjectExists", "BadRequest"]
+           "StoreGone", "ObjectExists", "BadRequest", "StoreBusy"]

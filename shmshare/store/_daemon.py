@@ -50,6 +50,7 @@ from ._objects import Table
 from ._protocol import (
     ABORTED,
     BAD,
+    BUSY,
     LARGE,
     NOT_FOUND,
     NOT_SEALED,
@@ -118,7 +119,7 @@ class Server:
         self._accept_at = 0.0
         self._poller = select.poll()
         self._started = time.time()
-        self.counts = {"put": 0, "get": 0, "create": 0, "delete": 0, "clients": 0}
+        self.counts = {"put": 0, "get": 0, "create": 0, "delete": 0, "clients": 0, "refused": 0}
 
     def stop(self) -> None:
         """Ask the loop to end (from a signal handler or another thread)."""
@@ -186,15 +187,29 @@ class Server:
                 self._accept_at = time.monotonic() + _ACCEPT_PAUSE
             return  # another uid (refused), or it gave up
         if len(self._clients) >= self.max_clients:
-            log.warning("%d clients connected: refusing pid %s", self.max_clients,
-                        conn.peer_cred.pid)
-            conn.close()
+            self._refuse(conn)
             return
         self.counts["clients"] += 1
         client = _Client(self.counts["clients"], conn)
         self._clients[conn.fileno()] = client
         self._poller.register(conn.fileno(), select.POLLIN)
         log.debug("client %d (pid %s) connected", client.id, client.pid)
+
+    def _refuse(self, conn: wire.Connection) -> None:
+        """Tell a newcomer past the cap that we are full, then close: a bare close would read
+        as a dead daemon, whose advice (start another) loses every object held here."""
+        log.warning("%d clients connected: refusing pid %s", self.max_clients, conn.peer_cred.pid)
+        self.counts["refused"] += 1
+        text = (f"the store daemon (pid {os.getpid()}) at {self.path!r} is serving its maximum "
+                f"of {self.max_clients} clients, and its objects are intact: close idle Store "
+                "objects (each holds a connection, and a get(timeout=...) one more while it "
+                "waits) and make a new Store, or start the daemon with a higher "
+                "SHMSHARE_STORE_MAX_CLIENTS")
+        try:
+            conn.send({"k": "err", "e": BUSY, "w": text}, timeout=0)
+        except (ShmshareError, OSError, ValueError):
+            pass  # it left already, or its socket is full: it reads the close alone
+        conn.close()
 
     def _serve(self, client: _Client) -> None:
         # One frame per readiness: poll is level-triggered, so a client with more queued is
