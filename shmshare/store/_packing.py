@@ -17,10 +17,24 @@ Note [Writing a large object]
     process. ``posix_fallocate`` then fills the holes the padding left, so
     a getter's read can never allocate (Note [Trust no fd]). Large writes
     go on two threads: ``pwrite`` releases the GIL.
+
+Note [Shared memory and the memory cgroup]
+    A page of shared memory is charged to the memory cgroup of the process
+    that first allocates it (``pwrite`` into a hole, ``posix_fallocate``),
+    and stays charged there for as long as any fd or mapping keeps it: a
+    putter's object is charged to the putter's cgroup while the daemon
+    holds it, even after the putter exits; the daemon's pool, and the
+    memfds it makes for small objects, to the daemon's. Past the limit the
+    kernel does not fail the write: it OOM-kills a process of the cgroup. So
+    every reservation of pages here first asks the segment layer's check
+    (``_cgroup.memory_limit``, Note [Checking memory before reserving] in
+    ``_segcalls``) and refuses with an error that names the limit and the
+    fix: ``SegmentError(ENOMEM)`` in a client, ``StoreFull`` from the daemon.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import secrets
@@ -29,16 +43,19 @@ from typing import Any
 
 import numpy as np
 
-from .. import _native, tensors
+from .. import _cgroup, _native, tensors
 from .._errors import SegmentError, making_fds
 from ._protocol import ALIGN, MAX_META, StoreError
 
-__all__ = ["Plan", "write_memfd", "new_memfd", "reserve", "build", "one_array_meta",
-           "torch_dtype_problem"]
+__all__ = ["Plan", "write_memfd", "new_memfd", "reserve", "allocate_pages", "cgroup_refusal",
+           "build", "one_array_meta", "torch_dtype_problem"]
 
 _WRITE_MAX = 1 << 30  # bytes per pwrite call (Linux writes at most 0x7ffff000 at once)
 _TWO_THREADS = 64 << 20  # objects from this size are written on two threads
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # every memfd of the store, from birth
+_CLIENT_FIX = ("The pages of the objects this process put stay charged to its cgroup while the "
+               "store holds them: delete some (Store.delete), put less, or raise the cgroup's "
+               "limit (docker run --memory, memory.max)")
 
 
 class Plan:
@@ -148,8 +165,28 @@ def new_memfd(size: int, what: str) -> int:
     return fd
 
 
+def cgroup_refusal(nbytes: int, what: str, who: str, fix: str) -> str | None:
+    """Why `who`'s memory cgroup cannot take `nbytes` more of shared memory for `what` now, or
+    None if it can (Note [Shared memory and the memory cgroup])."""
+    lim = _cgroup.memory_limit(nbytes=nbytes)
+    if lim is None or lim.fits(nbytes):
+        return None
+    cache = f", {lim.reclaimable} of them reclaimable page cache" if lim.reclaimable else ""
+    return (f"cannot reserve {nbytes} bytes of shared memory for {what}: the memory cgroup "
+            f"{lim.path} (v{lim.version}, {lim.directory}) of {who} has a limit of {lim.limit} "
+            f"bytes and {lim.usage} in use{cache}, {lim.slack} kept as headroom; writing past "
+            f"the limit would get {who} OOM-killed, so it was not tried. {fix}")
+
+
 def reserve(fd: int, size: int, what: str) -> None:
-    """Give every page of the memfd its memory now: ENOSPC here, never SIGBUS later."""
+    """Give every page of a fresh memfd its memory now, if this process's memory cgroup can
+    take them (SegmentError ENOMEM if not): ENOSPC here, never SIGBUS or an OOM kill later."""
+    _check_cgroup(size, what)
+    allocate_pages(fd, size, what)
+
+
+def allocate_pages(fd: int, size: int, what: str) -> None:
+    """posix_fallocate the memfd's pages (the caller checked the memory cgroup)."""
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
@@ -158,10 +195,18 @@ def reserve(fd: int, size: int, what: str) -> None:
                            "used up: free some, or put less)") from exc
 
 
+def _check_cgroup(size: int, what: str) -> None:
+    refused = cgroup_refusal(-(-size // _native.PAGE_SIZE) * _native.PAGE_SIZE, what,
+                             "this process", _CLIENT_FIX)
+    if refused is not None:
+        raise SegmentError(errno.ENOMEM, refused)
+
+
 def write_memfd(plan: Plan, name: str) -> int:
     """Write the plan's arrays into a new memfd sealed against writes (Note [Writing a large
     object]); return the fd (the caller owns it)."""
     what = f"object {name!r}"
+    _check_cgroup(plan.size, what)  # each pwrite allocates the pages it fills
     fd = new_memfd(plan.size, what)
     try:
         jobs = [(arr if arr.flags.c_contiguous else np.ascontiguousarray(arr), off)
@@ -184,7 +229,7 @@ def write_memfd(plan: Plan, name: str) -> int:
             _write_all(fd, jobs, failed)
         if failed:
             raise failed[0]
-        reserve(fd, plan.size, what)
+        allocate_pages(fd, plan.size, what)  # the padding's holes: checked with the rest
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
     except OSError as exc:
         os.close(fd)
