@@ -12,6 +12,7 @@ Files: ``_protocol.py`` (frames, errors, the socket path), ``_packing.py``
 daemon's table: references, limit, eviction), ``_daemon.py`` (the daemon's
 loop and requests), ``_making.py`` (its put, create and seal), ``_client.py``
 (``Store``), ``_flusher.py`` (what a client sends and reads while idle),
+``_inherited.py`` (what a forked child does with the Stores and views it inherits),
 ``_launch.py`` (``shmshare serve`` and ``Daemon``), ``_find.py`` (the daemons
 ``stat`` finds).
 """

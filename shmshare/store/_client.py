@@ -35,12 +35,13 @@ from typing import Any
 
 import numpy as np
 
-from .. import _fork, _native, tensors, wire
+from .. import _native, tensors, wire
 from .._errors import FdLimitError, PeerDied, ProtocolError, ShmshareError, ShmshareTimeout
 from .._fd import Fd
 from ..channel._releases import WakePipe
 from ..channel._trust import check_fd
 from ._flusher import Queued, flush_loop
+from ._inherited import forget_store, reused_by_daemon, track_pool_mapping, track_store
 from ._packing import Plan, build, new_memfd, one_array_meta, reserve, write_memfd
 from ._protocol import (
     BUSY,
@@ -105,7 +106,7 @@ class Store:
         self._flusher = threading.Thread(target=flush_loop, args=(weakref.ref(self), self._wake),
                                          name="shmshare-store-flusher", daemon=True)
         self._flusher.start()
-        _live.add(self)
+        track_store(self)
 
     # -- the API -------------------------------------------------------------------
 
@@ -514,7 +515,10 @@ class Store:
         fd = fds[0].fileno()
         check_fd(fd, nbytes, trust_unsealed=False, writable=False)
         address = _native.mmap(nbytes, fd, 0, writable=private, shared=not private)
-        return _native.Lease(None, address, nbytes, not private, None, unmap=True)
+        root = _native.Lease(None, address, nbytes, not private, None, unmap=True)
+        if not private and reused_by_daemon(fd):
+            track_pool_mapping(root)  # a forked child copies it (Note [Views across fork])
+        return root
 
     def _wait(self, name: str, seconds: float) -> None:
         """Wait on a connection of its own until `name` is sealed (Note [Replies owed])."""
@@ -550,8 +554,19 @@ class Store:
             self._conn.close()
             self._drop_staging()
             self._segs.clear()
-        _live.discard(self)
+        forget_store(self)
         return True
+
+    def _after_fork(self) -> None:
+        """In a forked child (Note [Views across fork]): the parent's connection is the
+        parent's -- a child that used it would interleave its frames with the parent's -- so
+        this Store is unusable here, and its cached mappings go (views keep theirs)."""
+        self._gone = "this Store was made before fork(): make a new Store in the child"
+        self._closed = True
+        self._conn.close()
+        self._segs.clear()
+        self._released.clear()
+        self._lock = threading.Lock()
 
     def _drop_staging(self) -> None:
         if self._staging is not None:
@@ -574,22 +589,3 @@ def _refusal(conn: wire.Connection) -> str | None:
     for f in fds:
         f.close()
     return str(h.get("w")) if h.get("k") == "err" and h.get("e") == BUSY else None
-
-
-_live: weakref.WeakSet[Store] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    # The parent's connection is the parent's: a child that used it would interleave its frames
-    # with the parent's. Our copies go; the child makes a Store of its own.
-    for store in list(_live):
-        store._gone = "this Store was made before fork(): make a new Store in the child"
-        store._closed = True
-        store._conn.close()
-        store._segs.clear()
-        store._released.clear()
-        store._lock = threading.Lock()
-    _live.clear()
-
-
-_fork.on_fork_in_child(6, _after_fork_in_child)

@@ -48,7 +48,7 @@ from .._errors import SegmentError, making_fds
 from ._protocol import ALIGN, MAX_META, StoreError
 
 __all__ = ["Plan", "write_memfd", "new_memfd", "reserve", "allocate_pages", "cgroup_refusal",
-           "build", "one_array_meta", "torch_dtype_problem"]
+           "check_cgroup", "build", "one_array_meta", "torch_dtype_problem"]
 
 _WRITE_MAX = 1 << 30  # bytes per pwrite call (Linux writes at most 0x7ffff000 at once)
 _TWO_THREADS = 64 << 20  # objects from this size are written on two threads
@@ -181,7 +181,7 @@ def cgroup_refusal(nbytes: int, what: str, who: str, fix: str) -> str | None:
 def reserve(fd: int, size: int, what: str) -> None:
     """Give every page of a fresh memfd its memory now, if this process's memory cgroup can
     take them (SegmentError ENOMEM if not): ENOSPC here, never SIGBUS or an OOM kill later."""
-    _check_cgroup(size, what)
+    check_cgroup(size, what)
     allocate_pages(fd, size, what)
 
 
@@ -195,7 +195,8 @@ def allocate_pages(fd: int, size: int, what: str) -> None:
                            "used up: free some, or put less)") from exc
 
 
-def _check_cgroup(size: int, what: str) -> None:
+def check_cgroup(size: int, what: str) -> None:
+    """SegmentError(ENOMEM) unless this process's memory cgroup can take `size` more bytes."""
     refused = cgroup_refusal(-(-size // _native.PAGE_SIZE) * _native.PAGE_SIZE, what,
                              "this process", _CLIENT_FIX)
     if refused is not None:
@@ -206,7 +207,7 @@ def write_memfd(plan: Plan, name: str) -> int:
     """Write the plan's arrays into a new memfd sealed against writes (Note [Writing a large
     object]); return the fd (the caller owns it)."""
     what = f"object {name!r}"
-    _check_cgroup(plan.size, what)  # each pwrite allocates the pages it fills
+    check_cgroup(plan.size, what)  # each pwrite allocates the pages it fills
     fd = new_memfd(plan.size, what)
     try:
         jobs = [(arr if arr.flags.c_contiguous else np.ascontiguousarray(arr), off)
