@@ -562,6 +562,7 @@ class Store:
         parent's -- a child that used it would interleave its frames with the parent's -- so
         this Store is unusable here, and its cached mappings go (views keep theirs)."""
         self._gone = "this Store was made before fork(): make a new Store in the child"
+        self._gone_as = StoreGone
         self._closed = True
         self._conn.close()
         self._segs.clear()
