@@ -12,6 +12,7 @@ Files: ``_protocol.py`` (frames, errors, the socket path), ``_packing.py``
 daemon's table: references, limit, eviction), ``_daemon.py`` (the daemon's
 loop and requests), ``_making.py`` (its put, create and seal), ``_client.py``
 (``Store``), ``_flusher.py`` (what a client sends and reads while idle),
+``_inherited.py`` (what a forked child does with the Stores and views it inherits),
 ``_launch.py`` (``shmshare serve`` and ``Daemon``), ``_find.py`` (the daemons
 ``stat`` finds).
 """
@@ -21,7 +22,15 @@ from __future__ import annotations
 from ._client import ObjectInfo, Store
 from ._daemon import serve
 from ._launch import Daemon
-from ._protocol import ObjectExists, StoreError, StoreFull, StoreGone, default_path
+from ._protocol import (
+    BadRequest,
+    ObjectExists,
+    StoreBusy,
+    StoreError,
+    StoreFull,
+    StoreGone,
+    default_path,
+)
 
 __all__ = ["Store", "ObjectInfo", "Daemon", "serve", "default_path", "StoreError", "StoreFull",
-           "StoreGone", "ObjectExists"]
+           "StoreGone", "ObjectExists", "BadRequest", "StoreBusy"]

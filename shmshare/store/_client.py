@@ -35,16 +35,19 @@ from typing import Any
 
 import numpy as np
 
-from .. import _fork, _native, tensors, wire
+from .. import _native, tensors, wire
 from .._errors import FdLimitError, PeerDied, ProtocolError, ShmshareError, ShmshareTimeout
 from .._fd import Fd
 from ..channel._releases import WakePipe
 from ..channel._trust import check_fd
 from ._flusher import Queued, flush_loop
+from ._inherited import forget_store, reused_by_daemon, track_pool_mapping, track_store
 from ._packing import Plan, build, new_memfd, one_array_meta, reserve, write_memfd
 from ._protocol import (
+    BUSY,
     LARGE,
     ObjectInfo,
+    StoreBusy,
     StoreError,
     StoreGone,
     _Missing,
@@ -97,12 +100,13 @@ class Store:
         self._staging: tuple[int, int] | None = None  # (fd, address) of our staging memfd
         self._creating: dict[str, tuple[int, Any]] = {}  # name -> (oid, buffer or None)
         self._gone: str | None = None  # why the connection is unusable
+        self._gone_as: type[StoreError] = StoreGone  # ... and what that raises
         # the thread holds the Store only weakly: a Store dropped unclosed (and with no view
         # left, since views hold it) is collected, and the thread then ends
         self._flusher = threading.Thread(target=flush_loop, args=(weakref.ref(self), self._wake),
                                          name="shmshare-store-flusher", daemon=True)
         self._flusher.start()
-        _live.add(self)
+        track_store(self)
 
     # -- the API -------------------------------------------------------------------
 
@@ -298,7 +302,7 @@ class Store:
     def _call_locked(self, header: dict[str, Any], fds: builtins.list[int],
                      timeout: float | None = None) -> tuple[dict[Any, Any], builtins.list[Fd]]:
         if self._gone is not None:
-            raise StoreGone(self._gone)
+            raise self._gone_as(self._gone)
         if self._closed:
             raise StoreError(f"this Store ({self.path!r}) is closed: make a new one")
         wait = self.timeout if timeout is None else (
@@ -366,6 +370,7 @@ class Store:
         if h.get("k") == "err":
             for f in got:
                 f.close()
+            self._check_busy(h)
             raise_for(str(h.get("e")), str(h.get("w")))
         return h, got
 
@@ -383,6 +388,7 @@ class Store:
         """A reply of a request given up on (Note [Replies owed]): what it gave is given back."""
         for f in got:
             f.close()
+        self._check_busy(h)
         drops = h.get("d")
         if isinstance(drops, list):
             for seg in drops:
@@ -397,11 +403,24 @@ class Store:
             if "n" in h and h.get("p") is not True and type(seg) is int and seg not in self._segs:
                 self._forget.append(seg)  # not mapped: the daemon must send it again
 
-    def _died(self, exc: Exception) -> StoreGone:
-        self._gone = (f"the store daemon (pid {self.daemon_pid}) at {self.path!r} is gone "
-                      f"({exc}): the objects it held are lost (views got already stay valid); "
-                      "start `shmshare serve` again and make a new Store")
-        return StoreGone(self._gone)
+    def _died(self, exc: Exception) -> StoreError:
+        """The connection ended: StoreBusy if the daemon said it was full first, else StoreGone."""
+        if self._gone_as is not StoreBusy:
+            busy = _refusal(self._conn)  # a send that met the close has not read it yet
+            if busy is not None:
+                self._gone, self._gone_as = busy, StoreBusy
+            else:
+                self._gone = (f"the store daemon (pid {self.daemon_pid}) at {self.path!r} is gone "
+                              f"({exc}): the objects it held are lost (views got already stay "
+                              "valid); start `shmshare serve` again and make a new Store")
+        assert self._gone is not None
+        return self._gone_as(self._gone)
+
+    def _check_busy(self, h: dict[Any, Any]) -> None:
+        """A refusal at the client cap: the daemon closes this connection, so every later
+        request says the same (not that the daemon is gone)."""
+        if h.get("e") == BUSY and h.get("k") == "err":
+            self._gone, self._gone_as = str(h.get("w")), StoreBusy
 
     def _unsent(self, header: dict[str, Any]) -> None:
         """A request that never left: what it carried goes back to wait for the next one."""
@@ -496,7 +515,10 @@ class Store:
         fd = fds[0].fileno()
         check_fd(fd, nbytes, trust_unsealed=False, writable=False)
         address = _native.mmap(nbytes, fd, 0, writable=private, shared=not private)
-        return _native.Lease(None, address, nbytes, not private, None, unmap=True)
+        root = _native.Lease(None, address, nbytes, not private, None, unmap=True)
+        if not private and reused_by_daemon(fd):
+            track_pool_mapping(root)  # a forked child copies it (Note [Views across fork])
+        return root
 
     def _wait(self, name: str, seconds: float) -> None:
         """Wait on a connection of its own until `name` is sealed (Note [Replies owed])."""
@@ -511,6 +533,9 @@ class Store:
             for f in got:
                 f.close()
         except PeerDied as exc:
+            busy = _refusal(conn)  # this connection refused at the cap: ours is still served
+            if busy is not None:
+                raise StoreBusy(busy) from exc
             raise self._died(exc) from exc
         finally:
             conn.close()
@@ -529,8 +554,20 @@ class Store:
             self._conn.close()
             self._drop_staging()
             self._segs.clear()
-        _live.discard(self)
+        forget_store(self)
         return True
+
+    def _after_fork(self) -> None:
+        """In a forked child (Note [Views across fork]): the parent's connection is the
+        parent's -- a child that used it would interleave its frames with the parent's -- so
+        this Store is unusable here, and its cached mappings go (views keep theirs)."""
+        self._gone = "this Store was made before fork(): make a new Store in the child"
+        self._gone_as = StoreGone
+        self._closed = True
+        self._conn.close()
+        self._segs.clear()
+        self._released.clear()
+        self._lock = threading.Lock()
 
     def _drop_staging(self) -> None:
         if self._staging is not None:
@@ -540,20 +577,16 @@ class Store:
             os.close(fd)
 
 
-_live: weakref.WeakSet[Store] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    # The parent's connection is the parent's: a child that used it would interleave its frames
-    # with the parent's. Our copies go; the child makes a Store of its own.
-    for store in list(_live):
-        store._gone = "this Store was made before fork(): make a new Store in the child"
-        store._closed = True
-        store._conn.close()
-        store._segs.clear()
-        store._released.clear()
-        store._lock = threading.Lock()
-    _live.clear()
-
-
-_fork.on_fork_in_child(6, _after_fork_in_child)
+def _refusal(conn: wire.Connection) -> str | None:
+    """The daemon's refusal at its client cap, if one is queued on `conn` (read once the
+    connection has ended: a send that met the daemon's close never read it)."""
+    try:
+        got = conn.recv_nowait()
+    except (ShmshareError, OSError, ValueError):
+        return None
+    if got is None:
+        return None
+    h, fds = got
+    for f in fds:
+        f.close()
+    return str(h.get("w")) if h.get("k") == "err" and h.get("e") == BUSY else None

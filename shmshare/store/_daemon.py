@@ -50,6 +50,7 @@ from ._objects import Table
 from ._protocol import (
     ABORTED,
     BAD,
+    BUSY,
     LARGE,
     NOT_FOUND,
     NOT_SEALED,
@@ -60,7 +61,7 @@ from ._protocol import (
     default_path,
 )
 
-__all__ = ["Server", "serve"]
+__all__ = ["Server", "serve", "MAX_CLIENTS"]
 
 log = logging.getLogger("shmshare.store")
 
@@ -69,7 +70,7 @@ _MAX_WAITS = 256  # waits one connection may have pending
 _MAX_PUSHED = 16  # drop frames sent to a client unasked between two of its requests
 _DROPS_PER_REPLY = 4096  # segment ids a reply carries at most (a frame is 128 KiB)
 _FD_ROOM = 16  # fds kept free before another client is accepted (a request brings at most one)
-_MAX_CLIENTS = 4096
+MAX_CLIENTS = 4096  # clients connected at once, by default (a get's wait is one more)
 _LIST_PAGE = 256  # entries per list reply, at most ...
 _LIST_BYTES = 64 * 1024  # ... and about this many bytes of them
 _ACCEPT_PAUSE = 0.2  # s accepting pauses after EMFILE
@@ -97,9 +98,12 @@ class Server:
     """The store: a listening socket, the table, and the clients (Note [One thread])."""
 
     def __init__(self, path: str | None = None, limit: int | None = None,
-                 evict: bool = False) -> None:
+                 evict: bool = False, max_clients: int = MAX_CLIENTS) -> None:
         if limit is not None and limit <= 0:
             raise ValueError(f"--limit must be a positive number of bytes, got {limit}")
+        if max_clients < 1:
+            raise ValueError(f"max_clients must be at least 1, got {max_clients}")
+        self.max_clients = max_clients
         chosen = path is None
         self.path = os.fspath(path) if path is not None else default_path()
         if chosen:
@@ -115,7 +119,7 @@ class Server:
         self._accept_at = 0.0
         self._poller = select.poll()
         self._started = time.time()
-        self.counts = {"put": 0, "get": 0, "create": 0, "delete": 0, "clients": 0}
+        self.counts = {"put": 0, "get": 0, "create": 0, "delete": 0, "clients": 0, "refused": 0}
 
     def stop(self) -> None:
         """Ask the loop to end (from a signal handler or another thread)."""
@@ -182,15 +186,30 @@ class Server:
                 self._poller.unregister(self._listener.fileno())
                 self._accept_at = time.monotonic() + _ACCEPT_PAUSE
             return  # another uid (refused), or it gave up
-        if len(self._clients) >= _MAX_CLIENTS:
-            log.warning("%d clients connected: refusing pid %s", _MAX_CLIENTS, conn.peer_cred.pid)
-            conn.close()
+        if len(self._clients) >= self.max_clients:
+            self._refuse(conn)
             return
         self.counts["clients"] += 1
         client = _Client(self.counts["clients"], conn)
         self._clients[conn.fileno()] = client
         self._poller.register(conn.fileno(), select.POLLIN)
         log.debug("client %d (pid %s) connected", client.id, client.pid)
+
+    def _refuse(self, conn: wire.Connection) -> None:
+        """Tell a newcomer past the cap that we are full, then close: a bare close would read
+        as a dead daemon, whose advice (start another) loses every object held here."""
+        log.warning("%d clients connected: refusing pid %s", self.max_clients, conn.peer_cred.pid)
+        self.counts["refused"] += 1
+        text = (f"the store daemon (pid {os.getpid()}) at {self.path!r} is serving its maximum "
+                f"of {self.max_clients} clients, and its objects are intact: close idle Store "
+                "objects (each holds a connection, and a get(timeout=...) one more while it "
+                "waits) and make a new Store, or start the daemon with a higher "
+                "SHMSHARE_STORE_MAX_CLIENTS")
+        try:
+            conn.send({"k": "err", "e": BUSY, "w": text}, timeout=0)
+        except (ShmshareError, OSError, ValueError):
+            pass  # it left already, or its socket is full: it reads the close alone
+        conn.close()
 
     def _serve(self, client: _Client) -> None:
         # One frame per readiness: poll is level-triggered, so a client with more queued is
@@ -548,9 +567,9 @@ def _remove_stale(path: str) -> None:
 
 
 def serve(path: str | None = None, limit: int | None = None, evict: bool = False,
-          ready: Any = None) -> int:
+          ready: Any = None, max_clients: int = MAX_CLIENTS) -> int:
     """Run the store until SIGINT or SIGTERM; `ready(daemon)` is called once it listens."""
-    daemon = Server(path, limit, evict)
+    daemon = Server(path, limit, evict, max_clients)
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def stop(signum: int, frame: Any) -> None:

@@ -11,13 +11,14 @@ import sys
 import time
 from typing import Any
 
-from ._daemon import Server, serve
+from ._daemon import MAX_CLIENTS, Server, serve
 from ._protocol import StoreError
 
 __all__ = ["Daemon", "main_serve"]
 
 _READY = "shmshare store listening on "
 _PARENT = "SHMSHARE_SERVE_PARENT"  # set by Daemon.start: the pid the daemon dies with
+_MAX_CLIENTS_ENV = "SHMSHARE_STORE_MAX_CLIENTS"  # clients connected at once (default 4096)
 
 
 class Daemon:
@@ -36,8 +37,12 @@ class Daemon:
     @classmethod
     def start(cls, path: str | os.PathLike[str] | None = None, limit: int | None = None,
               evict: bool = False, timeout: float = 10.0, log_level: str = "warning",
-              env: dict[str, str] | None = None, die_with_parent: bool = True) -> Daemon:
+              env: dict[str, str] | None = None, die_with_parent: bool = True,
+              max_clients: int | None = None) -> Daemon:
         """Run a daemon and wait (at most `timeout` s) until it listens.
+
+        `max_clients` caps the clients connected at once (``SHMSHARE_STORE_MAX_CLIENTS``
+        in its environment; 4096 by default).
 
         With `die_with_parent` the daemon gets SIGTERM when the thread that
         started it ends (``PR_SET_PDEATHSIG``: the kernel's rule is the
@@ -53,6 +58,8 @@ class Daemon:
             cmd.append("--evict")
         child_env = dict(os.environ if env is None else env)
         child_env.pop(_PARENT, None)
+        if max_clients is not None:
+            child_env[_MAX_CLIENTS_ENV] = str(int(max_clients))
         if die_with_parent:
             child_env[_PARENT] = str(os.getpid())
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
@@ -120,8 +127,11 @@ def main_serve(socket_path: str | None, limit: int | None, evict: bool, log_leve
                         format="%(asctime)s shmshare-store[%(process)d] %(levelname)s %(message)s")
     if socket_path is not None:
         socket_path = os.path.abspath(socket_path)  # --detach changes to / before it binds
+    max_clients = _max_clients()
+    if max_clients is None:
+        return 1
     if detach:
-        return _detach(socket_path, limit, evict)
+        return _detach(socket_path, limit, evict, max_clients)
     parent = os.environ.pop(_PARENT, None)
     if parent is not None and not _die_with(parent):
         return 1
@@ -130,7 +140,7 @@ def main_serve(socket_path: str | None, limit: int | None, evict: bool, log_leve
         print(f"{_READY}{server.path} (pid {os.getpid()})", flush=True)
 
     try:
-        return serve(socket_path, limit, evict, ready)
+        return serve(socket_path, limit, evict, ready, max_clients)
     except StoreError as exc:
         print(f"shmshare serve: {exc}", file=sys.stderr)
         return 1
@@ -148,7 +158,19 @@ def _die_with(parent: str) -> bool:
     return str(os.getppid()) == parent  # it may have gone before the prctl
 
 
-def _detach(socket_path: str | None, limit: int | None, evict: bool) -> int:
+def _max_clients() -> int | None:
+    """The client cap from the environment (the default when unset); None, told, if malformed."""
+    raw = os.environ.get(_MAX_CLIENTS_ENV)
+    if raw is None:
+        return MAX_CLIENTS
+    if not raw.strip().isdigit() or int(raw) < 1:
+        print(f"shmshare serve: {_MAX_CLIENTS_ENV}={raw!r} must be a whole number of clients, at "
+              f"least 1 (unset, it is {MAX_CLIENTS})", file=sys.stderr)
+        return None
+    return int(raw)
+
+
+def _detach(socket_path: str | None, limit: int | None, evict: bool, max_clients: int) -> int:
     """Fork twice (a new session, no terminal), serve there; print the socket once it listens."""
     r, w = os.pipe()
     pid = os.fork()
@@ -180,7 +202,7 @@ def _detach(socket_path: str | None, limit: int | None, evict: bool) -> int:
             os.write(w, f"{_READY}{server.path} (pid {os.getpid()})\n".encode())
             os.close(w)
 
-        serve(socket_path, limit, evict, ready)
+        serve(socket_path, limit, evict, ready, max_clients)
     except BaseException as exc:  # noqa: BLE001 - told to the parent, then this process ends
         try:
             os.write(w, f"{exc}\n".encode())

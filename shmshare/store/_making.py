@@ -17,8 +17,8 @@ from .._fd import Fd
 from ..channel._trust import check_fd
 from ..memory._shm import ShmSegment, _new_id
 from ..tensors import decode
-from ._objects import Obj
-from ._packing import SEALS, new_memfd, reserve
+from ._objects import HostFull, Obj, daemon_refusal
+from ._packing import SEALS, allocate_pages, new_memfd, torch_dtype_problem
 from ._protocol import (
     BAD,
     EXISTS,
@@ -180,26 +180,29 @@ def small_object(srv: Server, client: _Client, name: str, size: int, meta: bytes
                   torch: bool) -> Obj:
     """A block of the pool for it; or, when the pool cannot grow under the limit (its
     segments are 2 MiB), a memfd of the store's own, charged by the page. Each is tried
-    without evicting first: nothing is evicted for what fits another way."""
+    without evicting first: nothing is evicted for what fits another way. A memfd of our
+    own refused by the daemon's memory cgroup (HostFull) ends it: no way needs less, and
+    evicting for it would free room under --limit, which is not what is missing."""
     if size == 0 or srv.table.limit is None:
         return arena_object(srv, client, name, size, meta, torch)
-    try:
-        return arena_object(srv, client, name, size, meta, torch, False)
-    except StoreFull:
-        pass
-    try:
-        return own_memfd(srv, client, name, size, meta, torch, False)
-    except StoreFull:
-        pass
+    ways = ((arena_object, False), (own_memfd, False), (own_memfd, True))
+    for way, evict in ways:
+        try:
+            return way(srv, client, name, size, meta, torch, evict)
+        except HostFull:
+            if way is own_memfd:
+                raise
+        except StoreFull:
+            pass
     # evicting: for the way that needs least first (a few pages, not a pool segment)
-    try:
-        return own_memfd(srv, client, name, size, meta, torch, True)
-    except StoreFull:
-        return arena_object(srv, client, name, size, meta, torch, True)
+    return arena_object(srv, client, name, size, meta, torch, True)
 
 def own_memfd(srv: Server, client: _Client, name: str, size: int, meta: bytes, torch: bool,
                evict: bool) -> Obj:
     what = f"object {name!r}"
+    refused = daemon_refusal(_pages(size), what)  # before anything is evicted for it
+    if refused is not None:
+        raise refused
     charge = srv.table.charge_memfd(size, what, evict)
     try:
         fd = new_memfd(size, what)
@@ -207,7 +210,7 @@ def own_memfd(srv: Server, client: _Client, name: str, size: int, meta: bytes, t
         srv.table.memfd_bytes -= charge
         raise
     try:
-        reserve(fd, size, what)
+        allocate_pages(fd, size, what)
     except BaseException:
         os.close(fd)
         srv.table.memfd_bytes -= charge
@@ -273,10 +276,15 @@ def _exists(name: str) -> str:
 
 
 def _check_meta(meta: bytes, size: int) -> None:
-    """Refuse meta whose arrays do not lie inside the object (a getter trusts it)."""
+    """Refuse meta a getter could not rebuild: arrays outside the object, object dtypes, a
+    torch dtype that is not its numpy dtype's (a getter trusts the meta)."""
     def view(seg: int, block: int, offset: int, lay: Any) -> None:
         if lay.dtype.hasobject:
             raise Bad(BAD, f"an array of dtype {lay.dtype} holds object references")
+        if lay.torch_dtype is not None:
+            problem = torch_dtype_problem(lay.dtype, lay.torch_dtype)
+            if problem is not None:
+                raise Bad(BAD, problem)
         if seg == 0:
             if 0 not in lay.shape and (lay.dtype.itemsize or lay.dtype.kind in "SU"):
                 raise Bad(BAD, f"an empty array's descriptor has shape {lay.shape}")

@@ -31,12 +31,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._errors import SegmentError
 from ..memory import CachingAllocator, OutOfMemoryError, ShmProvider
 from ..memory._block import Block
 from ..memory._policy import format_size
+from ._packing import cgroup_refusal
 from ._protocol import StoreFull
 
-__all__ = ["Obj", "Table"]
+__all__ = ["Obj", "Table", "HostFull", "daemon_refusal"]
 
 _F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -44,6 +46,22 @@ _ids = itertools.count(1)
 _TRIM_AT = 32 << 20  # cached arena bytes past which freed segments go back to the host at once
 IDLE_TRIM = 0.5  # s an empty pool keeps its segments before they go back (Note [Eviction])
 _SMALL_SEGMENT = 2 << 20  # the pool's segment for objects under 1 MiB (PyTorch's small pool)
+
+
+class HostFull(StoreFull):
+    """The daemon's own memory -- its memory cgroup, or the host -- cannot take an object's
+    pages (Note [Shared memory and the memory cgroup] in ``_packing``). Evicting is not tried
+    for it: room under --limit is not what is missing."""
+
+
+def daemon_refusal(nbytes: int, what: str) -> HostFull | None:
+    """The error for `nbytes` of shared memory the daemon's memory cgroup cannot take, if so."""
+    who = f"the store daemon (pid {os.getpid()})"
+    refused = cgroup_refusal(nbytes, what, who, (
+        "Delete objects, or raise that cgroup's limit (docker run --memory, memory.max); a "
+        "`shmshare serve --limit` below it makes the store refuse (or, with --evict, evict) "
+        "before the cgroup is reached"))
+    return None if refused is None else HostFull(refused)
 
 
 @dataclass(eq=False)
@@ -148,6 +166,8 @@ class Table:
             try:
                 return self.arena.malloc(size)
             except OutOfMemoryError as exc:
+                if self.limit is None or _host_cause(exc) is not None:
+                    raise self._host_full(size, what, exc) from exc
                 # it needs a new segment of the pool (2 MiB for objects under 1 MiB)
                 need = max(size, _SMALL_SEGMENT)
                 if not evict or not self._could_fit(need) or not self._evict_one():
@@ -209,6 +229,17 @@ class Table:
             f"{format_size(self.limit or 0)}: it holds {format_size(self.held_bytes)} "
             f"({len(named)} objects, {format_size(held)} of them referenced by getters' views, "
             f"{len(self.objects) - len(named)} deleted but still viewed); {hint}")
+
+    def _host_full(self, size: int, what: str, exc: OutOfMemoryError) -> HostFull:
+        """The pool could not grow for want of the daemon's memory, not of room under --limit."""
+        got = daemon_refusal(_SMALL_SEGMENT, f"a new {format_size(_SMALL_SEGMENT)} segment of "
+                             f"the store's pool, for {what} ({format_size(size)})")
+        if got is not None:
+            return got
+        cause = _host_cause(exc) or exc
+        return HostFull(f"{what} needs {format_size(size)}, and the store daemon (pid "
+                        f"{os.getpid()}) could not grow its pool: {cause}. Delete objects, or "
+                        "give the daemon more memory")
 
     def trim_if_idle(self, now: float) -> float | None:
         """Give the pool's segments back once it has been empty for IDLE_TRIM; the time of
@@ -361,3 +392,16 @@ class Table:
             "limit": self.limit, "evict": self.evict, "evicted": self.evicted,
             "freed": self.freed,
         }
+
+
+def _host_cause(exc: BaseException) -> SegmentError | None:
+    """The segment layer's refusal behind a pool's OutOfMemoryError (no memory on the host, or
+    in the cgroup), if that is what it was rather than the provider's limit (our --limit)."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # OutOfMemoryError <- ProviderOutOfMemory <- SegmentError
+        if seen is None:
+            return None
+        if isinstance(seen, SegmentError):
+            return seen
+        seen = seen.__cause__
+    return None

@@ -17,10 +17,24 @@ Note [Writing a large object]
     process. ``posix_fallocate`` then fills the holes the padding left, so
     a getter's read can never allocate (Note [Trust no fd]). Large writes
     go on two threads: ``pwrite`` releases the GIL.
+
+Note [Shared memory and the memory cgroup]
+    A page of shared memory is charged to the memory cgroup of the process
+    that first allocates it (``pwrite`` into a hole, ``posix_fallocate``),
+    and stays charged there for as long as any fd or mapping keeps it: a
+    putter's object is charged to the putter's cgroup while the daemon
+    holds it, even after the putter exits; the daemon's pool, and the
+    memfds it makes for small objects, to the daemon's. Past the limit the
+    kernel does not fail the write: it OOM-kills a process of the cgroup. So
+    every reservation of pages here first asks the segment layer's check
+    (``_cgroup.memory_limit``, Note [Checking memory before reserving] in
+    ``_segcalls``) and refuses with an error that names the limit and the
+    fix: ``SegmentError(ENOMEM)`` in a client, ``StoreFull`` from the daemon.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import secrets
@@ -29,15 +43,19 @@ from typing import Any
 
 import numpy as np
 
-from .. import _native, tensors
+from .. import _cgroup, _native, tensors
 from .._errors import SegmentError, making_fds
 from ._protocol import ALIGN, MAX_META, StoreError
 
-__all__ = ["Plan", "write_memfd", "new_memfd", "reserve", "build", "one_array_meta"]
+__all__ = ["Plan", "write_memfd", "new_memfd", "reserve", "allocate_pages", "cgroup_refusal",
+           "check_cgroup", "build", "one_array_meta", "torch_dtype_problem"]
 
 _WRITE_MAX = 1 << 30  # bytes per pwrite call (Linux writes at most 0x7ffff000 at once)
 _TWO_THREADS = 64 << 20  # objects from this size are written on two threads
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # every memfd of the store, from birth
+_CLIENT_FIX = ("The pages of the objects this process put stay charged to its cgroup while the "
+               "store holds them: delete some (Store.delete), put less, or raise the cgroup's "
+               "limit (docker run --memory, memory.max)")
 
 
 class Plan:
@@ -91,6 +109,39 @@ def _no_arrays(obj: Any) -> Any:
     raise TypeError("no array here")
 
 
+# What a tensor of each torch dtype is as numpy (tensors.as_numpy), known without importing
+# torch -- the daemon never does: (item size, numpy's own dtype, or None where numpy has none
+# and the tensor comes as the same-size integer). A meta that says torch dtype X over another
+# numpy dtype would make every getter's as_torch fail, or view the bits as another shape.
+_TORCH_DTYPES: dict[str, tuple[int, str | None]] = {
+    "bool": (1, "?"), "uint8": (1, "u1"), "int8": (1, "i1"), "int16": (2, "i2"),
+    "uint16": (2, "u2"), "int32": (4, "i4"), "uint32": (4, "u4"), "int64": (8, "i8"),
+    "uint64": (8, "u8"), "float16": (2, "f2"), "float32": (4, "f4"), "float64": (8, "f8"),
+    "complex64": (8, "c8"), "complex128": (16, "c16"),
+    "bfloat16": (2, None), "complex32": (4, None), "bits16": (2, None),
+    **{n: (1, None) for n in (
+        "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+        "float4_e2m1fn_x2", "bits8", "bits1x8", "bits2x4", "bits4x2",
+        *(f"{u}int{b}" for u in ("", "u") for b in range(1, 8)))},
+}
+_AS_INT = {1: "u1", 2: "i2", 4: "i4", 8: "i8"}  # as_numpy's view of a dtype numpy lacks
+
+
+def torch_dtype_problem(dt: np.dtype, torch_dtype: str) -> str | None:
+    """Why an array of numpy dtype `dt` cannot be a tensor of `torch_dtype`; None if it can."""
+    known = _TORCH_DTYPES.get(torch_dtype)
+    if known is None:
+        return (f"an array's torch dtype {torch_dtype!r} (over numpy {dt.str!r}) is not a torch "
+                "dtype the store knows (a newer torch's dtype needs a newer shmshare)")
+    size, own = known
+    fits = [np.dtype("=" + x) for x in (own, _AS_INT.get(size)) if x is not None]
+    if any(dt == f for f in fits):
+        return None
+    return (f"an array's torch dtype {torch_dtype!r} does not match its numpy dtype {dt.str!r}: "
+            f"a {torch_dtype} tensor is numpy {' or '.join(repr(f.str) for f in fits)}, so no "
+            "getter could rebuild it")
+
+
 def _copy(dst: np.ndarray, src: np.ndarray) -> None:
     if src.dtype.fields is not None or src.dtype.subdtype is not None:
         void = np.dtype((np.void, src.dtype.itemsize))  # whole items, padding included
@@ -114,8 +165,28 @@ def new_memfd(size: int, what: str) -> int:
     return fd
 
 
+def cgroup_refusal(nbytes: int, what: str, who: str, fix: str) -> str | None:
+    """Why `who`'s memory cgroup cannot take `nbytes` more of shared memory for `what` now, or
+    None if it can (Note [Shared memory and the memory cgroup])."""
+    lim = _cgroup.memory_limit(nbytes=nbytes)
+    if lim is None or lim.fits(nbytes):
+        return None
+    cache = f", {lim.reclaimable} of them reclaimable page cache" if lim.reclaimable else ""
+    return (f"cannot reserve {nbytes} bytes of shared memory for {what}: the memory cgroup "
+            f"{lim.path} (v{lim.version}, {lim.directory}) of {who} has a limit of {lim.limit} "
+            f"bytes and {lim.usage} in use{cache}, {lim.slack} kept as headroom; writing past "
+            f"the limit would get {who} OOM-killed, so it was not tried. {fix}")
+
+
 def reserve(fd: int, size: int, what: str) -> None:
-    """Give every page of the memfd its memory now: ENOSPC here, never SIGBUS later."""
+    """Give every page of a fresh memfd its memory now, if this process's memory cgroup can
+    take them (SegmentError ENOMEM if not): ENOSPC here, never SIGBUS or an OOM kill later."""
+    check_cgroup(size, what)
+    allocate_pages(fd, size, what)
+
+
+def allocate_pages(fd: int, size: int, what: str) -> None:
+    """posix_fallocate the memfd's pages (the caller checked the memory cgroup)."""
     try:
         os.posix_fallocate(fd, 0, size)
     except OSError as exc:
@@ -124,10 +195,19 @@ def reserve(fd: int, size: int, what: str) -> None:
                            "used up: free some, or put less)") from exc
 
 
+def check_cgroup(size: int, what: str) -> None:
+    """SegmentError(ENOMEM) unless this process's memory cgroup can take `size` more bytes."""
+    refused = cgroup_refusal(-(-size // _native.PAGE_SIZE) * _native.PAGE_SIZE, what,
+                             "this process", _CLIENT_FIX)
+    if refused is not None:
+        raise SegmentError(errno.ENOMEM, refused)
+
+
 def write_memfd(plan: Plan, name: str) -> int:
     """Write the plan's arrays into a new memfd sealed against writes (Note [Writing a large
     object]); return the fd (the caller owns it)."""
     what = f"object {name!r}"
+    check_cgroup(plan.size, what)  # each pwrite allocates the pages it fills
     fd = new_memfd(plan.size, what)
     try:
         jobs = [(arr if arr.flags.c_contiguous else np.ascontiguousarray(arr), off)
@@ -150,7 +230,7 @@ def write_memfd(plan: Plan, name: str) -> int:
             _write_all(fd, jobs, failed)
         if failed:
             raise failed[0]
-        reserve(fd, plan.size, what)
+        allocate_pages(fd, plan.size, what)  # the padding's holes: checked with the rest
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
     except OSError as exc:
         os.close(fd)
@@ -209,6 +289,9 @@ def build(meta: bytes, address: int, size: int, root: Any, readonly: bool, on_re
                 arr.flags.writeable = False  # a copy-on-write mapping: numpy arrays stay read-only
         if lay.torch_dtype is None:
             return arr
+        problem = torch_dtype_problem(dt, lay.torch_dtype)  # the daemon checked it: ours too
+        if problem is not None:
+            raise StoreError(f"the store sent a malformed object: {problem}")
         return tensors.as_torch(arr.copy() if torch_copy else arr, lay.torch_dtype)
 
     try:

@@ -28,6 +28,10 @@ Note [The store's frames]
     unmapped   o: an object whose creator unmapped it       (none)
     =========  ===========================================  =================
 
+    A connection past the daemon's client cap gets one ``err`` frame, ``e``
+    ``busy``, unasked, and is closed: the client reads it as the reply to its
+    request (or, if its send met the close first, from what is queued).
+
     An ``err`` reply carries ``e`` (a code below) and ``w`` (the text, with
     the fix). Meta is the :func:`shmshare.tensors.encode` bytes of the
     value with every array's descriptor relative to the object's first
@@ -45,16 +49,17 @@ from typing import Any
 from .._errors import ShmshareError
 
 __all__ = ["ObjectInfo", "LARGE", "MAX_META", "MAX_NAME", "StoreError", "StoreFull", "StoreGone", "ObjectExists",
-           "default_path", "check_name", "check_dir", "raise_for"]
+           "BadRequest", "StoreBusy", "BUSY", "default_path", "check_name", "check_dir", "raise_for"]
 
 LARGE = 1 << 20  # bytes from which an object owns its memfd (sealed against writes)
 MAX_META = 96 * 1024  # bytes of a value's description (its arrays' descriptors, plain values)
 MAX_NAME = 1024  # bytes of a name, UTF-8
 ALIGN = 64  # each array of an object starts on a 64-byte boundary
 
-# error codes of an "err" reply
-NOT_FOUND, NOT_SEALED, EXISTS, FULL, BAD, TIMEOUT, ABORTED, NOT_YOURS = (
-    "not_found", "not_sealed", "exists", "full", "bad", "timeout", "aborted", "not_yours")
+# error codes of an "err" reply (BUSY: sent unasked at accept, before the daemon closes a
+# connection past its client cap)
+NOT_FOUND, NOT_SEALED, EXISTS, FULL, BAD, TIMEOUT, ABORTED, NOT_YOURS, BUSY = (
+    "not_found", "not_sealed", "exists", "full", "bad", "timeout", "aborted", "not_yours", "busy")
 
 
 class StoreError(ShmshareError):
@@ -67,6 +72,16 @@ class StoreFull(StoreError, MemoryError):
 
 class StoreGone(StoreError, ConnectionError):
     """The store daemon went away (exited or was killed); objects it held are gone too."""
+
+
+class StoreBusy(StoreError):
+    """The daemon is alive and serving as many clients as it takes: this connection was refused
+    (its objects are intact; not a ``StoreGone``)."""
+
+
+class BadRequest(StoreError, ValueError):
+    """The daemon refused a request as malformed: its name, size, meta or fd (a ValueError, as
+    a bad argument is)."""
 
 
 class ObjectExists(StoreError, KeyError):
@@ -101,6 +116,8 @@ def raise_for(code: str, text: str) -> None:
         raise _Missing(text)
     if code == EXISTS:
         raise ObjectExists(text)
+    if code == BUSY:
+        raise StoreBusy(text)
     if code == FULL:
         raise StoreFull(text)
     if code == TIMEOUT:
@@ -108,7 +125,7 @@ def raise_for(code: str, text: str) -> None:
 
         raise ShmshareTimeout(text)
     if code == BAD:
-        raise ValueError(text)
+        raise BadRequest(text)
     raise StoreError(text)
 
 

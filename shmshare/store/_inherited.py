@@ -1,0 +1,110 @@
+"""What a forked child inherits of the store: the parent's ``Store`` objects, and its views.
+
+Note [Views across fork]
+    A forked child inherits every view its parent holds. Like every other
+    object it inherits, a view should keep the bytes it had at fork,
+    whatever the parent does next. A view of an object of 1 MiB or more maps
+    that object's own memfd, which is sealed against writes and never
+    reused, so the child's mapping keeps its pages. A view of a small object
+    maps a block of the daemon's pool. The daemon reuses that block for
+    another object once the object has no name and no reference. The
+    references are the parent's: the daemon knows nothing of the child, and
+    the child's views hold none. So once the parent let go of its own, the
+    child's bytes would change under it.
+
+    So at fork, in the child, each mapping of a pool segment that a live
+    view still holds is replaced in place (``MAP_FIXED``, same addresses) by
+    a private copy of its bytes. The copy is a memfd of the child's, written
+    with ``pwrite`` from the mapping, sealed ``F_SEAL_WRITE`` and mapped
+    ``PROT_READ``. The views are the same objects over the same addresses;
+    only their bytes are now the child's own. The Stores' cached mappings
+    go first (the Store itself is the parent's, unusable here), so a
+    mapping that no view holds is let go of, not copied.
+
+    Cost: one copy of each pool segment (2 MiB) that a live view holds, at
+    every fork, charged to the child's memory cgroup (checked first:
+    Note [Shared memory and the memory cgroup] in ``_packing``).
+    Taking references for the child instead would need a round trip to
+    the daemon inside fork, racing the parent's releases, and the daemon
+    watching the child's pid to know when they go: not done. If a copy
+    cannot be made (no room in the cgroup, no fd), the child keeps the
+    shared mapping and a ``RuntimeWarning`` says so: its views of that
+    segment may then change once the parent lets go of its own.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import warnings
+import weakref
+from typing import TYPE_CHECKING
+
+from .. import _fork, _native
+from .._errors import ShmshareError
+from ._packing import check_cgroup, new_memfd
+
+if TYPE_CHECKING:
+    from ._client import Store
+
+__all__ = ["track_store", "forget_store", "track_pool_mapping", "reused_by_daemon"]
+
+_WRITE_SEALS = fcntl.F_SEAL_WRITE | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
+_stores: weakref.WeakSet[Store] = weakref.WeakSet()  # Stores of this process not shut down
+_pool_maps: weakref.WeakSet[_native.Lease] = weakref.WeakSet()  # mappings of pool segments
+
+
+def track_store(store: Store) -> None:
+    """Have `store` put right in a forked child (``Store._after_fork``)."""
+    _stores.add(store)
+
+
+def forget_store(store: Store) -> None:
+    _stores.discard(store)
+
+
+def reused_by_daemon(fd: int) -> bool:
+    """Whether the daemon may reuse the bytes behind `fd`: a pool segment, which has no write
+    seal (an object's own memfd is sealed against writes: its bytes never change)."""
+    return not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _WRITE_SEALS
+
+
+def track_pool_mapping(root: _native.Lease) -> None:
+    """Note a mapping of a pool segment, to be made private in a forked child."""
+    _pool_maps.add(root)
+
+
+def _in_child() -> None:
+    for store in list(_stores):
+        store._after_fork()  # its cached mappings go: what is left is held by views
+    _stores.clear()
+    for root in list(_pool_maps):
+        _copy_in_place(root)
+    _pool_maps.clear()  # the copies are the child's own: a later fork need not copy them
+
+
+def _copy_in_place(root: _native.Lease) -> None:
+    """Replace the mapping of `root` by a private, write-sealed copy of its bytes."""
+    address, nbytes = root.address, root.nbytes
+    what = "a forked child's copy of a store pool segment its views map"
+    try:
+        check_cgroup(nbytes, what)  # pwrite allocates every page
+        fd = new_memfd(nbytes, what)
+        try:
+            src = memoryview(_native.Lease(None, address, nbytes, readonly=True))
+            done = 0
+            while done < nbytes:
+                done += os.pwrite(fd, src[done:], done)
+            src.release()
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+            _native.map_fd(address, nbytes, fd, 0, writable=False)
+        finally:
+            os.close(fd)
+    except (ShmshareError, OSError) as exc:  # a fork handler must not raise
+        warnings.warn(f"shmshare store: this forked child could not copy a {nbytes}-byte pool "
+                      f"segment its inherited views map ({exc}); they share the daemon's pages, "
+                      "which may be reused for another object once the parent drops its views "
+                      "(Note [Views across fork])", RuntimeWarning, stacklevel=1)
+
+
+_fork.on_fork_in_child(6, _in_child)
