@@ -83,6 +83,10 @@ class Store:
         self._closed = False
         try:
             self._conn = wire.connect(self.path, timeout=timeout, role="store-client")
+        except ShmshareTimeout as exc:  # a listener is there: never advise starting another
+            raise StoreError(f"the store daemon at {self.path!r} is there but did not accept us "
+                             f"within {timeout} s ({exc}); it is stopped or overloaded: look at "
+                             "it with `shmshare stat`, or pass a longer timeout") from exc
         except (OSError, ShmshareError) as exc:
             raise StoreError(f"no store daemon answers at {self.path!r} ({exc}); start one with "
                              "`shmshare serve` (or `shmshare serve --detach`)") from exc
@@ -525,6 +529,9 @@ class Store:
         try:
             conn = wire.connect(self.path, timeout=min(seconds + _MIN_ANSWER, self.timeout or
                                                        seconds + _MIN_ANSWER), role="store-waiter")
+        except ShmshareTimeout as exc:  # alive, not accepting: the objects are not lost
+            raise ShmshareTimeout(f"the store daemon (pid {self.daemon_pid}) at {self.path!r} did "
+                                  f"not accept a connection to wait on {name!r} ({exc})") from exc
         except (OSError, ShmshareError) as exc:
             raise StoreGone(f"the store daemon at {self.path!r} does not answer ({exc})") from exc
         try:

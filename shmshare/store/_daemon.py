@@ -27,7 +27,6 @@ Note [The write seal]
 from __future__ import annotations
 
 import bisect
-import errno
 import heapq
 import logging
 import os
@@ -41,6 +40,7 @@ from typing import Any
 from .. import wire
 from .._errors import FdLimitError, PeerDied, ProtocolError, ShmshareError, ShmshareTimeout
 from .._fd import Fd
+from .._listen import AcceptGate
 from ..channel._releases import WakePipe
 from ..channel._trust import check_fd, check_fd_room
 from ..memory._shm import ShmSegment
@@ -73,7 +73,7 @@ _FD_ROOM = 16  # fds kept free before another client is accepted (a request brin
 MAX_CLIENTS = 4096  # clients connected at once, by default (a get's wait is one more)
 _LIST_PAGE = 256  # entries per list reply, at most ...
 _LIST_BYTES = 64 * 1024  # ... and about this many bytes of them
-_ACCEPT_PAUSE = 0.2  # s accepting pauses after EMFILE
+_ACCEPT_PAUSE = 0.2  # s accepting pauses after EMFILE (AcceptGate)
 
 
 class _Client:
@@ -116,8 +116,9 @@ class Server:
         self._deadlines: list[tuple[float, str]] = []  # a heap of the waits' (deadline, name)
         self._wake = WakePipe()
         self._stop = False
-        self._accept_at = 0.0
         self._poller = select.poll()
+        self._gate = AcceptGate(self._listener, self._poller, _ACCEPT_PAUSE,
+                                room=lambda: check_fd_room(_FD_ROOM), on_pause=_said_out_of_fds)
         self._started = time.time()
         self.counts = {"put": 0, "get": 0, "create": 0, "delete": 0, "clients": 0, "refused": 0}
 
@@ -128,26 +129,25 @@ class Server:
 
     def run(self) -> None:
         """Serve until :meth:`stop`; then close every client and free every object."""
-        poller = self._poller
-        poller.register(self._listener.fileno(), select.POLLIN)
+        poller, gate = self._poller, self._gate
         poller.register(self._wake.r, select.POLLIN)
-        listen_fd, wake_fd = self._listener.fileno(), self._wake.r
+        wake_fd = self._wake.r
         try:
             while not self._stop:
-                for fd, _ in poller.poll(self._poll_ms()):
+                for fd, _ in poller.poll(gate.wait_ms(time.monotonic(), self._poll_ms())):
                     if fd == wake_fd:
                         _drain(wake_fd)
-                    elif fd == listen_fd:
-                        self._accept()
+                    elif fd == gate.fd:
+                        conn = gate.accept()
+                        if conn is not None:
+                            self._accept(conn)
                     else:
                         client = self._clients.get(fd)
                         if client is not None:
                             self._serve(client)
                 self._expire_waits()
                 self.table.trim_if_idle(time.monotonic())
-                if self._accept_at and time.monotonic() >= self._accept_at:
-                    self._accept_at = 0.0
-                    poller.register(listen_fd, select.POLLIN)
+                gate.resume_if_due(time.monotonic())
         finally:
             self.close()
 
@@ -168,24 +168,11 @@ class Server:
         trim = self.table.trim_if_idle(time.monotonic())
         if trim is not None:
             soonest = trim if soonest is None else min(soonest, trim)
-        if self._accept_at:
-            soonest = min(soonest or self._accept_at, self._accept_at)
         if soonest is None:
             return 1000
         return max(0, min(1000, int((soonest - time.monotonic()) * 1000) + 1))
 
-    def _accept(self) -> None:
-        try:
-            check_fd_room(_FD_ROOM)
-            conn = self._listener.accept(timeout=0)
-        except ShmshareTimeout:
-            return
-        except (ShmshareError, OSError) as exc:
-            if getattr(exc, "errno", None) in (errno.EMFILE, errno.ENFILE):
-                log.warning("out of fds, not accepting clients for %.1f s: %s", _ACCEPT_PAUSE, exc)
-                self._poller.unregister(self._listener.fileno())
-                self._accept_at = time.monotonic() + _ACCEPT_PAUSE
-            return  # another uid (refused), or it gave up
+    def _accept(self, conn: wire.Connection) -> None:
         if len(self._clients) >= self.max_clients:
             self._refuse(conn)
             return
@@ -586,3 +573,7 @@ def serve(path: str | None = None, limit: int | None = None, evict: bool = False
         for s, h in old.items():
             signal.signal(s, h)
     return 0
+
+
+def _said_out_of_fds(exc: BaseException) -> None:
+    log.warning("out of fds, not accepting clients for %.1f s: %s", _ACCEPT_PAUSE, exc)

@@ -66,3 +66,4 @@ def test_a_store_whose_daemon_stays_stopped_times_out_naming_the_full_backlog(ow
         Store(own_daemon.path, timeout=0.2)
     assert isinstance(info.value.__cause__, ShmshareTimeout)
     assert "backlog is full" in str(info.value) and "alive but not accepting" in str(info.value)
+    assert "shmshare serve" not in str(info.value)  # never the advice to start another daemon
