@@ -11,17 +11,36 @@ Note [At fork]
     builds its new pool), whatever order the modules happened to be imported
     in. A handler runs in the child only, right after ``fork()``, with no
     other thread alive; it must not raise.
+
+    A lock that another thread may hold while it sets up something a child
+    needs too (the multiprocessing owner's, while a Queue's feeder thread
+    makes the pool on its first put) is held across the fork instead:
+    ``fork()`` waits until that thread lets go, so the child never starts
+    with a lock held by a thread it does not have (``hold_across_fork``).
+    Such locks are taken in layer order, highest first, and given back in
+    both processes right after.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
-__all__ = ["on_fork_in_child", "on_fork_in_parent"]
+__all__ = ["on_fork_in_child", "on_fork_in_parent", "hold_across_fork"]
 
 _handlers: list[tuple[int, int, Callable[[], None]]] = []  # (layer, order registered, handler)
 _parent_handlers: list[Callable[[], None]] = []
+# (layer, order registered, a function returning the locks to take now, in that order)
+_holders: list[tuple[int, int, Callable[[], list[Any]]]] = []
+_taken: list[Any] = []  # what the forking thread took, to give back after
+
+
+def hold_across_fork(layer: int, locks: Callable[[], list[Any]]) -> None:
+    """Before each fork take the locks `locks()` returns (highest layer first), and give them
+    back after it in the parent and in the child (Note [At fork])."""
+    _holders.append((layer, len(_holders), locks))
+    _holders.sort(key=lambda h: (-h[0], h[1]))
 
 
 def on_fork_in_child(layer: int, handler: Callable[[], None]) -> None:
@@ -35,14 +54,28 @@ def on_fork_in_parent(handler: Callable[[], None]) -> None:
     _parent_handlers.append(handler)
 
 
+def _before() -> None:
+    for _, _, locks in _holders:
+        for lock in locks():
+            lock.acquire()
+            _taken.append(lock)
+
+
+def _give_back() -> None:
+    while _taken:
+        _taken.pop().release()  # the forking thread took them: it is this thread, here and there
+
+
 def _run() -> None:
+    _give_back()
     for _, _, handler in _handlers:
         handler()
 
 
 def _run_in_parent() -> None:
+    _give_back()
     for handler in _parent_handlers:
         handler()
 
 
-os.register_at_fork(after_in_child=_run, after_in_parent=_run_in_parent)
+os.register_at_fork(before=_before, after_in_child=_run, after_in_parent=_run_in_parent)

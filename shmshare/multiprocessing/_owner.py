@@ -47,6 +47,7 @@ from ..memory import CachingAllocator, ShmProvider, ShmSegment
 from ..memory._shm import _new_id
 from ._claims import ClaimBook, ClaimMap
 from ._common import env_number
+from ._server import Server, sweep_stale
 from ._table import CLAIMED, PENDING, LeaseTable, sign, word
 
 __all__ = ["Owner", "owner", "current_owner", "OwnerStatistics", "exit_linger", "set_exit_linger"]
@@ -471,8 +472,6 @@ class Owner(BlockBook):
     # -- life ------------------------------------------------------------------
 
     def _serve(self) -> None:
-        from ._server import Server, sweep_stale
-
         with contextlib.suppress(Exception):  # a sweep never stops the server from starting
             sweep_stale(os.path.dirname(os.path.dirname(self.path)))
         self.server = Server(self, self.path)
@@ -588,4 +587,16 @@ def _after_fork_in_child() -> None:
     got._externals.clear()
 
 
+def _locks_to_hold() -> list[Any]:
+    # the module's lock first (owner() makes an Owner under it), then the owner's own (place()
+    # makes its server, and copies, under it): fork waits for a first put's setup to end
+    got = _owner
+    return [_owner_lock] + ([got._lock] if got is not None and got.pid == os.getpid() else [])
+
+
 _fork.on_fork_in_child(6, _after_fork_in_child)
+_fork.hold_across_fork(6, _locks_to_hold)
+# tempfile's first gettempdir() takes its module lock and tries the candidate directories: done
+# now, at import, not by a Queue's feeder thread that a fork may interrupt (a child would start
+# with that lock held, and hang at its own first handle)
+tempfile.gettempdir()

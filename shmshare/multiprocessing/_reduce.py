@@ -46,7 +46,7 @@ import numpy as np
 from .. import _native, tensors
 from ._client import rebuild_array
 from ._common import env_number
-from ._owner import owner
+from ._owner import current_owner, owner
 
 __all__ = ["init_reductions", "reduce_ndarray", "reduce_tensor", "BY_VALUE_BELOW"]
 
@@ -67,8 +67,6 @@ def _handle(arr: np.ndarray, storage: Any = None) -> tuple[Any, ...] | None:
         return _make_handle(arr, storage)
     except Exception as exc:  # noqa: BLE001  (see above: bytes, not lost)
         _warn_by_value(exc)
-        from ._owner import current_owner
-
         ow = current_owner()
         if ow is not None:
             ow._counts["by_value"] += 1
