@@ -15,8 +15,10 @@ this differs from torch.
 
 from __future__ import annotations
 
+import importlib as _importlib
 import multiprocessing as _mp
 import multiprocessing.util as _util
+import sys as _sys
 from multiprocessing import *  # noqa: F403  (the drop-in: everything multiprocessing exports)
 from typing import Any
 
@@ -39,26 +41,48 @@ from ._reduce import install as _install
 
 _OURS = ["init_reductions", "empty", "zeros", "statistics", "shutdown", "exit_linger",
          "set_exit_linger", "OwnerGone", "HandleError", "OwnerStatistics", "BY_VALUE_BELOW"]
-# torch.multiprocessing's own names, served from it when torch is installed (__getattr__)
-_TORCH = ["set_sharing_strategy", "get_sharing_strategy", "get_all_sharing_strategies", "spawn",
-          "start_processes", "ProcessContext", "SpawnContext", "ProcessRaisedException",
-          "ProcessExitedException"]
+# torch.multiprocessing's own names (set_sharing_strategy, spawn, reductions, pool,
+# _set_thread_name, ENV_VAR_PARALLEL_START, ...) are served from it when torch is installed, and
+# multiprocessing's submodules (reduction, pool, connection, ...) otherwise: __getattr__ below
 __all__ = list(_mp.__all__) + _OURS  # torch's names are not in it: `import *` must not need torch
+
+# multiprocessing's submodules a user reaches as attributes (mp.reduction.ForkingPickler, ...)
+_SUBMODULES = frozenset({
+    "connection", "context", "dummy", "forkserver", "heap", "managers", "pool", "popen_fork",
+    "popen_forkserver", "popen_spawn_posix", "process", "queues", "reduction",
+    "resource_sharer", "resource_tracker", "shared_memory", "sharedctypes", "spawn",
+    "synchronize", "util"})
 
 
 def __getattr__(name: str) -> Any:
-    if name in _TORCH:
-        try:
-            import torch.multiprocessing as tmp
-        except ImportError as exc:
-            raise AttributeError(f"shmshare.multiprocessing.{name} is torch.multiprocessing's, "
-                                 "and torch is not installed") from exc
-        return getattr(tmp, name)
-    raise AttributeError(f"module 'shmshare.multiprocessing' has no attribute {name!r}")
+    """What torch.multiprocessing has and we do not override, then multiprocessing's submodules:
+    a drop-in forwards what it does not replace."""
+    if name.startswith("__"):
+        raise AttributeError(f"module 'shmshare.multiprocessing' has no attribute {name!r}")
+    tmp: Any
+    try:
+        import torch.multiprocessing as tmp
+    except ImportError:
+        tmp = None
+    if tmp is not None:
+        if hasattr(tmp, name):
+            return getattr(tmp, name)
+        try:  # its submodules not imported yet (pool, queue, spawn, reductions)
+            return _importlib.import_module(f"torch.multiprocessing.{name}")
+        except ImportError:
+            pass
+    if name in _SUBMODULES:
+        return _importlib.import_module(f"multiprocessing.{name}")
+    hint = " (it may be torch.multiprocessing's: torch is not installed)" if tmp is None else ""
+    raise AttributeError(f"module 'shmshare.multiprocessing' has no attribute {name!r}{hint}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_TORCH))
+    names = set(globals()) | _SUBMODULES
+    tmp = _sys.modules.get("torch.multiprocessing")  # only if imported already: no torch for dir()
+    if tmp is not None:
+        names |= set(dir(tmp))
+    return sorted(names)
 
 
 def empty(shape: Any, dtype: Any = _np.float64) -> Any:
