@@ -20,10 +20,28 @@ import numpy as np
 
 from . import _pool
 
-__all__ = ["default_collate", "default_convert", "numpy_collate", "numpy_convert", "is_torch_default"]
+__all__ = ["default_collate", "default_convert", "numpy_collate", "numpy_convert", "is_torch_default",
+           "numpy_mode_collate"]
 
 _NP_ERR = ("numpy_collate: batch must contain numpy arrays, numbers, strings, dicts or lists; "
            "found {}")
+_TORCH_IN_NUMPY = ("numpy_collate: batch holds a torch tensor ({}); numpy_collate stacks numpy "
+                   "arrays only. Leave collate_fn unset (a loader collates torch samples with "
+                   "torch's default_collate), or pass collate_fn=torch.utils.data.default_collate")
+
+
+class _TorchSample(TypeError):
+    """numpy_collate met a torch tensor: what the numpy mode's default hands to torch's."""
+
+
+def numpy_mode_collate(batch: Any) -> Any:
+    """The default collate of a loader made before ``import torch`` (Note [Two modes: torch's
+    and numpy's]): numpy's, unless the samples turn out to be torch's; then torch's
+    ``default_collate`` (pooled), as a loader made after ``import torch`` would have used."""
+    try:
+        return numpy_collate(batch)
+    except _TorchSample:
+        return default_collate(batch)
 
 
 def default_collate(batch: Any) -> Any:
@@ -123,6 +141,8 @@ def numpy_collate(batch: Any) -> Any:
             return kind(columns)
         except TypeError:
             return columns
+    if type(elem).__module__.startswith("torch"):
+        raise _TorchSample(_TORCH_IN_NUMPY.format(type(elem).__name__))
     raise TypeError(_NP_ERR.format(type(elem)))
 
 

@@ -9,7 +9,10 @@ Note [Two modes: torch's and numpy's]
     program written for torch's loader imports torch anyway (its datasets
     make tensors); a JAX or numpy program is not made to pay for importing
     torch because it happens to be installed. ``collate_fn=numpy_collate``
-    gives numpy batches in either mode.
+    gives numpy batches in either mode. The mode is taken when the loader is
+    made, but a loader made before ``import torch`` whose samples turn out
+    to be torch tensors collates them with torch's ``default_collate`` all
+    the same (``numpy_mode_collate``): the data decides, not import order.
 """
 
 from __future__ import annotations
@@ -273,7 +276,7 @@ def _default_collate(use_torch: bool) -> Callable[[Any], Any]:
         from torch.utils.data._utils.collate import default_collate
 
         return default_collate  # torch's own object; a worker swaps in the pooled one
-    return _collate.numpy_collate
+    return _collate.numpy_mode_collate
 
 
 def _default_convert(use_torch: bool) -> Callable[[Any], Any]:

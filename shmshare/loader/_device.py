@@ -32,17 +32,31 @@ __all__ = ["DeviceCopier", "parse_device"]
 
 
 def parse_device(device: Any) -> int | None:
-    """Return the CUDA ordinal of ``device`` ("cuda", "cuda:1", 1, a torch.device), or None."""
+    """Return the CUDA ordinal of ``device`` ("cuda", "cuda:1", 1, a torch.device), or None for
+    the CPU (None, "cpu", "cpu:0", torch.device("cpu")): batches stay where workers made them."""
     if device is None:
         return None
-    if isinstance(device, int) and not isinstance(device, bool) and device >= 0:
-        return device
-    text = str(device)
-    if text == "cuda":
-        return 0
-    if text.startswith("cuda:") and text[5:].isdigit():
-        return int(text[5:])
-    raise ValueError(f"device must be 'cuda', 'cuda:N' or a device ordinal, got {device!r}")
+    if isinstance(device, int) and not isinstance(device, bool):
+        if device >= 0:
+            return device
+        raise ValueError(f"device ordinal must be >= 0, got {device!r}")
+    text = str(device).strip()
+    kind, _, index = text.partition(":")
+    if kind == "cpu" and (not index or index.isdigit()):
+        return None
+    if kind == "cuda" and (not index or index.isdigit()):
+        return int(index) if index else 0
+    if kind in _TORCH_DEVICE_TYPES:
+        raise ValueError(f"device={device!r}: the loader copies batches to CUDA devices only; "
+                         "leave device unset and move each batch yourself (batch.to(device))")
+    raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N', a device ordinal or a "
+                     f"torch.device, got {device!r}")
+
+
+# the other device types torch names (torch.device accepts them): refused with the fix
+_TORCH_DEVICE_TYPES = frozenset({"mps", "xpu", "xla", "meta", "hpu", "ipu", "mtia", "privateuseone",
+                                 "lazy", "vulkan", "mkldnn", "opengl", "opencl", "ideep", "hip",
+                                 "ve", "fpga", "maia"})
 
 
 class DeviceCopier:

@@ -159,6 +159,18 @@ def test_device_host_batches_are_held_until_their_copy_completes(driver_model: D
     gc.collect()
 
 
-def test_device_needs_a_cuda_device_name() -> None:
-    with pytest.raises(ValueError, match="device must be 'cuda', 'cuda:N' or a device ordinal"):
-        L.DataLoader(Arrays(4), device="cpu")
+def test_device_needs_a_device_name_torch_knows() -> None:
+    with pytest.raises(ValueError, match="device must be 'cpu', 'cuda', 'cuda:N', a device ordinal"):
+        L.DataLoader(Arrays(4), device="gpu")
+    with pytest.raises(ValueError, match="copies batches to CUDA devices only"):
+        L.DataLoader(Arrays(4), device="mps")
+
+
+@pytest.mark.parametrize("device", ["cpu", "cpu:0", None])
+def test_device_cpu_leaves_batches_where_the_workers_made_them(device) -> None:
+    """torch's ``.to("cpu")`` is a no-op: so is ``device="cpu"`` (it raised ValueError)."""
+    dl = L.DataLoader(Arrays(4), batch_size=2, device=device)
+    try:
+        assert [type(b) for b in dl] == [type(b) for b in L.DataLoader(Arrays(4), batch_size=2)]
+    finally:
+        dl.close()
