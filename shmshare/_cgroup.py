@@ -11,7 +11,7 @@ cgroup v2 (``0::/path`` in ``/proc/self/cgroup``; ``memory.max`` and
 ``memory.current``) and v1 (the ``memory`` controller's line;
 ``memory.limit_in_bytes`` and ``memory.usage_in_bytes``) are both read. Every
 level from the process's cgroup up to the root is looked at; the level with
-the least room wins. This module is layer 0: stdlib only.
+the least room wins. This module is layer 0: the stdlib and ``_fork`` only.
 
 Note [Checking the cgroup before fallocate]
     What the check costs: the chain of cgroup directories is resolved once
@@ -40,6 +40,8 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass
+
+from . import _fork
 
 __all__ = ["MemoryLimit", "memory_limit", "reset"]
 
@@ -83,6 +85,14 @@ class _Level:
 _lock = threading.Lock()
 # (root, /proc/self/cgroup as read) -> the limited levels, innermost first
 _chains: dict[tuple[str, str], tuple[_Level, ...]] = {}
+
+
+def _after_fork_in_child() -> None:
+    global _lock
+    _lock = threading.Lock()  # a thread of the parent may have held it: it is not here
+
+
+_fork.on_fork_in_child(0, _after_fork_in_child)
 
 
 def memory_limit(root: str = "/", nbytes: int = 0) -> MemoryLimit | None:

@@ -69,7 +69,17 @@ def _give_back() -> None:
 def _run() -> None:
     _give_back()
     for _, _, handler in _handlers:
-        handler()
+        try:
+            handler()
+        except BaseException as exc:  # noqa: BLE001 -- one layer's bug must not skip the others
+            _say(f"shmshare: a fork handler failed in child pid {os.getpid()}: {exc!r}\n")
+
+
+def _say(text: str) -> None:
+    try:
+        os.write(2, text.encode(errors="replace"))
+    except OSError:
+        pass  # no stderr: nothing else can be told
 
 
 def _run_in_parent() -> None:

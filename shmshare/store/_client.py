@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from .. import _native, tensors, wire
-from .._errors import FdLimitError, PeerDied, ProtocolError, ShmshareError, ShmshareTimeout
+from .. import _native, tensors
+from .._errors import FdLimitError, PeerDied, ProtocolError, ShmshareTimeout
 from .._fd import Fd
 from ..channel._releases import WakePipe
 from ..channel._trust import check_fd
@@ -52,8 +52,10 @@ from ._protocol import (
     StoreGone,
     _Missing,
     check_name,
+    connect,
     default_path,
     raise_for,
+    refusal,
 )
 
 __all__ = ["Store", "ObjectInfo"]
@@ -78,18 +80,12 @@ class Store:
 
     def __init__(self, path: str | os.PathLike[str] | None = None,
                  timeout: float | None = 10.0) -> None:
+        if timeout is not None and not float(timeout) > 0:  # 0: no request could be answered
+            raise ValueError(f"Store(timeout=...) takes None or seconds > 0, got {timeout!r}")
         self.path = os.fspath(path) if path is not None else default_path()
         self.timeout = timeout
         self._closed = False
-        try:
-            self._conn = wire.connect(self.path, timeout=timeout, role="store-client")
-        except ShmshareTimeout as exc:  # a listener is there: never advise starting another
-            raise StoreError(f"the store daemon at {self.path!r} is there but did not accept us "
-                             f"within {timeout} s ({exc}); it is stopped or overloaded: look at "
-                             "it with `shmshare stat`, or pass a longer timeout") from exc
-        except (OSError, ShmshareError) as exc:
-            raise StoreError(f"no store daemon answers at {self.path!r} ({exc}); start one with "
-                             "`shmshare serve` (or `shmshare serve --detach`)") from exc
+        self._conn = connect(self.path, timeout, "store-client")
         self.daemon_pid = self._conn.peer_cred.pid
         self._lock = threading.Lock()  # one request at a time on the connection
         self._owed = 0  # replies of timed-out requests still to come (Note [Replies owed])
@@ -410,7 +406,7 @@ class Store:
     def _died(self, exc: Exception) -> StoreError:
         """The connection ended: StoreBusy if the daemon said it was full first, else StoreGone."""
         if self._gone_as is not StoreBusy:
-            busy = _refusal(self._conn)  # a send that met the close has not read it yet
+            busy = refusal(self._conn)  # a send that met the close has not read it yet
             if busy is not None:
                 self._gone, self._gone_as = busy, StoreBusy
             else:
@@ -526,21 +522,15 @@ class Store:
 
     def _wait(self, name: str, seconds: float) -> None:
         """Wait on a connection of its own until `name` is sealed (Note [Replies owed])."""
-        try:
-            conn = wire.connect(self.path, timeout=min(seconds + _MIN_ANSWER, self.timeout or
-                                                       seconds + _MIN_ANSWER), role="store-waiter")
-        except ShmshareTimeout as exc:  # alive, not accepting: the objects are not lost
-            raise ShmshareTimeout(f"the store daemon (pid {self.daemon_pid}) at {self.path!r} did "
-                                  f"not accept a connection to wait on {name!r} ({exc})") from exc
-        except (OSError, ShmshareError) as exc:
-            raise StoreGone(f"the store daemon at {self.path!r} does not answer ({exc})") from exc
+        conn = connect(self.path, min(seconds + _MIN_ANSWER, self.timeout or seconds + _MIN_ANSWER),
+                       "store-waiter", gone=StoreGone)
         try:
             conn.send({"k": "wait", "n": name, "t": seconds}, timeout=seconds + _MIN_ANSWER)
             h, got = conn.recv(timeout=seconds + _WAIT_MARGIN)  # the daemon answers at `seconds`
             for f in got:
                 f.close()
         except PeerDied as exc:
-            busy = _refusal(conn)  # this connection refused at the cap: ours is still served
+            busy = refusal(conn)  # this connection refused at the cap: ours is still served
             if busy is not None:
                 raise StoreBusy(busy) from exc
             raise self._died(exc) from exc
@@ -583,17 +573,3 @@ class Store:
             _native.unmap(address, LARGE, release=True)
             os.close(fd)
 
-
-def _refusal(conn: wire.Connection) -> str | None:
-    """The daemon's refusal at its client cap, if one is queued on `conn` (read once the
-    connection has ended: a send that met the daemon's close never read it)."""
-    try:
-        got = conn.recv_nowait()
-    except (ShmshareError, OSError, ValueError):
-        return None
-    if got is None:
-        return None
-    h, fds = got
-    for f in fds:
-        f.close()
-    return str(h.get("w")) if h.get("k") == "err" and h.get("e") == BUSY else None

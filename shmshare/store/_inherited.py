@@ -28,15 +28,17 @@ Note [Views across fork]
     the daemon inside fork, racing the parent's releases, and the daemon
     watching the child's pid to know when they go: not done. If a copy
     cannot be made (no room in the cgroup, no fd), the child keeps the
-    shared mapping and a ``RuntimeWarning`` says so: its views of that
-    segment may then change once the parent lets go of its own.
+    shared mapping and says so on stderr (not as a warning, which a filter
+    could hide or turn into an exception inside the fork handlers): its
+    views of that segment may then change once the parent lets go of its
+    own. There is nothing louder to do: a view is plain memory, read
+    without a call that could raise.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
-import warnings
 import weakref
 from typing import TYPE_CHECKING
 
@@ -101,10 +103,20 @@ def _copy_in_place(root: _native.Lease) -> None:
         finally:
             os.close(fd)
     except (ShmshareError, OSError) as exc:  # a fork handler must not raise
-        warnings.warn(f"shmshare store: this forked child could not copy a {nbytes}-byte pool "
-                      f"segment its inherited views map ({exc}); they share the daemon's pages, "
-                      "which may be reused for another object once the parent drops its views "
-                      "(Note [Views across fork])", RuntimeWarning, stacklevel=1)
+        # said on stderr, not as a warning: a warnings filter could hide it, or (-W error) raise
+        # it out of the fork handlers, and the layers after this one would not be put right
+        _say(f"shmshare store: WARNING: forked child pid {os.getpid()} could not copy a "
+             f"{nbytes}-byte pool segment its inherited views map ({exc}); those views share "
+             "the daemon's pages, which it reuses for another object once the parent drops its "
+             "own views: copy what the child needs before forking, or get it again in the "
+             "child (Note [Views across fork])\n")
+
+
+def _say(text: str) -> None:
+    try:
+        os.write(2, text.encode(errors="replace"))
+    except OSError:
+        pass  # no stderr: nothing else can be told
 
 
 _fork.on_fork_in_child(6, _in_child)

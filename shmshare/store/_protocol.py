@@ -46,10 +46,12 @@ import stat
 from dataclasses import dataclass
 from typing import Any
 
-from .._errors import ShmshareError
+from .. import wire
+from .._errors import ShmshareError, ShmshareTimeout
 
 __all__ = ["ObjectInfo", "LARGE", "MAX_META", "MAX_NAME", "StoreError", "StoreFull", "StoreGone", "ObjectExists",
-           "BadRequest", "StoreBusy", "BUSY", "default_path", "check_name", "check_dir", "raise_for"]
+           "BadRequest", "StoreBusy", "BUSY", "default_path", "check_name", "check_dir", "raise_for",
+           "connect", "refusal"]
 
 LARGE = 1 << 20  # bytes from which an object owns its memfd (sealed against writes)
 MAX_META = 96 * 1024  # bytes of a value's description (its arrays' descriptors, plain values)
@@ -191,3 +193,33 @@ def check_dir(sock_path: str) -> None:
         raise StoreError(f"{d!r}, the store socket's directory, has mode "
                          f"{stat.S_IMODE(st.st_mode):04o}: others could replace the socket; "
                          "`chmod 700` it")
+
+
+def connect(path: str, timeout: float | None, role: str,
+            gone: type[StoreError] = StoreError) -> wire.Connection:
+    """A connection to the daemon at `path`; a StoreError that tells a daemon that is there but
+    does not accept (never the advice to start another) from no daemon at all (`gone`)."""
+    try:
+        return wire.connect(path, timeout=timeout, role=role)
+    except ShmshareTimeout as exc:  # a listener is there: starting another would lose its objects
+        raise StoreError(f"the store daemon at {path!r} is there but did not accept us within "
+                         f"{timeout} s ({exc}); it is stopped or overloaded: look at it with "
+                         "`shmshare stat`, or pass a longer timeout") from exc
+    except (OSError, ShmshareError) as exc:
+        raise gone(f"no store daemon answers at {path!r} ({exc}); start one with `shmshare "
+                   "serve` (or `shmshare serve --detach`)") from exc
+
+
+def refusal(conn: wire.Connection) -> str | None:
+    """The daemon's refusal at its client cap, if one is queued on `conn` (read once the
+    connection has ended: a send that met the daemon's close never read it)."""
+    try:
+        got = conn.recv_nowait()
+    except (ShmshareError, OSError, ValueError):
+        return None
+    if got is None:
+        return None
+    h, fds = got
+    for f in fds:
+        f.close()
+    return str(h.get("w")) if h.get("k") == "err" and h.get("e") == BUSY else None

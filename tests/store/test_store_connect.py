@@ -67,3 +67,11 @@ def test_a_store_whose_daemon_stays_stopped_times_out_naming_the_full_backlog(ow
     assert isinstance(info.value.__cause__, ShmshareTimeout)
     assert "backlog is full" in str(info.value) and "alive but not accepting" in str(info.value)
     assert "shmshare serve" not in str(info.value)  # never the advice to start another daemon
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan")])
+def test_a_store_timeout_that_leaves_no_time_to_answer_is_refused(timeout):
+    """Store(timeout=0) connected, then no request could ever be answered ("did not answer a
+    get within 0 s", one more reply owed each time)."""
+    with pytest.raises(ValueError, match="seconds > 0"):
+        Store("/nonexistent/store.sock", timeout=timeout)
