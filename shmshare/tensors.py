@@ -34,6 +34,7 @@ from numpy.lib import format as npformat
 __all__ = [
     "ArrayDesc",
     "alloc_dtypes",
+    "allocated",
     "desc_dtype_bytes",
     "DTYPE_BYTES",
     "Encoder",
@@ -472,6 +473,17 @@ def alloc_dtypes(dtype: Any) -> tuple[np.dtype, Any]:
 
 
 _ALLOC_DTYPES: dict[Any, tuple[np.dtype, Any]] = {}
+
+
+def allocated(arr: np.ndarray, torch_dtype: Any) -> Any:
+    """What an ``empty()`` hands out for the dtypes :func:`alloc_dtypes` gave: `arr` itself, or a
+    tensor of `torch_dtype` over its bytes (bfloat16 and the like are viewed from their bits)."""
+    if torch_dtype is None:
+        return arr
+    import torch
+
+    t = torch.from_numpy(arr)
+    return t if t.dtype == torch_dtype else t.view(torch_dtype)
 
 
 def desc_dtype_bytes(dt: np.dtype) -> bytes:

@@ -40,7 +40,7 @@ _SPARE_IDLE = 64  # a size not asked for in this many sends gives its spares bac
 class _Held:
     """A pool block the sender holds: by a local view, by leases, as a spare, or several."""
 
-    __slots__ = ("block", "seg", "local", "leases", "want", "spare")
+    __slots__ = ("block", "seg", "local", "leases", "want", "spare", "free_to")
 
     def __init__(self, block: Any, seg: ShmSegment, local: bool, want: int) -> None:
         self.block = block  # the allocator's Block
@@ -49,6 +49,7 @@ class _Held:
         self.leases = 0  # arrays of it alive in the receiver
         self.want = want  # its size key: the bytes asked for, rounded to _SPARE_GRAIN
         self.spare = False  # kept for the next request of its size: nothing may point into it
+        self.free_to: Any = None  # an Overflow when the block lies past the pool (Note [Past the pool])
 
 
 class BlockBook:
@@ -62,6 +63,8 @@ class BlockBook:
 
     _held: dict[int, _Held]
     _addrs: list[int]
+    _overflow: Any = None  # the sender's Overflow, if it may go past its pool
+    _local_done: collections.deque[_Held]  # blocks whose local views died (ViewDied queues them)
     _spares: dict[int, list[_Held]]
     _leases: dict[int, _Held]
     _peer_dead: bool
@@ -133,9 +136,19 @@ class BlockBook:
         block = self._malloc(nbytes, deadline)
         held = _Held(block, self._ann.segment_of(block.address), local,
                      -(-nbytes // _SPARE_GRAIN) * _SPARE_GRAIN)
+        if self._overflow is not None and self._overflow.owns(block.address):
+            held.free_to = self._overflow
         bisect.insort(self._addrs, block.address)
         self._held[block.address] = held
         return held
+
+    def _drain_local(self) -> None:
+        """Take in the blocks whose local views died."""
+        done = self._local_done
+        while done:
+            held = done.popleft()
+            held.local = False
+            self._maybe_free(held)
 
     def _maybe_free(self, held: _Held) -> None:
         if held.local or held.leases:
@@ -144,7 +157,8 @@ class BlockBook:
         if self._held.get(addr) is not held:
             return
         size = held.block.size
-        if self._spare_bytes + size <= self._spare_limit and not self._peer_dead:
+        if self._spare_bytes + size <= self._spare_limit and not self._peer_dead \
+                and held.free_to is None:  # past the pool: back to the host at once
             spares = self._spares.get(held.want)
             if spares is None:
                 spares = self._spares[held.want] = []
@@ -159,7 +173,7 @@ class BlockBook:
         addr = held.block.address
         del self._held[addr]
         del self._addrs[bisect.bisect_left(self._addrs, addr)]
-        self._alloc.free(held.block)
+        (held.free_to or self._alloc).free(held.block)
 
     def _free_spares(self) -> None:
         """Give every spare block back to the allocator."""
@@ -203,7 +217,7 @@ class ViewDied:
 
 
 def exhausted(nbytes: int, limit: int, leases: dict[int, _Held], held: dict[int, _Held],
-              host: Exception | None) -> PoolExhausted:
+              host: Exception | None, setting: str = "limit=") -> PoolExhausted:
     """The error of a pool that stayed full past a wait: what holds it, and what to do."""
     pinned = sum(h.block.size for h in set(leases.values()))
     local = sum(h.block.size for h in held.values() if h.local)
@@ -216,7 +230,7 @@ def exhausted(nbytes: int, limit: int, leases: dict[int, _Held], held: dict[int,
         f"no room for {nbytes} bytes in the sender's pool (limit {limit} bytes) within "
         f"the timeout: the receiver still holds {pinned} bytes in {len(leases)} arrays, "
         f"and {local} bytes are in local arrays from empty(). Drop received arrays sooner, "
-        "raise limit=, or send with a longer timeout")
+        f"raise {setting}, or send with a longer timeout")
 
 
 def host_cause(exc: BaseException) -> SegmentError | None:

@@ -28,6 +28,7 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,7 @@ from .._lifetime import Closeable
 from ..memory import CachingAllocator, OutOfMemoryError, ShmProvider, ShmSegment
 from ._announce import SegmentBook
 from ._blocks import SPARE_BYTES, BlockBook, SenderStatistics, ViewDied, _Held, exhausted, host_cause
+from ._overflow import Overflow
 from ._protocol import BATCH, BYE, KIND, LEASES, MAX_NOTES, NOTE, REFUSE, RELEASE, TREE, VALUE, WHY
 from ._report import SenderReport
 
@@ -69,8 +71,11 @@ class Sender(BlockBook, Closeable):
         ``"expandable_segments:True"``).
     backend : {"memfd", "posix"}
         Shared memory for classic segments.
+    on_overflow : callable, optional
+        A pool full of what the receiver holds then goes past it, no wait (Note [Past the pool]).
     """
 
+    LIMIT = "limit="  # the setting to name in errors (the loader's workers: pool_limit=)
     _lock: threading.RLock
     _in_send: bool  # this thread is inside send(): a nested send() is refused
     _last_drain: float
@@ -80,9 +85,10 @@ class Sender(BlockBook, Closeable):
     _refused: str | None  # why the connection ended on purpose (a REFUSE frame, a broken peer)
 
     def __init__(self, conn: wire.Connection, *, limit: int = DEFAULT_LIMIT,
-                 config: str | None = None, backend: str = "memfd") -> None:
+                 config: str | None = None, backend: str = "memfd",
+                 on_overflow: Callable[[int], None] | None = None) -> None:
         self._conn = conn
-        self._limit, self._config, self._backend = limit, config, backend
+        self._limit, self._config, self._backend, self._on_overflow = limit, config, backend, on_overflow
         self._closed = False
         self._closing = False  # close() was called, maybe from another thread: waits stop
         self._peer_dead = False
@@ -167,15 +173,10 @@ class Sender(BlockBook, Closeable):
             else:
                 held.local = True
         # positional: keyword parsing costs more than the rest of the call
-        lease = _native.Lease(self._alloc, held.block.address, nbytes, False,
-                              ViewDied(self._local_done, self, held))
+        lease = _native.Lease(self._alloc if held.free_to is None else held.free_to.alloc,
+                              held.block.address, nbytes, False, ViewDied(self._local_done, self, held))
         arr = np.ndarray(shp, np_dtype, buffer=lease)  # type: ignore[arg-type]  # numpy types Buffer from 3.12
-        if torch_dtype is None:
-            return arr
-        import torch
-
-        t = torch.from_numpy(arr)
-        return t if t.dtype == torch_dtype else t.view(torch_dtype)
+        return tensors.allocated(arr, torch_dtype)
 
     def zeros(self, shape: Any, dtype: Any = np.float64, timeout: float | None = None) -> Any:
         """Return a zero-filled array in the pool (a reused block is not zero by itself)."""
@@ -232,6 +233,8 @@ class Sender(BlockBook, Closeable):
             self._drain()
             self._free_spares()
             self._alloc.empty_cache()
+            if self._overflow is not None:
+                self._overflow.empty_cache()
 
     @property
     def allocator(self) -> CachingAllocator:
@@ -307,7 +310,7 @@ class Sender(BlockBook, Closeable):
                 self._reap_lock.release()
 
     def __reduce__(self) -> Any:
-        self._hand_over()  # a spawned child uses it now
+        self._hand_over()  # a spawned child uses it now (without on_overflow: a callable of ours)
         return _rebuild, (self._conn, self._limit, self._config, self._backend)
 
     def __repr__(self) -> str:
@@ -389,7 +392,7 @@ class Sender(BlockBook, Closeable):
     def _malloc(self, nbytes: int, deadline: float | None) -> Any:
         if nbytes > self._limit:
             raise PoolExhausted(f"an array of {nbytes} bytes cannot fit in this sender's pool of "
-                                f"{self._limit} bytes; create the channel with a larger limit=")
+                                f"{self._limit} bytes; create it with a larger {self.LIMIT}")
         while True:
             try:
                 return self._alloc.malloc(nbytes)
@@ -398,6 +401,8 @@ class Sender(BlockBook, Closeable):
                     self._free_spares()  # blocks kept for other sizes: give them back first
                     continue
                 host = host_cause(exc)
+                if self._overflow is not None and host is None:  # full of what the receiver holds
+                    return self._overflow.malloc(nbytes, self._drain, self._alloc)
                 if not self._held and not self._local_done:
                     if host is not None:
                         raise PoolExhausted(f"no shared memory for an array of {nbytes} bytes "
@@ -405,7 +410,7 @@ class Sender(BlockBook, Closeable):
                     raise PoolExhausted(
                         f"an array of {nbytes} bytes cannot fit in this sender's pool of "
                         f"{self._limit} bytes even when it is empty (the pool rounds requests up "
-                        f"to whole segments: {exc.size} bytes here); raise limit=") from exc
+                        f"to whole segments: {exc.size} bytes here); raise {self.LIMIT}") from exc
                 left = _remaining(deadline)
                 if left is not None and left <= 0:
                     raise self._exhausted(nbytes, host) from exc
@@ -421,7 +426,7 @@ class Sender(BlockBook, Closeable):
                 self._drain()
 
     def _exhausted(self, nbytes: int, host: Exception | None) -> PoolExhausted:
-        return exhausted(nbytes, self._limit, self._leases, self._held, host)
+        return exhausted(nbytes, self._limit, self._leases, self._held, host, self.LIMIT)
 
     # -- leases and releases ----------------------------------------------------
 
@@ -473,13 +478,6 @@ class Sender(BlockBook, Closeable):
 
     def _refusal(self) -> ProtocolError:
         return ProtocolError(self._refused)
-
-    def _drain_local(self) -> None:
-        q = self._local_done
-        while q:
-            held = q.popleft()
-            held.local = False
-            self._maybe_free(held)
 
     def _return_leases(self, ids: Any) -> None:
         leases = self._leases
@@ -534,6 +532,8 @@ class Sender(BlockBook, Closeable):
         self._deadline = None  # the send in progress's deadline
         self._in_send = False  # this thread is inside send(): a nested send() is refused
         self._new_book(min(self._limit // 8, SPARE_BYTES))
+        self._overflow = None if self._on_overflow is None else Overflow(
+            self._backend, self._config, self._ann.on_segment_event, self._on_overflow)
         _registry.register("senders", self, SenderReport())  # again in a fork child: its own notes
 
     def _after_fork_in_child(self) -> None:
@@ -542,6 +542,8 @@ class Sender(BlockBook, Closeable):
         # array from empty() may still point into (Note [Segments in a forked child]).
         in_use = {h.seg.id for h in self._held.values() if h.local}
         _inherited.append(self._provider.after_fork_in_child(in_use))  # never reused
+        if self._overflow is not None:
+            _inherited.append(self._overflow.after_fork_in_child(in_use))
         self._new_pool()
 
     def _hand_over(self) -> None:

@@ -8,7 +8,9 @@ import numpy as np
 
 __all__ = ["empty", "set_pool", "POOL_WAIT"]
 
-POOL_WAIT = 60.0  # s a worker waits for the main process to give pool blocks back
+# s a worker waits for blocks back when the host (its memory cgroup) has no more shared memory;
+# a pool merely full of batches the program keeps does not wait (Note [Past the pool])
+POOL_WAIT = 60.0
 
 _sender: Any = None  # the worker's channel.Sender
 

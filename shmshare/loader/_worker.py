@@ -34,8 +34,10 @@ Messages (notes are msgpack; a batch is a channel batch of a list)::
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,7 +106,9 @@ def worker_main(conn: wire.Connection, spec: WorkerSpec) -> None:
 
     _iters.close_inherited()  # a forked worker holds the main process's loader sockets
     try:
-        tx = Sender(conn, limit=spec.pool_limit)
+        # held batches never stall the loader: past the pool, memory outside it (Note [Past the pool])
+        past = functools.partial(_past_the_pool, spec.pool_limit) if PAST_THE_POOL else None
+        tx = _WorkerSender(conn, limit=spec.pool_limit, on_overflow=past)
     except BaseException:
         conn.close()
         raise
@@ -226,3 +230,20 @@ def _send(tx: Sender, task: int, kind: str, payload: bytes, arrays: list[Any] | 
     else:
         tx.send([task, kind, payload, arrays], timeout=timeout)
 
+
+class _WorkerSender(Sender):
+    LIMIT = "pool_limit= (a DataLoader keyword)"  # what its errors tell the user to raise
+
+
+# False: a full pool waits for releases instead (what a host out of shared memory still does;
+# the tests of that wait turn this off)
+PAST_THE_POOL = True
+
+
+def _past_the_pool(limit: int, nbytes: int) -> None:
+    """Said once per worker, the first time its pool is full of batches the program holds."""
+    warnings.warn(f"shmshare DataLoader worker pid {os.getpid()}: its pool of {limit} bytes is "
+                  "full of batches the main process still holds (kept in a list, a cache, ...); "
+                  "the batches after go in shared memory outside the pool, given back when each "
+                  f"is dropped. Pass a larger pool_limit= (now {limit}) to keep them pooled.",
+                  UserWarning, stacklevel=2)

@@ -95,13 +95,7 @@ def empty(shape: Any, dtype: Any = _np.float64) -> Any:
     shp = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
     if any(n < 0 for n in shp):
         raise ValueError(f"negative dimensions are not allowed: {shp}")
-    arr = _get_owner().empty(shp, np_dtype)
-    if torch_dtype is None:
-        return arr
-    import torch
-
-    t = torch.from_numpy(arr)
-    return t if t.dtype == torch_dtype else t.view(torch_dtype)
+    return _tensors.allocated(_get_owner().empty(shp, np_dtype), torch_dtype)
 
 
 def zeros(shape: Any, dtype: Any = _np.float64) -> Any:

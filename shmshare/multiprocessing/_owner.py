@@ -323,13 +323,6 @@ class Owner(BlockBook):
     def _drain(self) -> None:
         self._drain_local()
 
-    def _drain_local(self) -> None:
-        done = self._local_done
-        while done:
-            held = done.popleft()
-            held.local = False
-            self._maybe_free(held)
-
     # -- the serving side (the server thread calls these) ----------------------
 
     def release(self, pairs: list[int]) -> int:

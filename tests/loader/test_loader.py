@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import shmshare.loader as L
-from shmshare.loader import _pool
+from shmshare.loader import _pool, _worker
 from tests.loader.loader_datasets import Arrays, Keys, Slow, gone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -101,8 +101,27 @@ def test_a_batch_past_the_pool_limit_is_an_error_naming_the_worker():
         next(iter(dl))
 
 
-def test_holding_every_batch_past_the_pool_limit_fails_in_bounded_time(monkeypatch):
+def test_holding_every_batch_past_the_pool_limit_never_stalls(monkeypatch):
+    """``list(loader)`` with a pool that holds a few batches: torch's loader keeps going, and so
+    does ours, past the pool (Note [Past the pool]). It waited (60 s), then raised PoolExhausted."""
+    monkeypatch.setattr(_pool, "POOL_WAIT", 0.5)  # forked workers inherit it: no long wait left
+    dl = L.DataLoader(Arrays(64, (1 << 18,)), batch_size=1, num_workers=2, pool_limit=8 << 20,
+                      collate_fn=L.numpy_collate, multiprocessing_context="fork")
+    held = list(dl)  # 64 MiB of batches, kept
+    assert [int(b["y"][0]) for b in held] == list(range(64))
+    assert all(float(b["x"][0, -1]) == i for i, b in enumerate(held))
+    again = list(dl)  # a second epoch, every batch of the first still held
+    assert [int(b["y"][0]) for b in again] == list(range(64))
+    del held, again
+    gc.collect()
+    dl.close()
+
+
+def test_a_full_pool_that_must_wait_fails_in_bounded_time(monkeypatch):
+    """The wait a host out of shared memory still makes (the pool cannot go past itself):
+    bounded, and it names what the main process holds."""
     monkeypatch.setattr(_pool, "POOL_WAIT", 0.5)  # forked workers inherit it
+    monkeypatch.setattr(_worker, "PAST_THE_POOL", False)
     dl = L.DataLoader(Arrays(64, (1 << 18,)), batch_size=1, num_workers=1, pool_limit=8 << 20,
                       collate_fn=L.numpy_collate, multiprocessing_context="fork")
     held = []  # a hang here is pytest-timeout's (pyproject) to catch: the worker waits 0.5 s

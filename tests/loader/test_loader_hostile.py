@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import shmshare.loader as L
+from shmshare.loader import _worker
 from tests.loader.loader_datasets import Arrays, Slow, gone
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -113,10 +114,12 @@ def test_forked_workers_do_not_hold_the_main_process_ends_of_their_sockets():
     assert held == {p: set() for p in held}
 
 
-def test_closing_the_loader_while_held_batches_fill_the_pool_is_prompt():
+def test_closing_the_loader_while_held_batches_fill_the_pool_is_prompt(monkeypatch):
     # Was a defect (fixed): a worker waiting in _pool.empty() for pool room (Sender._malloc) takes the "s"
     # note in but never looks at it, so shutdown waits the whole _JOIN_WAIT (5 s) and then
-    # SIGTERMs it; every such close costs 5 s.
+    # SIGTERMs it; every such close costs 5 s. (A full pool goes past itself now; the wait is
+    # what a host out of shared memory still makes, kept here by PAST_THE_POOL.)
+    monkeypatch.setattr(_worker, "PAST_THE_POOL", False)  # forked workers inherit it
     dl = L.DataLoader(_Big(10**6), batch_size=4, num_workers=2, collate_fn=L.numpy_collate,
                       pool_limit=48 << 20, timeout=3)
     it = iter(dl)
@@ -144,7 +147,9 @@ def test_workers_exit_promptly_when_the_main_process_is_killed_while_they_wait_f
         import sys, time
         import numpy as np
         import shmshare.loader as L
+        from shmshare.loader import _worker
         from tests.loader.test_loader_hostile import _Big
+        _worker.PAST_THE_POOL = False  # the wait for room a host out of memory still makes
         dl = L.DataLoader(_Big(10**6), batch_size=4, num_workers=2, collate_fn=L.numpy_collate,
                           pool_limit=48 << 20, timeout=3)
         it = iter(dl)
