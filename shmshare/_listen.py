@@ -105,6 +105,15 @@ class Listener(Closeable):
         got = self._conn_kw.get("max_fds", MAX_FDS)
         return got if isinstance(got, int) else MAX_FDS
 
+    def adopt(self) -> None:
+        """This process takes the socket over (a child forked to serve on after its parent
+        exits): its ``close()`` removes the socket file from now on."""
+        self._pid = os.getpid()
+
+    def disown(self) -> None:
+        """Another process serves this socket now: our ``close()`` leaves the file alone."""
+        self._pid = -1
+
     def fileno(self) -> int:
         """Return the listening socket's fd (readable = a peer is waiting)."""
         return self._sock.fileno()

@@ -38,14 +38,19 @@ class HandleError(ShmshareError):
 
 
 def alive(pid: int) -> bool:
-    """Whether a process `pid` exists (in our pid namespace)."""
+    """Whether a process `pid` exists (in our pid namespace) and has not exited (a zombie, not
+    reaped yet by its parent, has)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b") ")[2][:1] not in (b"Z", b"X")
+    except OSError:
+        return True  # no procfs to ask: it exists
 
 
 def env_number(name: str, default: float, what: str) -> float:

@@ -15,13 +15,16 @@ Note [One owner per process]
 Note [Exit linger]
     A process that puts an array on a Queue and returns must not take the
     array with it: the Queue's feeder thread flushes the pickled handle at
-    exit, and the reader unpickles it later. So at exit (multiprocessing's
-    finalizers, after the Queues' feeders are joined; ``atexit`` in the main
-    process) the owner keeps serving until no handle it pickled is still
-    unclaimed, or ``exit_linger`` seconds (``SHMSHARE_MP_LINGER``, default
-    10) have passed. Handles claimed by then stay valid however long the
-    owner is gone: the claimer maps the memfd itself. A handle unpickled
-    later raises :class:`OwnerGone` naming the owner's pid.
+    exit, and the reader unpickles it later, maybe after ``join()``. So at
+    exit (multiprocessing's finalizers, after the Queues' feeders are
+    joined; ``atexit`` in the main process), if a handle it pickled is still
+    unclaimed, the process forks a keeper and exits at once; the keeper
+    serves until no handle is unclaimed, or ``exit_linger`` seconds
+    (``SHMSHARE_MP_LINGER``, default 10) have passed (Note [A keeper after
+    exit] in ``_keeper.py``; where no keeper can be forked, the process
+    lingers itself). Handles claimed by then stay valid however long owner
+    and keeper are gone: the claimer maps the memfd itself. A handle
+    unpickled later raises :class:`OwnerGone` naming the owner's pid.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from ..memory import CachingAllocator, ShmProvider, ShmSegment
 from ..memory._shm import _new_id
 from ._claims import ClaimBook, ClaimMap
 from ._common import env_number
+from ._keeper import keep_after_exit
 from ._server import Server, sweep_stale
 from ._table import CLAIMED, PENDING, LeaseTable, sign, word
 
@@ -440,6 +444,18 @@ class Owner(BlockBook):
         if kind == "segment_free" and self.server is not None:
             self.server.dropped(seg.id)
 
+    def fds(self) -> set[int]:
+        """Every fd this owner and its server use (a keeper closes the rest)."""
+        got = {seg.fd for seg in self._provider.segments.values()} | {self.table.fd}
+        got |= {e.fd for e in self._externals.values()}
+        for cm in self.claims.maps.values():
+            got.add(cm.fd)
+            if cm.pidfd is not None:
+                got.add(cm.pidfd)
+        if self.server is not None:
+            got |= self.server.fds()
+        return {fd for fd in got if fd is not None and fd >= 0}
+
     def unclaimed(self) -> int:
         with self._lock:
             return sum(1 for slot in self._slots if self.table.state(slot)[1] == PENDING)
@@ -552,7 +568,7 @@ def close_owner(linger: float, exiting: bool = False) -> None:
         _exiting = True
     with _owner_lock:
         got, _owner = current_owner(), None
-    if got is not None:
+    if got is not None and not (exiting and keep_after_exit(got, linger)):
         got.close(linger)
 
 

@@ -15,12 +15,14 @@ Note [The fd server]
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import select
 import stat
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import wire
@@ -105,7 +107,6 @@ class Server:
         self._lock = threading.Lock()  # _peers, against dropped() from other threads
         self._wake = WakePipe()
         self._stop = False
-        self._pid = os.getpid()
         self._thread = threading.Thread(target=self._main, name="shmshare-mp-server", daemon=True)
         self._thread.start()
 
@@ -148,15 +149,52 @@ class Server:
 
     # -- the thread ------------------------------------------------------------
 
+    def serve_here(self, done: Callable[[], bool], deadline: float) -> None:
+        """In a keeper (Note [A keeper after exit]): serve from this thread, the only one, until
+        ``done()`` or `deadline`; then the caller closes the owner."""
+        self._stop = False
+        self._listener.adopt()  # this process removes the socket file now
+        self._loop(done, deadline)
+
+    def fds(self) -> set[int]:
+        """Every fd the server uses (a keeper closes the rest)."""
+        return {self._listener.fileno(), self._wake.r, self._wake.w, *self._peers, *self._exits}
+
+    def stop_thread(self) -> None:
+        """Stop the thread and nothing else (a keeper is about to serve these sockets)."""
+        self._stop = True
+        self._wake.poke()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(10.0)
+
+    def start_thread(self) -> None:
+        """Serve from a thread again (no keeper could be made)."""
+        self._stop = False
+        self._thread = threading.Thread(target=self._main, name="shmshare-mp-server", daemon=True)
+        self._thread.start()
+
+    def disown(self) -> None:
+        """A keeper serves the socket now: our copy's close (at exit) leaves its file there."""
+        self._listener.disown()
+
     def _main(self) -> None:
+        self._loop(lambda: False, math.inf)
+
+    def _loop(self, done: Callable[[], bool], deadline: float) -> None:
         poller = self._poller = select.poll()
         # a peer costs us its connection, its claim map, its pidfd and a segment's dup at a time
         gate = AcceptGate(self._listener, poller, _ACCEPT_PAUSE, room=lambda: check_fd_room(0))
         poller.register(self._wake.r, select.POLLIN)
+        for fd in (*self._peers, *self._exits):  # a keeper's: what the thread was serving
+            poller.register(fd, select.POLLIN)
         listen_fd, wake_fd = self._listener.fileno(), self._wake.r
         while not self._stop:
-            gate.resume_if_due(time.monotonic())
-            ready = poller.poll(gate.wait_ms(time.monotonic(), 1000))
+            now = time.monotonic()
+            if now >= deadline or done():
+                return
+            gate.resume_if_due(now)
+            ready = poller.poll(gate.wait_ms(now, 1000 if deadline == math.inf else
+                                             min(1000, int((deadline - now) * 1000) + 1)))
             if not ready:
                 self._owner.recheck()  # idle: releases that found their slot still marked
             for fd, _ in ready:
@@ -247,11 +285,11 @@ class Server:
             try:
                 got = self._owner.segment(seg_id) if isinstance(seg_id, int) else None
             except OSError as exc:  # our fd table is full (the dup): our trouble, not the peer's
-                peer.conn.send({KIND: ERROR, "w": f"pid {os.getpid()} could not send segment "
+                peer.conn.send({KIND: ERROR, "w": f"pid {self._owner.pid} could not send segment "
                                 f"{seg_id}: {exc}", "c": exc.errno}, timeout=_REPLY_WAIT)
                 return
             if got is None:
-                peer.conn.send({KIND: ERROR, "w": f"no segment {seg_id!r} in pid {os.getpid()}'s "
+                peer.conn.send({KIND: ERROR, "w": f"no segment {seg_id!r} in pid {self._owner.pid}'s "
                                 "pool (given back already: the handle is stale)"},
                                timeout=_REPLY_WAIT)
                 return
@@ -267,14 +305,14 @@ class Server:
             try:
                 claims = peer.claims if peer.claims is not None else self._claim_map(peer)
             except (ShmshareError, OSError) as exc:  # no memory or no fd for it: ours, not the peer's
-                peer.conn.send({KIND: ERROR, "w": f"pid {os.getpid()} could not make a claim map for "
+                peer.conn.send({KIND: ERROR, "w": f"pid {self._owner.pid} could not make a claim map for "
                                 f"pid {peer.pid}: {exc}", "c": getattr(exc, "errno", None)},
                                timeout=_REPLY_WAIT)
                 return
             # "you": the pid we see it as (SO_PEERCRED), which its claims must carry: in another
             # pid namespace its own getpid() is another number; with the table, its own claim
             # map, and the key that signs our handles
-            peer.conn.send({KIND: TABLE, "n": table.slots, "pid": os.getpid(), "you": peer.pid,
+            peer.conn.send({KIND: TABLE, "n": table.slots, "pid": self._owner.pid, "you": peer.pid,
                             "m": self._owner.secret}, [table.fd, claims.fd], timeout=_REPLY_WAIT)
         else:
             raise ProtocolError(f"unknown frame kind {kind!r}")
