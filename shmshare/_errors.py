@@ -130,3 +130,10 @@ def making_fds(syscall: str, fn: Callable[..., _T], *args: Any) -> _T:
         if exc.errno in FD_EXHAUSTED:
             raise FdLimitError.exhausted(syscall, exc) from exc
         raise
+
+
+# Tracebacks and reprs name the public module these are exported from, not this private one.
+for _cls in (ShmshareError, SegmentError, ProtocolError, PeerDied, PeerRefused, FdLimitError, PoolExhausted,
+             ShmshareTimeout):
+    _cls.__module__ = "shmshare"
+del _cls

@@ -120,7 +120,7 @@ def check_cgroup(nbytes: int, backend: str) -> None:
         f"use{cache}, {lim.slack} kept as headroom; posix_fallocate past the limit would get "
         "this process OOM-killed, so it was not tried. Free memory (drop arrays of earlier "
         "batches, empty_cache()), lower the pool's limit, or raise the cgroup's (docker run "
-        "--memory, memory.max)"))
+        "--memory; memory.max, or memory.limit_in_bytes on cgroup v1)"))
 
 
 def memfd_seals(final: bool, growable: bool) -> int:

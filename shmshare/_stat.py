@@ -91,6 +91,7 @@ class Report:
     skipped: int  # processes we may not read (other users', without root)
     unanswered: list[dict[str, Any]] = field(default_factory=list)  # stats sockets silent: why
     stores: list[dict[str, Any]] = field(default_factory=list)  # store daemons: what each holds
+    asked_pids: set[int] | None = None  # the processes asked about (--pid), or None: every one
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -179,7 +180,7 @@ def scan(pids: list[int] | None = None, ask: bool = True) -> Report:
             got = procs[pid] = Process(pid, _command(pid))
         got.stats = stats
     return Report(sorted(procs.values(), key=lambda p: -p.mapped_bytes),
-                  sorted(segs.values(), key=lambda s: -s.size), skipped, unanswered, stores)
+                  sorted(segs.values(), key=lambda s: -s.size), skipped, unanswered, stores, want)
 
 
 _STORE_ROWS = 20  # objects shown per store in the table (all of them, up to _STORE_MAX, in JSON)
@@ -279,7 +280,9 @@ def _size(n: float) -> str:
 def render(report: Report, width: int = 100) -> str:
     """The report as a table for a terminal."""
     if not report.processes:
-        lines = ["no process of this host holds shmshare memory"]
+        lines = ["no process of this host holds shmshare memory" if report.asked_pids is None else
+                 f"no process asked about ({', '.join(map(str, sorted(report.asked_pids)))}) holds "
+                 "shmshare memory"]
     else:
         lines = [f"{'PID':>7}  {'MAPPED':>8}  {'RESIDENT':>8}  {'FDS':>4}  {'SEGS':>4}  "
                  f"{'SHARES WITH':<16}  COMMAND"]
@@ -380,6 +383,11 @@ def main_stat(as_json: bool, watch: float | None, pids: list[int] | None) -> int
     import json
     import shutil
 
+    missing = [pid for pid in pids or () if not os.path.exists(f"/proc/{pid}")]
+    if missing:
+        print(f"shmshare stat: no process {', '.join(map(str, missing))} on this host (see ps)",
+              file=sys.stderr)
+        return 1
     while True:
         report = scan(pids)
         if as_json:

@@ -49,3 +49,23 @@ def test_exhausted_takes_a_bare_errno_and_explains_enfile():
     exc = FdLimitError.exhausted("recvmsg", errno.ENFILE)
     assert exc.errno == errno.ENFILE and "fs.file-max" in str(exc)
     assert "fds are open" in str(exc)
+
+
+def test_every_public_exception_names_its_public_module_and_pickles():
+    """Tracebacks showed ``shmshare.store._protocol._Missing`` and the like: private names."""
+    import pickle
+
+    import shmshare
+    import shmshare.memory
+    import shmshare.multiprocessing
+    import shmshare.store
+
+    for mod in (shmshare, shmshare.memory, shmshare.multiprocessing, shmshare.store):
+        for name in mod.__all__:
+            cls = getattr(mod, name)
+            if isinstance(cls, type) and issubclass(cls, BaseException) and \
+                    cls.__module__.startswith("shmshare"):
+                assert "._" not in f".{cls.__module__}", f"{mod.__name__}.{name}: {cls.__module__}"
+                assert getattr(__import__(cls.__module__, fromlist=["_"]), cls.__name__) is cls
+                assert type(pickle.loads(pickle.dumps(cls("why")))) is cls
+    assert "ObjectNotFound" in shmshare.store.__all__

@@ -124,6 +124,19 @@ def test_a_pid_that_is_gone_is_no_error():
     assert report.processes == []
 
 
+def test_stat_pid_of_no_process_says_so_and_fails():
+    """``shmshare stat --pid N`` of a pid that does not exist said "no process of this host holds
+    shmshare memory" and exited 0."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait(10)
+    done = subprocess.run([sys.executable, "-m", "shmshare", "stat", "--pid", str(child.pid)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and f"no process {child.pid}" in done.stderr, done
+    alive = subprocess.run([sys.executable, "-m", "shmshare", "stat", "--pid", "1"],
+                           capture_output=True, text=True, timeout=60)
+    assert alive.returncode == 0 and "no process asked about (1) holds" in alive.stdout, alive
+
+
 # A child with the stats socket on: a simulated-device pool, a host pool and a channel whose
 # receiver keeps three arrays (three leases out), and one multiprocessing handle never
 # unpickled. It prints its own figures, then waits to be killed.

@@ -60,3 +60,9 @@ class InvariantError(ShmshareError, AssertionError):
     The message names the invariant (numbered as in docs/architecture.md), the segment
     and the block, with their addresses and sizes.
     """
+
+
+# Tracebacks and reprs name the public module these are exported from, not this private one.
+for _cls in (OutOfMemoryError, InvariantError):
+    _cls.__module__ = "shmshare.memory"
+del _cls

@@ -175,3 +175,9 @@ class ExpandableProvider(Provider, Protocol):
     def release(self, handle: object) -> None:
         """Give back a reservation whose pages are all unmapped."""
         ...
+
+
+# Tracebacks and reprs name the public module these are exported from, not this private one.
+for _cls in (ProviderOutOfMemory,):
+    _cls.__module__ = "shmshare.memory"
+del _cls

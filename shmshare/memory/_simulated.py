@@ -331,3 +331,6 @@ class _AddressSpace:
 
 def _round_up(value: int, step: int) -> int:
     return -(-value // step) * step
+
+
+SimulatedDeviceError.__module__ = "shmshare.memory"  # tracebacks name the public module

@@ -65,3 +65,9 @@ def env_number(name: str, default: float, what: str) -> float:
     if not value >= 0:
         raise ValueError(f"{name} must be >= 0 {what}, got {raw!r}")
     return value
+
+
+# Tracebacks and reprs name the public module these are exported from, not this private one.
+for _cls in (OwnerGone, HandleError):
+    _cls.__module__ = "shmshare.multiprocessing"
+del _cls

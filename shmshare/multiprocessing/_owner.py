@@ -43,10 +43,10 @@ from typing import Any
 import numpy as np
 
 from .. import _fork, _native, _registry
-from .._errors import ShmshareError
+from .._errors import PoolExhausted, ShmshareError
 from ..channel._announce import SegmentBook
-from ..channel._blocks import SPARE_BYTES, BlockBook, _Held
-from ..memory import CachingAllocator, ShmProvider, ShmSegment
+from ..channel._blocks import SPARE_BYTES, BlockBook, _Held, host_cause
+from ..memory import CachingAllocator, OutOfMemoryError, ShmProvider, ShmSegment
 from ..memory._shm import _new_id
 from ._claims import ClaimBook, ClaimMap
 from ._common import env_number
@@ -322,7 +322,14 @@ class Owner(BlockBook):
 
     # BlockBook's hooks
     def _malloc(self, nbytes: int, deadline: float | None) -> Any:
-        return self._alloc.malloc(nbytes)
+        try:
+            return self._alloc.malloc(nbytes)
+        except OutOfMemoryError as exc:
+            host = host_cause(exc)  # a full memory cgroup or /dev/shm: say that first
+            if host is None:
+                raise
+            raise PoolExhausted(f"no shared memory for an array of {nbytes} bytes in pid "
+                                f"{self.pid}'s pool: {host}") from exc
 
     def _drain(self) -> None:
         self._drain_local()

@@ -25,6 +25,7 @@ from ._launch import Daemon
 from ._protocol import (
     BadRequest,
     ObjectExists,
+    ObjectNotFound,
     StoreBusy,
     StoreError,
     StoreFull,
@@ -33,4 +34,4 @@ from ._protocol import (
 )
 
 __all__ = ["Store", "ObjectInfo", "Daemon", "serve", "default_path", "StoreError", "StoreFull",
-           "StoreGone", "ObjectExists", "BadRequest", "StoreBusy"]
+           "StoreGone", "ObjectExists", "ObjectNotFound", "BadRequest", "StoreBusy"]

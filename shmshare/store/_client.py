@@ -47,10 +47,10 @@ from ._protocol import (
     BUSY,
     LARGE,
     ObjectInfo,
+    ObjectNotFound,
     StoreBusy,
     StoreError,
     StoreGone,
-    _Missing,
     check_name,
     connect,
     default_path,
@@ -206,7 +206,7 @@ class Store:
                 # the daemon gets at least _MIN_ANSWER to answer, even with timeout=0
                 left = None if deadline is None else max(_MIN_ANSWER, deadline - time.monotonic())
                 return self._get_now(name, left)
-            except _Missing:
+            except ObjectNotFound:
                 if deadline is None:
                     raise
                 left = deadline - time.monotonic()

@@ -58,7 +58,8 @@ def daemon_refusal(nbytes: int, what: str) -> HostFull | None:
     """The error for `nbytes` of shared memory the daemon's memory cgroup cannot take, if so."""
     who = f"the store daemon (pid {os.getpid()})"
     refused = cgroup_refusal(nbytes, what, who, (
-        "Delete objects, or raise that cgroup's limit (docker run --memory, memory.max); a "
+        "Delete objects, or raise that cgroup's limit (docker run --memory; memory.max, or "
+        "memory.limit_in_bytes on cgroup v1); a "
         "`shmshare serve --limit` below it makes the store refuse (or, with --evict, evict) "
         "before the cgroup is reached"))
     return None if refused is None else HostFull(refused)

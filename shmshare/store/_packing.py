@@ -55,7 +55,7 @@ _TWO_THREADS = 64 << 20  # objects from this size are written on two threads
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW  # every memfd of the store, from birth
 _CLIENT_FIX = ("The pages of the objects this process put stay charged to its cgroup while the "
                "store holds them: delete some (Store.delete), put less, or raise the cgroup's "
-               "limit (docker run --memory, memory.max)")
+               "limit (docker run --memory; memory.max, or memory.limit_in_bytes on cgroup v1)")
 
 
 class Plan:

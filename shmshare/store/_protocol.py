@@ -50,7 +50,7 @@ from .. import wire
 from .._errors import ShmshareError, ShmshareTimeout
 
 __all__ = ["ObjectInfo", "LARGE", "MAX_META", "MAX_NAME", "StoreError", "StoreFull", "StoreGone", "ObjectExists",
-           "BadRequest", "StoreBusy", "BUSY", "default_path", "check_name", "check_dir", "raise_for",
+           "BadRequest", "StoreBusy", "ObjectNotFound", "BUSY", "default_path", "check_name", "check_dir", "raise_for",
            "connect", "refusal"]
 
 LARGE = 1 << 20  # bytes from which an object owns its memfd (sealed against writes)
@@ -115,7 +115,7 @@ class ObjectInfo:
 def raise_for(code: str, text: str) -> None:
     """Raise the exception an ``err`` reply of `code` means."""
     if code in (NOT_FOUND, NOT_SEALED, ABORTED):
-        raise _Missing(text)
+        raise ObjectNotFound(text)
     if code == EXISTS:
         raise ObjectExists(text)
     if code == BUSY:
@@ -131,7 +131,7 @@ def raise_for(code: str, text: str) -> None:
     raise StoreError(text)
 
 
-class _Missing(StoreError, KeyError):
+class ObjectNotFound(StoreError, KeyError):
     """No sealed object of that name (KeyError, as a dict says it)."""
 
     def __str__(self) -> str:
@@ -206,8 +206,25 @@ def connect(path: str, timeout: float | None, role: str,
                          f"{timeout} s ({exc}); it is stopped or overloaded: look at it with "
                          "`shmshare stat`, or pass a longer timeout") from exc
     except (OSError, ShmshareError) as exc:
+        kind = _not_a_socket(path)
+        if kind is not None:
+            raise StoreError(f"{path!r} is {kind}, not a store daemon's socket: pass the socket "
+                             "`shmshare serve` listens on (it prints it; default: "
+                             f"{default_path()!r})") from exc
         raise gone(f"no store daemon answers at {path!r} ({exc}); start one with `shmshare "
                    "serve` (or `shmshare serve --detach`)") from exc
+
+
+def _not_a_socket(path: str) -> str | None:
+    """What is at `path` if it is there and no socket ("a directory", "a regular file"), else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISSOCK(mode):
+        return None
+    return "a directory" if stat.S_ISDIR(mode) else "a regular file" if stat.S_ISREG(mode) else \
+        "not a socket"
 
 
 def refusal(conn: wire.Connection) -> str | None:
@@ -223,3 +240,9 @@ def refusal(conn: wire.Connection) -> str | None:
     for f in fds:
         f.close()
     return str(h.get("w")) if h.get("k") == "err" and h.get("e") == BUSY else None
+
+
+# Tracebacks and reprs name the public module these are exported from, not this private one.
+for _cls in (StoreError, StoreFull, StoreGone, StoreBusy, BadRequest, ObjectExists, ObjectNotFound):
+    _cls.__module__ = "shmshare.store"
+del _cls

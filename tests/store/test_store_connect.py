@@ -75,3 +75,13 @@ def test_a_store_timeout_that_leaves_no_time_to_answer_is_refused(timeout):
     get within 0 s", one more reply owed each time)."""
     with pytest.raises(ValueError, match="seconds > 0"):
         Store("/nonexistent/store.sock", timeout=timeout)
+
+
+def test_a_store_at_a_path_that_is_no_socket_says_what_is_there(tmp_path):
+    """It said "Connection refused (nobody is accepting); start one with `shmshare serve`"."""
+    with pytest.raises(StoreError, match="is a directory, not a store daemon's socket"):
+        Store(str(tmp_path))
+    plain = tmp_path / "plain"
+    plain.write_text("")
+    with pytest.raises(StoreError, match="is a regular file, not a store daemon's socket"):
+        Store(str(plain))
