@@ -8,9 +8,11 @@ Note [The fd server]
     own (``wire.Listener``), and every connection's peer uid is checked
     (``wire.Connection``). Frames are msgpack headers (``_common.py``):
     nothing a peer sends is unpickled. A peer that sends anything else, or
-    more than a frame can hold, is dropped; its claims are reclaimed, as
-    when it exits. Replies wait at most ``_REPLY_WAIT`` for room, so a peer
-    that stops reading cannot stall the others.
+    more than a frame can hold, is dropped; its claims stay until its
+    process exits (Note [The owner's record of claims]). Replies wait at
+    most ``_REPLY_WAIT`` for room, so a peer that stops reading cannot
+    stall the others. A process that exits with handles unclaimed hands
+    this server's sockets to a keeper (Note [A keeper after exit]).
 """
 
 from __future__ import annotations

@@ -15,7 +15,11 @@ Note [What counts as a leak, and what does not]
       Private file mappings are not counted: a library imported during the
       test maps its ``.so`` for the rest of the process;
     - a /dev/shm name owned by our uid that no other process holds open
-      (another process's name, made while the test ran, is not ours);
+      and that no other process made (another process's name, made while
+      the test ran, is not ours: a name that carries its maker's pid, as
+      torch's ``torch_<pid>_...`` and ours ``shmshare_<pid>_...`` do, is
+      the maker's unless that pid is this process or one of its children;
+      so a concurrent run, pytest-xdist's other workers say, is not blamed);
     - a child process (psutil's children, recursively) still alive, or a
       zombie nobody reaped;
     - a thread still alive (daemon or not) that was not alive before.
@@ -26,6 +30,7 @@ from __future__ import annotations
 import gc
 import linecache
 import os
+import re
 import stat
 import threading
 import time
@@ -80,7 +85,8 @@ def leaks_since(before: Census) -> list[Leak]:
         out = [_fd_leak(n, t) for n, t in sorted(now.fds.items()) if before.fds.get(n) != t]
         old = {(m.start, m.end, m.path) for m in before.mappings}
         out += [_map_leak(m) for m in now.mappings if (m.start, m.end, m.path) not in old]
-        new_names = now.shm - before.shm
+        new_names = {n for n in now.shm - before.shm
+                     if not _made_elsewhere(n, before.children | now.children)}
         held = _held_elsewhere(new_names) if new_names else set()
         out += [_shm_leak(n) for n in sorted(new_names - held)]
         out += [leak for pid in sorted(now.children - before.children) if (leak := _child_leak(pid))]
@@ -196,6 +202,15 @@ def _owner(name: str) -> int:
         return os.stat(f"/dev/shm/{name}").st_uid
     except OSError:
         return -1  # removed while we looked
+
+
+_PID_IN_NAME = re.compile(r"[A-Za-z]+_(\d{1,10})_")  # torch_<pid>_..., shmshare_<pid>_...
+
+
+def _made_elsewhere(name: str, ours: set[int]) -> bool:
+    """Whether a /dev/shm name says another process made it: not us, not one of our children."""
+    m = _PID_IN_NAME.match(name)
+    return m is not None and int(m.group(1)) != os.getpid() and int(m.group(1)) not in ours
 
 
 def _held_elsewhere(names: set[str]) -> set[str]:

@@ -23,6 +23,7 @@ process) is waited for.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -89,6 +90,8 @@ def _check(request: pytest.FixtureRequest) -> Iterator[None]:
     with _audit.recording():
         yield
         leaks = _census.wait_for_leaks(before, float(settle))
+        if leaks and _shut_process_wide_pools():
+            leaks = _census.wait_for_leaks(before, float(settle))
     if leaks:
         pytest.fail(f"LeakError: {len(leaks)} resource(s) left behind by {request.node.nodeid} "
                     f"(after {settle:g} s of retries):\n{_census.table(leaks)}", pytrace=False)
@@ -106,3 +109,14 @@ def _start_process_wide_helpers() -> None:
         resource_tracker.ensure_running()
     except Exception:  # noqa: BLE001, S110 - no tracker here (a platform without one): nothing to blame on tests
         pass
+
+
+def _shut_process_wide_pools() -> bool:
+    """What a test left in shmshare.multiprocessing's process-wide pool, server and links (a
+    Queue's handles, a link's mapping): shut them down, as a program's exit does, so that only
+    what the test itself still holds is reported. True if there was something to shut."""
+    mp = sys.modules.get("shmshare.multiprocessing")
+    if mp is None:
+        return False
+    mp.shutdown()
+    return True
