@@ -14,6 +14,20 @@ Both walks over the batch run in msgpack's C code (Note [Hot path] in
 itself: the caller's ``place`` callback decides where an array's bytes live
 (a pool block) and returns its descriptor; the receiver's ``view`` callback
 returns a buffer over them.
+
+Note [Tensors to a process without torch]
+    A torch tensor's descriptor names its torch dtype. A receiver (a channel
+    ``Receiver``, ``Store.get``) makes it a torch tensor only if torch is
+    imported in its process already: importing torch to hand a numpy
+    program a tensor cost seconds (a ``Store.get`` took 6.7 s, a channel
+    receiver stalled its sender 8.3 s) and hundreds of MB. Without torch it
+    gets a numpy array over the same bytes (read-only unless the receiver
+    maps writable), of the tensor's numpy dtype; a torch dtype numpy has
+    not (bfloat16, float8) comes as its bits, an integer array of the same
+    width (int16, int8): ``torch.from_numpy(a).view(torch.bfloat16)`` makes it
+    the tensor again. ``shmshare.multiprocessing`` keeps torch's own
+    behaviour instead (an unpickled tensor is a tensor, torch imported if
+    need be), as the drop-in for ``torch.multiprocessing`` must.
 """
 
 from __future__ import annotations
@@ -434,6 +448,13 @@ def as_numpy(t: Any) -> tuple[np.ndarray, str | None]:
 
         as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
         return t.view(as_int).numpy(), name
+
+
+def torch_imported() -> bool:
+    """Whether this process asked for torch (imported it): a receiver that did not gets a torch
+    tensor's bytes as a numpy array, not seconds of ``import torch`` (Note [Tensors to a process
+    without torch])."""
+    return "torch" in sys.modules
 
 
 def as_torch(arr: np.ndarray, torch_dtype: str) -> Any:

@@ -71,7 +71,9 @@ class Receiver(Closeable):
     the sender's pages, mapped read-only (``PROT_READ``) unless `writable`.
     Torch tensors come back as torch tensors: sharing that memory when
     `writable`, else as private copies (torch has no read-only tensors, and a
-    write into a read-only mapping would be SIGSEGV). A receiver is
+    write into a read-only mapping would be SIGSEGV); in a process that has
+    not imported torch, as numpy arrays (Note [Tensors to a process without
+    torch] in ``tensors.py``). A receiver is
     iterable, and ``fileno()``/``poll()`` let it sit in a selector.
 
     Parameters
@@ -466,7 +468,8 @@ class Receiver(Closeable):
                 raise ProtocolError(f"a descriptor without memory has shape {lay.shape} and dtype "
                                     f"{dt.str}, not empty")
             arr = np.empty(lay.shape, dt)  # nothing to share in an empty array
-            return tensors.as_torch(arr, lay.torch_dtype) if lay.torch_dtype else arr
+            return tensors.as_torch(arr, lay.torch_dtype) if lay.torch_dtype and \
+                tensors.torch_imported() else arr
         rec = peer.segments.get(seg_id) or segment_of(peer, seg_id)
         start = offset + lay.lo
         nbytes = lay.nbytes
@@ -481,8 +484,8 @@ class Receiver(Closeable):
         else:
             arr = np.ndarray(lay.shape, dt, buffer=lease, offset=-lay.lo,  # type: ignore[arg-type]
                              strides=lay.strides)
-        if lay.torch_dtype is None:
-            return arr
+        if lay.torch_dtype is None or not tensors.torch_imported():
+            return arr  # Note [Tensors to a process without torch]
         # torch has no read-only tensors: from a read-only mapping, a private copy
         return tensors.as_torch(arr if self._writable else arr.copy(), lay.torch_dtype)
 

@@ -273,7 +273,7 @@ def build(meta: bytes, address: int, size: int, root: Any, readonly: bool, on_re
             if 0 not in lay.shape and (dt.itemsize or dt.kind in "SU"):
                 raise StoreError(f"an empty array's descriptor has shape {lay.shape}")
             arr = np.empty(lay.shape, dt)
-            if lay.torch_dtype is None:
+            if lay.torch_dtype is None or not tensors.torch_imported():
                 arr.flags.writeable = False  # as every array a get gives
         else:
             start = offset + lay.lo
@@ -285,10 +285,10 @@ def build(meta: bytes, address: int, size: int, root: Any, readonly: bool, on_re
             else:
                 arr = np.ndarray(lay.shape, dt, buffer=lease, offset=offset,  # type: ignore[arg-type]
                                  strides=lay.strides)
-            if not readonly and lay.torch_dtype is None:
+            if not readonly and (lay.torch_dtype is None or not tensors.torch_imported()):
                 arr.flags.writeable = False  # a copy-on-write mapping: numpy arrays stay read-only
-        if lay.torch_dtype is None:
-            return arr
+        if lay.torch_dtype is None or not tensors.torch_imported():
+            return arr  # Note [Tensors to a process without torch]
         problem = torch_dtype_problem(dt, lay.torch_dtype)  # the daemon checked it: ours too
         if problem is not None:
             raise StoreError(f"the store sent a malformed object: {problem}")
