@@ -24,7 +24,9 @@ _GiB, _MiB = 1 << 30, 1 << 20
 def main(argv: list[str] | None = None) -> int:
     """Run the ``shmshare`` command line and return its exit code."""
     parser = argparse.ArgumentParser(prog="shmshare", description="Zero-copy tensors between "
-                                     "processes through shared memory: host checks and demos.")
+                                     "processes through shared memory: host checks, what each "
+                                     "process holds, the store daemon, and demos.")
+    parser.add_argument("--version", action="version", version=f"shmshare {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     doc = sub.add_parser("doctor", help="check what shmshare needs from this host, and what it means")
     doc.add_argument("--json", action="store_true", help="print a machine-readable report")
@@ -49,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
                      choices=("debug", "info", "warning", "error", "critical"))
     srv.add_argument("--detach", action="store_true",
                      help="run in the background; print the socket path once it listens")
-    dem = sub.add_parser("demo", help="run the seed's fd-lifetime walk-through with two processes")
+    dem = sub.add_parser("demo", help="watch a shared segment's fds and mappings live across two "
+                         "processes, then the DataLoader beside torch's")
     dem.add_argument("--backend", choices=("memfd", "posix"), default="memfd")
     dem.add_argument("--size", type=_parse_size, default=64 * _MiB,
                      help="segment size, e.g. 8M, 64MiB, 1G (default 64M)")
@@ -110,3 +113,12 @@ def _parse_size(text: str) -> int:
     if nbytes < 4096:
         raise argparse.ArgumentTypeError(f"size must be at least 4 KiB (one page), got {text!r}")
     return nbytes
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("shmshare")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "(not installed)"
