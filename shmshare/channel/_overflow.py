@@ -15,7 +15,9 @@ Note [Past the pool]
     with no limit. The receiver sees one more segment, announced as any
     other; nothing changes for it. Such a block is never kept as a spare:
     when the receiver releases it, it goes back and the allocator gives its
-    free segments back to the host at once. ``on_overflow`` is called the
+    free segments back at once. The receiver unmaps a freed segment when
+    the next message tells it so (a receiver that receives nothing more
+    keeps its mapping, and so the pages, until the sender closes). ``on_overflow`` is called the
     first time, so that the owner can say once that the pool was too small.
 """
 

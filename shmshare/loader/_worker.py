@@ -246,4 +246,4 @@ def _past_the_pool(limit: int, nbytes: int) -> None:
                   "full of batches the main process still holds (kept in a list, a cache, ...); "
                   "the batches after go in shared memory outside the pool, given back when each "
                   f"is dropped. Pass a larger pool_limit= (now {limit}) to keep them pooled.",
-                  UserWarning, stacklevel=2)
+                  UserWarning, stacklevel=1)  # (where it is said: nothing of the user's is on the stack)

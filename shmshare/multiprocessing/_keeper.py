@@ -19,15 +19,25 @@ Note [A keeper after exit]
     socket and exits. Handles claimed by then stay valid for good, as
     always: their receivers map the memfds themselves.
 
-    The keeper runs no code of the program: it forks inside the exit
-    function, runs only the server loop, and leaves with ``os._exit``.
-    Where the fork fails (no memory, a process limit), the exiting process
-    lingers itself, as before.
+    The keeper runs no code of the program. It is forked with the C
+    library's ``fork()`` called with the GIL held (``ctypes.PyDLL``), not
+    ``os.fork()``: no ``os.register_at_fork`` handler runs, the program's
+    or any library's. The locks it needs (the owner's) are taken before the
+    fork by the exiting thread, which is the keeper's only thread, and given
+    back on both sides. In the keeper the garbage collector is off (no
+    ``__del__`` of the program's garbage runs a second time), every Python
+    signal handler is reset to the default, and it leaves with
+    ``os._exit`` without closing anything but its socket file. Where the
+    fork fails (no memory, a process limit), the exiting process lingers
+    itself, as before.
 """
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
+import signal
 import time
 from typing import TYPE_CHECKING
 
@@ -41,33 +51,62 @@ def keep_after_exit(owner: Owner, linger: float) -> bool:
     """At exit: hand `owner`'s unclaimed handles to a keeper for up to `linger` s; True if one
     took them (the caller then leaves the owner to it), False to linger here.
 
-    `owner` is no longer this process's owner (``close_owner`` let go of it first), so the
-    fork handlers of the multiprocessing layer leave it as it is in the keeper.
+    `owner` is no longer this process's owner (``close_owner`` let go of it first).
     """
     server = owner.server
     if not linger > 0 or server is None or not owner.unclaimed():
         return False
     server.stop_thread()  # first: one process at a time reads the peers' sockets
-    try:
-        pid = os.fork()
-    except OSError:
-        server.start_thread()  # no keeper: we linger ourselves
+    # a thread still pickling may hold the owner's lock: the keeper must not start with it held
+    if not owner._lock.acquire(timeout=_LOCK_WAIT):
+        server.start_thread()
         return False
-    if pid == 0:
-        _serve_then_exit(owner, time.monotonic() + linger)  # never returns
-    server.disown()  # the keeper serves its sockets now; our copies end with us
-    return True
+    try:
+        pid = _raw_fork()
+    except OSError:
+        pid = -1
+    if pid != 0:
+        owner._lock.release()
+        if pid < 0:
+            server.start_thread()  # no keeper: we linger ourselves
+            return False
+        server.disown()  # the keeper serves its sockets now; our copies end with us
+        return True
+    # the keeper
+    owner._lock.release()  # taken by this very thread, the only one here
+    _serve_then_exit(owner, time.monotonic() + linger)  # never returns
+    return False  # (unreachable)
+
+
+_LOCK_WAIT = 5.0  # s the exiting thread waits for a pickling thread to let go of the owner
+
+
+def _raw_fork() -> int:
+    """fork(2) with none of os.fork()'s at-fork handlers (the program's code), the GIL held."""
+    fork = ctypes.PyDLL(None).fork  # PyDLL: the GIL stays held; no other thread runs meanwhile
+    fork.restype = ctypes.c_int
+    pid = int(fork())
+    if pid < 0:
+        raise OSError(ctypes.get_errno(), "fork failed")
+    return pid
 
 
 def _serve_then_exit(owner: Owner, deadline: float) -> None:
     code = 0
     try:
+        gc.disable()  # the program's garbage is not ours to finalize (a second time)
+        for sig in signal.valid_signals():
+            try:
+                if callable(signal.getsignal(sig)):
+                    signal.signal(sig, signal.SIG_DFL)  # no handler of the program's runs here
+            except (OSError, ValueError, TypeError):
+                pass  # SIGKILL, SIGSTOP and the like
         os.setsid()  # no terminal's signals, no process group of the program's
         _close_all_but(owner.fds())
         server = owner.server
         assert server is not None
         server.serve_here(lambda: not owner.unclaimed(), deadline)
-        owner.close(0)  # the socket and its directory go, and the pool
+        server.remove_socket()  # what a client needs to see we are gone; the rest ends with us
     except BaseException:  # noqa: BLE001 -- nothing of the program's may run here: leave
         code = 1
     finally:

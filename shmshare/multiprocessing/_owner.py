@@ -550,6 +550,11 @@ _owner_lock = threading.Lock()
 _exiting = False  # set at exit: a pickle after that goes by value, never starting a new owner
 
 
+def exiting() -> bool:
+    """Whether this process's exit began: a pickle goes by value now (no new owner, no keeper)."""
+    return _exiting
+
+
 def owner() -> Owner:
     """This process's owner, made on first use."""
     global _owner

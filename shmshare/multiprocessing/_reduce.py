@@ -46,7 +46,7 @@ import numpy as np
 from .. import _native, tensors
 from ._client import rebuild_array
 from ._common import env_number
-from ._owner import current_owner, owner
+from ._owner import current_owner, exiting, owner
 
 __all__ = ["init_reductions", "reduce_ndarray", "reduce_tensor", "BY_VALUE_BELOW"]
 
@@ -76,6 +76,8 @@ def _handle(arr: np.ndarray, storage: Any = None) -> tuple[Any, ...] | None:
 def _make_handle(arr: np.ndarray, storage: Any) -> tuple[Any, ...] | None:
     if arr.nbytes == 0 or arr.dtype.itemsize == 0:
         return None  # nothing to share, whatever BY_VALUE_BELOW says
+    if exiting():
+        return None  # by value, as it should at exit: nothing to warn about
     ow = owner()
     if storage is not None:  # torch shared it: no copy (Note [What goes as a handle])
         got = ow.place_shared(arr, storage)

@@ -175,6 +175,11 @@ class Server:
         self._thread = threading.Thread(target=self._main, name="shmshare-mp-server", daemon=True)
         self._thread.start()
 
+    def remove_socket(self) -> None:
+        """In a keeper that is done: remove the socket file and its directory (nothing else is
+        closed: the process ends now)."""
+        self._listener.close()
+
     def disown(self) -> None:
         """A keeper serves the socket now: our copy's close (at exit) leaves its file there."""
         self._listener.disown()

@@ -11,9 +11,11 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from multiprocessing.reduction import ForkingPickler
 
 import numpy as np
+import psutil
 
 import shmshare.multiprocessing as smp
 
@@ -73,3 +75,85 @@ def test_a_script_whose_array_is_not_received_yet_exits_at_once():
     assert float(got.min()) == float(got.max()) == 9.0
     _wait_for(lambda: not _socket_dirs(int(pid)), WAIT, "the keeper to leave once all is claimed")
     del got
+
+
+# -- the keeper runs nothing of the program's ------------------------------------------------------
+
+_READER = textwrap.dedent("""
+    import sys, pickle
+    import shmshare.multiprocessing as mp
+    a = pickle.loads(open(sys.argv[1], "rb").read())
+    print(float(a.sum()))
+""")
+
+
+def _kill_copies(script: str) -> None:
+    """Kill every process (keepers included: their own session) running `script`, by pid."""
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            if script in (p.info["cmdline"] or []) and p.pid != os.getpid():
+                p.kill()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+
+
+def _run(tmp_path, body: str) -> tuple[str, list[str]]:
+    script = str(tmp_path / "owner.py")
+    marker, blob = tmp_path / "marker.txt", tmp_path / "h.bin"
+    with open(script, "w") as f:
+        f.write(textwrap.dedent("""
+            import os, sys, gc
+            import numpy as np
+            import shmshare.multiprocessing as mp
+            from multiprocessing.reduction import ForkingPickler
+            MARK = sys.argv[1]
+            def mark(what):
+                with open(MARK, "a") as f:
+                    f.write(f"{what} {os.getpid()}\\n")
+            mark("owner")
+            open(sys.argv[2], "wb").write(bytes(ForkingPickler.dumps(np.arange(1000.0))))
+        """) + textwrap.dedent(body))
+    env = dict(os.environ, SHMSHARE_MP_LINGER="3")
+    try:
+        subprocess.run([sys.executable, script, str(marker), str(blob)], env=env, timeout=30,
+                       check=True)
+        reader = tmp_path / "reader.py"
+        reader.write_text(_READER)
+        time.sleep(0.3)
+        out = subprocess.run([sys.executable, str(reader), str(blob)], env=env, timeout=30,
+                             capture_output=True, text=True, check=True).stdout
+        time.sleep(0.5)  # the keeper leaves once the handle is claimed
+        return out, marker.read_text().split("\n")
+    finally:
+        _kill_copies(script)
+
+
+def _pids(lines: list[str], what: str) -> set[str]:
+    return {ln.split()[1] for ln in lines if ln.startswith(what + " ")}
+
+
+def test_the_keeper_runs_no_fork_handler_of_the_programs(tmp_path):
+    """os.register_at_fork(after_in_child=...) is the program's code: the keeper's os.fork()
+    ran it in the keeper."""
+    out, lines = _run(tmp_path, """
+        os.register_at_fork(after_in_child=lambda: mark("user_fork_handler"))
+    """)
+    assert out.strip() == "499500.0"
+    ran_in = _pids(lines, "user_fork_handler")
+    assert not ran_in, f"a user's fork handler ran in the keeper (pid {ran_in}): {lines}"
+
+
+def test_the_keeper_runs_no_finalizer_of_the_programs(tmp_path):
+    """Cyclic garbage of the program's, left for the next collection: the exit finalized it, and
+    the keeper's own collector (its serving loop allocates) ran its __del__ a second time."""
+    out, lines = _run(tmp_path, """
+        class D:
+            def __del__(self):
+                mark("del")
+        gc.collect(); gc.set_threshold(50)
+        d = D(); d.me = d; del d
+    """)
+    assert out.strip() == "499500.0"
+    owner = _pids(lines, "owner")
+    dels = _pids(lines, "del")
+    assert dels <= owner, f"a user __del__ ran in the keeper (pids {dels - owner}): {lines}"
