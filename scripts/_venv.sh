@@ -21,7 +21,9 @@ have_extras() { [ -f "$stamp" ] && { [ -z "$extras" ] || grep -qx "$extras" "$st
 if ! have_extras || ! "$venv/bin/python" -c 'import shmshare._native' 2>/dev/null; then
     echo "+ installing shmshare${extras:+ [$extras]} into $venv"
     "$venv/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-    "$venv/bin/python" -m pip install -q -e "$spec"
+    # compat: a path in a .pth, which mypy (and a checkout's parent directory) sees as the package,
+    # where the default editable finder is an import hook that mypy cannot follow
+    "$venv/bin/python" -m pip install -q -e "$spec" --config-settings editable_mode=compat
     [ -f "$stamp" ] || { rm -f "$venv"/.shmshare-install-*; : > "$stamp"; }
     [ -z "$extras" ] || echo "$extras" >> "$stamp"
 fi

@@ -23,7 +23,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 from ..channel import DEFAULT_LIMIT
 from . import _collate, _samplers
@@ -35,6 +35,18 @@ __all__ = ["DataLoader"]
 T_co = TypeVar("T_co", covariant=True)
 
 _FROZEN = ("batch_size", "batch_sampler", "sampler", "drop_last", "dataset", "persistent_workers")
+
+
+class _MapDataset(Protocol[T_co]):
+    """What a map-style dataset offers (torch's ``Dataset[T]`` is one)."""
+
+    def __getitem__(self, index: Any, /) -> T_co: ...
+
+
+class _IterDataset(Protocol[T_co]):
+    """What an iterable-style dataset offers (torch's ``IterableDataset[T]`` is one)."""
+
+    def __iter__(self) -> Iterator[T_co]: ...
 
 
 class DataLoader(Generic[T_co]):
@@ -50,9 +62,9 @@ class DataLoader(Generic[T_co]):
     Beyond torch's arguments
     ------------------------
     pool_limit : int, optional (keyword)
-        Bytes of shared memory each worker's pool may hold (default 1 GiB).
-        A worker waits for the main process to drop batches past it, and
-        after a minute raises PoolExhausted in the main process, naming it.
+        Bytes of shared memory each worker's pool holds (default 1 GiB).
+        Batches the program keeps past it go in shared memory outside the
+        pool, given back when dropped, with one warning (Note [Past the pool]).
     device : str or int, optional (keyword)
         ``"cuda"``, ``"cuda:N"`` or an ordinal: batches arrive in that
         device's memory (torch tensors, or ``shmshare.cuda.DeviceArray``s in
@@ -62,7 +74,8 @@ class DataLoader(Generic[T_co]):
 
     __initialized = False
 
-    def __init__(self, dataset: Any, batch_size: int | None = 1, shuffle: bool | None = None,
+    def __init__(self, dataset: _MapDataset[T_co] | _IterDataset[T_co], batch_size: int | None = 1,
+                 shuffle: bool | None = None,
                  sampler: Any = None, batch_sampler: Any = None, num_workers: int = 0,
                  collate_fn: Callable[[Any], Any] | None = None, pin_memory: bool = False,
                  drop_last: bool = False, timeout: float = 0,
@@ -91,7 +104,7 @@ class DataLoader(Generic[T_co]):
             raise ValueError(f"pool_limit must be a positive number of bytes, got {pool_limit!r}")
 
         self._use_torch = use_torch
-        self.dataset = dataset
+        self.dataset: Any = cast(Any, dataset)  # typed by its protocols above; used as torch uses it
         self.num_workers = num_workers
         self.prefetch_factor = prefetch_factor
         self.pin_memory = pin_memory
@@ -109,7 +122,7 @@ class DataLoader(Generic[T_co]):
             if use_torch and shuffle is not None and _is_iter_datapipe(dataset):
                 from torch.utils.data import graph_settings
 
-                graph_settings.apply_shuffle_settings(dataset, shuffle=shuffle)  # in place, as torch
+                graph_settings.apply_shuffle_settings(self.dataset, shuffle=shuffle)  # in place, as torch
             elif shuffle not in {False, None}:
                 raise ValueError("DataLoader with IterableDataset: expected unspecified shuffle "
                                  f"option, but got shuffle={shuffle}")
@@ -204,7 +217,7 @@ class DataLoader(Generic[T_co]):
         self.check_worker_number_rationality()
         return MultiProcessIter(self)
 
-    def __iter__(self) -> Iterator[T_co]:
+    def __iter__(self) -> Iterator[Any]:  # batches, collated: Any, as torch's
         if self.persistent_workers and self.num_workers > 0:
             if self._iterator is None:
                 self._iterator = self._get_iterator()
