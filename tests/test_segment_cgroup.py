@@ -7,9 +7,8 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
-import pytest
+from .cgroup_helpers import memory_cgroup
 
 MiB = 1 << 20
 LIMIT = 160 * MiB
@@ -33,58 +32,12 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def _make_cgroup() -> tuple[str, str] | str:
-    """Return (directory, procs file) of a fresh cgroup limited to LIMIT, or why none can be made."""
-    if os.geteuid() != 0:
-        return "needs root to create a memory cgroup"
-    name = f"shmshare_test_{os.getpid()}"
-    with open("/proc/self/cgroup") as f:
-        lines = f.read().splitlines()
-    v1 = next((ln.split(":", 2)[2] for ln in lines if "memory" in ln.split(":")[1].split(",")), None)
-    tried = []
-    if os.path.exists("/sys/fs/cgroup/cgroup.controllers"):  # v2 mounted at /sys/fs/cgroup
-        d = f"/sys/fs/cgroup/{name}"  # under the root: a v2 inner cgroup may not hold processes
-        try:
-            with open("/sys/fs/cgroup/cgroup.subtree_control", "w") as f:
-                f.write("+memory")
-            os.mkdir(d)
-            with open(f"{d}/memory.max", "w") as f:
-                f.write(str(LIMIT))
-            with open(f"{d}/memory.swap.max", "w") as f:
-                f.write("0")
-            return d, f"{d}/cgroup.procs"
-        except OSError as exc:
-            tried.append(f"v2: {exc}")
-            _remove(d)
-    if v1 is not None and os.path.isdir("/sys/fs/cgroup/memory"):
-        d = os.path.join("/sys/fs/cgroup/memory", v1.lstrip("/"), name)
-        try:
-            os.mkdir(d)
-            with open(f"{d}/memory.limit_in_bytes", "w") as f:
-                f.write(str(LIMIT))
-            return d, f"{d}/cgroup.procs"
-        except OSError as exc:
-            tried.append(f"v1: {exc}")
-            _remove(d)
-    return "no memory cgroup can be made here: " + ("; ".join(tried) or "neither v2 nor v1 memory")
-
-
-def _remove(d: str) -> None:
-    deadline = time.monotonic() + 10
-    while os.path.isdir(d):
-        try:
-            os.rmdir(d)
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)  # the dead child's charges are still being uncharged
-
-
 def test_filling_a_memory_cgroup_is_a_segment_error_not_an_oom_kill():
-    made = _make_cgroup()
-    if isinstance(made, str):
-        pytest.skip(made)
-    directory, procs = made
+    with memory_cgroup(LIMIT) as (directory, procs):
+        _fill_in_a_child(directory, procs)
+
+
+def _fill_in_a_child(directory: str, procs: str) -> None:
     proc = None
     try:
         proc = subprocess.Popen([sys.executable, "-c", CHILD, procs, str(SEGMENT)],
@@ -102,4 +55,3 @@ def test_filling_a_memory_cgroup_is_a_segment_error_not_an_oom_kill():
         if proc is not None and proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(10)
-        _remove(directory)

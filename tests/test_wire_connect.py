@@ -17,6 +17,7 @@ import pytest
 
 from shmshare import wire
 from shmshare._errors import ShmshareTimeout
+from tests.socket_helpers import fill_backlog
 
 WAIT = 20.0  # s: the bound on every wait that is expected to end much sooner
 
@@ -27,17 +28,7 @@ def full(tmp_path) -> Iterator[tuple[wire.Listener, list[socket.socket]]]:
     lst = wire.Listener(tmp_path / "sock", backlog=1)
     queued: list[socket.socket] = []
     try:
-        for _ in range(64):  # backlog+1 fit (net.core.somaxconn permitting); then EAGAIN
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK
-                              | socket.SOCK_CLOEXEC)
-            try:
-                s.connect(lst.path)
-            except BlockingIOError:
-                s.close()
-                break
-            queued.append(s)
-        else:
-            pytest.fail("64 connects never filled a backlog of 1")
+        queued = fill_backlog(lst.path, 64)  # backlog+1 fit (net.core.somaxconn permitting)
         yield lst, queued
     finally:
         for s in queued:

@@ -13,6 +13,7 @@ import numpy as np
 import shmshare.multiprocessing as smp
 from shmshare.multiprocessing import _owner
 
+from ..socket_helpers import fill_backlog
 from .helpers import WAIT
 from .test_mp_hostile import _kill
 
@@ -21,20 +22,6 @@ def _owner_sends(q, ready, inq) -> None:
     q.put(np.full(1 << 14, 4.0))  # SimpleQueue: pickled and written here, now
     ready.put(_owner.current_owner().path)
     assert inq.get() == "bye"
-
-
-def _fill_backlog(path: str) -> list[socket.socket]:
-    """Connect without being accepted until the kernel says the backlog is full."""
-    queued = []
-    while len(queued) < 4096:
-        s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK)
-        try:
-            s.connect(path)
-        except BlockingIOError:
-            s.close()
-            return queued
-        queued.append(s)
-    raise AssertionError("the backlog never filled")
 
 
 def test_a_handle_unpickled_while_its_owners_backlog_is_full_arrives():
@@ -48,7 +35,7 @@ def test_a_handle_unpickled_while_its_owners_backlog_is_full_arrives():
         path = ready.get()
         os.kill(p.pid, signal.SIGSTOP)  # it accepts nobody while stopped
         try:
-            queued = _fill_backlog(path)
+            queued = fill_backlog(path, 4096)
             t = threading.Thread(target=lambda: got.append(_get(q)), daemon=True)
             t.start()
             t.join(0.5)  # the unpickle is waiting for room by now (or failed at once)

@@ -16,6 +16,7 @@ import pytest
 from shmshare import ShmshareTimeout
 from shmshare.store import Daemon, Store, StoreError
 
+from ..socket_helpers import fill_backlog
 from .helpers import WAIT, pattern
 
 
@@ -25,17 +26,7 @@ def _stopped_and_full(d: Daemon) -> Iterator[None]:
     queued: list[socket.socket] = []
     os.kill(d.pid, signal.SIGSTOP)
     try:
-        for _ in range(10_000):  # its backlog (256) + 1 fit; then EAGAIN
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK
-                              | socket.SOCK_CLOEXEC)
-            try:
-                s.connect(d.path)
-            except BlockingIOError:
-                s.close()
-                break
-            queued.append(s)
-        else:
-            pytest.fail("10,000 connects never filled the daemon's backlog")
+        queued = fill_backlog(d.path, 10_000)  # its backlog (256) + 1 fit; then EAGAIN
         yield
     finally:
         os.kill(d.pid, signal.SIGCONT)
