@@ -29,7 +29,6 @@ from .. import tensors as _tensors
 from ._client import close_client as _close_client
 from ._common import HandleError as HandleError
 from ._common import OwnerGone as OwnerGone
-from ._owner import OwnerStatistics as OwnerStatistics
 from ._owner import close_owner as _close_owner
 from ._owner import current_owner as _current_owner
 from ._owner import exit_linger as exit_linger
@@ -38,6 +37,7 @@ from ._owner import set_exit_linger as set_exit_linger
 from ._reduce import BY_VALUE_BELOW as BY_VALUE_BELOW
 from ._reduce import init_reductions as init_reductions
 from ._reduce import install as _install
+from ._statistics import OwnerStatistics as OwnerStatistics
 
 _OURS = ["init_reductions", "empty", "zeros", "statistics", "shutdown", "exit_linger",
          "set_exit_linger", "OwnerGone", "HandleError", "OwnerStatistics", "BY_VALUE_BELOW"]

@@ -37,12 +37,11 @@ import secrets
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .. import _fork, _native, _registry
+from .. import _fork, _native, _registry, tensors
 from .._errors import PoolExhausted, ShmshareError
 from ..channel._announce import SegmentBook
 from ..channel._blocks import SPARE_BYTES, BlockBook, _Held, host_cause
@@ -52,9 +51,10 @@ from ._claims import ClaimBook, ClaimMap
 from ._common import env_number
 from ._keeper import keep_after_exit
 from ._server import Server, sweep_stale
+from ._statistics import OwnerStatistics
 from ._table import CLAIMED, PENDING, LeaseTable, sign, word
 
-__all__ = ["Owner", "owner", "current_owner", "OwnerStatistics", "exit_linger", "set_exit_linger"]
+__all__ = ["Owner", "owner", "current_owner", "exit_linger", "set_exit_linger"]
 
 _DEFAULT_LINGER = 10.0
 _RECHECK = 0.1  # s between two looks at slots released while still marked
@@ -81,33 +81,6 @@ def set_exit_linger(seconds: float) -> None:
         raise ValueError(f"exit linger must be >= 0 seconds, got {seconds!r}")
     _linger = value
     os.environ["SHMSHARE_MP_LINGER"] = repr(value)
-
-
-@dataclass(frozen=True)
-class OwnerStatistics:
-    """What this process's pool holds for handles it pickled (``statistics()``)."""
-
-    pid: int
-    handles_pickled: int  # handles made so far
-    arrays_copied: int  # of which copied into the pool
-    arrays_in_place: int  # of which sent from the pool as they were (empty(), share_memory_())
-    by_value: int  # arrays pickled as bytes instead (no room in the pool or the table)
-    handles_unclaimed: int  # pickled, not unpickled yet: each pins its block until claimed or exit
-    handles_claimed: int  # unpickled by a live process, not released yet
-    bytes_leased: int  # pool bytes those handles pin
-    reclaimed: int  # handles given back because the process that claimed them went
-    peers: int  # processes connected to the fd server now
-    segments_sent: int  # segment fds the server handed out
-    reserved_bytes: int  # shared memory the pool holds
-    allocated_bytes: int  # of which in use (spare blocks included)
-
-
-def _c_strides(arr: np.ndarray) -> tuple[int, ...]:
-    out, step = [], arr.dtype.itemsize
-    for n in reversed(arr.shape):
-        out.append(step)
-        step *= n
-    return tuple(reversed(out))
 
 
 # A foreign call: the GIL is released while it copies. One thread: a copy split over two was
@@ -203,7 +176,8 @@ class Owner(BlockBook):
                 except MemoryError:
                     self._counts["by_value"] += 1
                     return None
-                start, lo, strides = held.block.address - held.seg.address, 0, _c_strides(arr)
+                start, lo = held.block.address - held.seg.address, 0
+                strides = tensors.c_strides(arr.dtype.itemsize, arr.shape)
                 span = arr.nbytes  # C order now: a broadcast source spanned fewer bytes
                 self._copied += 1
             else:
