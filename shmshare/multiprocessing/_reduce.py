@@ -2,23 +2,27 @@
 
 Note [What goes as a handle]
     ``ForkingPickler`` looks reducers up by exact type, so these cover
-    ``numpy.ndarray``, ``torch.Tensor`` and ``torch.nn.Parameter`` (not
-    subclasses such as ``np.memmap``, which pickle as they always did).
-    An array goes as a handle to its block in this process's pool when:
+    ``numpy.ndarray``, ``torch.Tensor``, ``torch.nn.Parameter`` and
+    ``torch.UntypedStorage`` (not subclasses such as ``np.memmap``, which
+    pickle as they always did).
+
+    numpy arrays keep the stdlib's value semantics: an array goes as a
+    handle to a copy of its elements in a block of this process's pool when
     its dtype holds no object references, it has at least ``BY_VALUE_BELOW``
     bytes (``SHMSHARE_MP_BY_VALUE_BELOW``, default 1024: smaller ones are
     cheaper as bytes, a handle costing a slot, a release and ~170 bytes of
-    pickle) or it is in the pool already, and the pool and the lease table
-    have room. Otherwise it goes by value: an ndarray as numpy pickles it,
-    a plain CPU tensor as that ndarray inside our own ``rebuild_tensor``
-    (not torch's reducer, which would move it into a fresh shm segment:
-    the slow path this module replaces). Tensors that are not plain CPU
-    strided ones (CUDA, sparse, quantized, nested, conjugate or negative
-    bits, subclasses) go to torch's own reducer, unchanged. A tensor whose
-    storage torch has put in shared memory (``share_memory_()``) goes with
-    no copy: the handle names torch's own segment (known by its inode, not
-    its address: torch maps a new storage where a freed one was), whose fd
-    the owner keeps while handles to it are out.
+    pickle), and the pool and the lease table have room; an array already in
+    the pool (``empty()``) goes with no copy. Otherwise it goes by value, as
+    numpy pickles it.
+
+    torch tensors keep torch's semantics: the tensor reducer is torch's own
+    (a tensor is its storage plus offset, sizes and strides; CUDA, sparse,
+    nested, meta tensors and every check are torch's), and a CPU storage of
+    any size goes through ours, which moves it into the pool in place and
+    sends a handle to it, so sender and receivers share its memory (Note [A
+    tensor's storage moves into the pool] in ``_storages.py``). Under
+    torch's ``file_system`` strategy, or where the pool has no room,
+    storages go through torch's own reducer: still shared, torch's way.
 
 Note [Reducers against import order]
     ``import torch`` imports ``torch.multiprocessing``, which registers
@@ -44,11 +48,12 @@ from typing import Any
 import numpy as np
 
 from .. import _native, tensors
+from . import _storages
 from ._client import rebuild_array
 from ._common import env_number
 from ._owner import current_owner, exiting, owner
 
-__all__ = ["init_reductions", "reduce_ndarray", "reduce_tensor", "BY_VALUE_BELOW"]
+__all__ = ["init_reductions", "reduce_ndarray", "reduce_tensor", "reduce_storage", "BY_VALUE_BELOW"]
 
 # bytes: smaller arrays not in the pool pickle by value (Note [What goes as a handle])
 BY_VALUE_BELOW = int(env_number("SHMSHARE_MP_BY_VALUE_BELOW", 1024, "bytes"))
@@ -113,12 +118,12 @@ def _dtype_str(dt: np.dtype) -> str:
 _warned = False
 
 
-def _warn_by_value(exc: BaseException) -> None:
+def _warn_by_value(exc: BaseException, how: str = "by value (pickled bytes)") -> None:
     global _warned
     if not _warned:
         _warned = True
-        warnings.warn(f"shmshare.multiprocessing: an array goes by value (pickled bytes), not as "
-                      f"a handle: {type(exc).__name__}: {exc} (said once per process)",
+        warnings.warn(f"shmshare.multiprocessing: an array goes {how}, not as a handle to the "
+                      f"pool: {type(exc).__name__}: {exc} (said once per process)",
                       ResourceWarning, stacklevel=4)
 
 
@@ -131,42 +136,44 @@ def reduce_ndarray(arr: np.ndarray) -> Any:
 
 
 def reduce_tensor(t: Any) -> Any:
-    """ForkingPickler's reducer for ``torch.Tensor`` and ``torch.nn.Parameter``."""
+    """ForkingPickler's reducer for ``torch.Tensor`` and ``torch.nn.Parameter``: torch's own.
+
+    It pickles a CPU tensor as its storage (a ``TypedStorage``) and its
+    offset, sizes and strides; the storage's bytes go through
+    :func:`reduce_storage`, ours (Note [A tensor's storage moves into the pool]
+    in ``_storages.py``). Everything else about tensors -- grads and hooks
+    refused, Parameters, CUDA, sparse, nested and meta tensors -- is torch's.
+    """
+    return _torch().multiprocessing.reductions.reduce_tensor(t)
+
+
+def reduce_storage(st: Any) -> Any:
+    """ForkingPickler's reducer for ``torch.UntypedStorage``: a CPU storage moves into this
+    process's pool, in place, and goes as a handle (Note [A tensor's storage moves into the pool])."""
     torch = _torch()
-    if t.requires_grad:
-        if not t.is_leaf:
-            raise RuntimeError(
-                "Cowardly refusing to serialize non-leaf tensor which requires_grad, since "
-                "autograd does not support crossing process boundaries.  If you just want to "
-                "transfer the data, call detach() on the tensor before serializing (e.g., "
-                "putting it on the queue).")
-        data = t.detach()
-    else:
-        data = t
-    cls = type(t)
-    if (cls is not torch.Tensor and cls is not torch.nn.Parameter) or not data.is_cpu \
-            or data.layout is not torch.strided or data.is_quantized or data.is_nested:
-        return torch.multiprocessing.reductions.reduce_tensor(t)  # theirs, unchanged
+    if st.device.type != "cpu" or st.nbytes() == 0 or exiting() \
+            or torch.multiprocessing.get_sharing_strategy() == "file_system":
+        return torch.multiprocessing.reductions.reduce_storage(st)  # theirs, unchanged
     try:
-        arr = data.numpy()  # refuses conjugate and negative bits: theirs too, below
-        name = _torch_names.get(t.dtype)
-        if name is None:
-            name = _torch_names[t.dtype] = str(t.dtype).removeprefix("torch.")
-    except TypeError:  # no numpy dtype (bfloat16, float8): the bits as integers
-        try:
-            arr, name = tensors.as_numpy(data)
-        except (TypeError, RuntimeError, KeyError):
-            return torch.multiprocessing.reductions.reduce_tensor(t)
-    except RuntimeError:
-        return torch.multiprocessing.reductions.reduce_tensor(t)
-    storage = data.untyped_storage()
-    h = _handle(arr, storage if storage.is_shared() else None)
-    # by value, our way (torch's would move the tensor into a fresh shm segment of its own)
-    return rebuild_tensor, (arr if h is None else h, name, bool(t.requires_grad),
-                            cls is torch.nn.Parameter)
+        got, external = _storages.share(st)
+    except Exception as exc:  # noqa: BLE001  (torch's own reducer shares it instead, below)
+        _warn_by_value(exc, "torch's own shared memory")
+        got, external = None, False
+    if got is None:  # no room in the pool or the lease table: shared all the same, torch's way
+        return torch.multiprocessing.reductions.reduce_storage(st)
+    ow = owner()
+    return rebuild_storage, ((ow.pid, ow.token, ow.path, *got, _dtype_str(_U8), (st.nbytes(),),
+                              external, ow.sign(got, external)),)
 
 
-_torch_names: dict[Any, str] = {}
+_U8 = np.dtype(np.uint8)
+
+
+def rebuild_storage(handle: tuple[Any, ...]) -> Any:
+    """Unpickle a storage: one storage per block range while any view of it lives here."""
+    return _storages.rebuild(rebuild_array(*handle), _storages.receivers_key(handle))
+
+
 _torch_mod: Any = None
 
 
@@ -178,17 +185,6 @@ def _torch() -> Any:
 
         _torch_mod = torch
     return _torch_mod
-
-
-def rebuild_tensor(payload: Any, name: str, requires_grad: bool, parameter: bool) -> Any:
-    """Unpickle a tensor: over the owner's block (a handle), or from its bytes (by value)."""
-    arr = payload if isinstance(payload, np.ndarray) else rebuild_array(*payload)
-    t = tensors.as_torch(arr, name)
-    if parameter:
-        return _torch().nn.Parameter(t, requires_grad=requires_grad)
-    if requires_grad:
-        t.requires_grad_(True)
-    return t
 
 
 _registered_lock = threading.Lock()
@@ -205,6 +201,8 @@ def init_reductions() -> None:
 
             ForkingPickler.register(torch.Tensor, reduce_tensor)
             ForkingPickler.register(Parameter, reduce_tensor)
+            ForkingPickler.register(torch.UntypedStorage, reduce_storage)
+            _storages.wrap_torch_methods()
 
 
 class _AfterTorchMultiprocessing(importlib.abc.MetaPathFinder):

@@ -223,16 +223,16 @@ def _noncontiguous():
         "expand-0": torch.tensor([1.5], dtype=torch.float64).expand(3000),
         "permute": base.reshape(4, 16, 48).permute(2, 0, 1),
         "offset": base[10:, 5:],
-        "0d-big-none": torch.tensor(2.5),  # by value (torch's reducer)
+        "0d": torch.tensor(2.5),  # any size: its storage is shared, as torch shares it
     }
 
 
 def test_noncontiguous_tensors_round_trip(echo):
     for name, t in _noncontiguous().items():
         try:
-            back = _assert_trip(echo, t,
-                                as_handle=t.numel() * t.element_size() >= smp.BY_VALUE_BELOW)
+            back = _assert_trip(echo, t)
             assert torch.equal(back, t)
+            assert back.stride() == t.stride() and back.storage_offset() == t.storage_offset()
         except AssertionError as exc:
             raise AssertionError(f"tensor {name!r}: {exc}") from exc
 
@@ -297,7 +297,7 @@ def test_cuda_tensors_fall_back_to_torchs_reducer():
     assert _reduce.reduce_tensor(t)[0] is torch_reductions.reduce_tensor(t)[0]
 
 
-def test_sparse_coo_round_trips_through_torchs_reducer(echo):
+def test_sparse_coo_round_trips_through_torchs_reducer_and_our_storages(echo):
     idx = torch.stack([torch.arange(0, 2000, 2), torch.arange(1000) % 7])
     t = torch.sparse_coo_tensor(idx, torch.randn(1000), (2000, 7)).coalesce()
     assert _reduce.reduce_tensor(t)[0] is torch_reductions.reduce_tensor(t)[0]
@@ -305,9 +305,9 @@ def test_sparse_coo_round_trips_through_torchs_reducer(echo):
     assert info == fingerprint(t)
     assert back.is_sparse and back.shape == t.shape
     assert torch.equal(back.to_dense(), t.to_dense())
-    # torch's reduce_sparse_tensor calls its own reduce_tensor on the indices and values (not the
-    # pickler): the whole of it goes torch's way
-    assert smp.statistics().handles_pickled == 0
+    # torch's reduce_sparse_tensor calls its own reduce_tensor on the indices and values, which
+    # leaves their storages to the pickler: ours, two handles
+    assert smp.statistics().handles_pickled == 2
 
 
 def test_quantized_tensors_fall_back_to_torchs_reducer(echo):
@@ -318,7 +318,7 @@ def test_quantized_tensors_fall_back_to_torchs_reducer(echo):
     # representation is compared
     assert back.is_quantized and back.dtype == torch.qint8
     assert torch.equal(back.int_repr(), t.int_repr())
-    assert smp.statistics().handles_pickled == 0
+    assert smp.statistics().handles_pickled == 1  # its storage, through ours
 
 
 def test_empty_torch_dtype_tensors_are_pool_tensors_and_go_in_place(echo):
@@ -373,13 +373,13 @@ def _side_by_side_tensors():
         leaf,
         torch.nn.Parameter(torch.randn(64, 64)),
         torch.nn.Parameter(torch.randn(64, 64), requires_grad=False),
-        torch.tensor(7, dtype=torch.int16),  # by value on both sides
+        torch.tensor(7, dtype=torch.int16),  # shared on both sides, however small
     ]
 
 
 def test_what_arrives_matches_torch_multiprocessing():
     """Each tensor goes once through a Queue with torch's reducers and once with ours; the same
-    child reports both, and the reports must be equal (strides aside: ours arrive C-ordered)."""
+    child reports both, and the reports must be equal."""
     ctx = smp.get_context("fork")
     inq, outq = ctx.Queue(), ctx.Queue()
     tensors = _side_by_side_tensors()
@@ -400,7 +400,7 @@ def test_what_arrives_matches_torch_multiprocessing():
                 assert ours == theirs == want, t
                 assert ours_handle is (made == 1)
                 assert theirs_handle is False  # torch's own storage, not a view of our pool
-                assert made == (1 if t.numel() * t.element_size() >= smp.BY_VALUE_BELOW else 0)
+                assert made == 1  # one storage, one handle, whatever its size
             inq.put(None)
     finally:
         helpers.close_queue(inq)
@@ -412,4 +412,5 @@ def test_what_arrives_matches_torch_multiprocessing():
 def test_reducers_are_ours_after_torch_multiprocessing():
     assert ForkingPickler._extra_reducers[torch.Tensor] is _reduce.reduce_tensor
     assert ForkingPickler._extra_reducers[torch.nn.Parameter] is _reduce.reduce_tensor
+    assert ForkingPickler._extra_reducers[torch.UntypedStorage] is _reduce.reduce_storage
     assert ForkingPickler._extra_reducers[np.ndarray] is _reduce.reduce_ndarray
