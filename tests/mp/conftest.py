@@ -32,7 +32,7 @@ def _restore(before: dict[Any, Any]) -> None:
 
     reducers = ForkingPickler._extra_reducers  # type: ignore[attr-defined]
     for key, fn in list(reducers.items()):
-        if fn in (_reduce.reduce_ndarray, _reduce.reduce_tensor):
+        if fn in (_reduce.reduce_ndarray, _reduce.reduce_tensor, _reduce.reduce_storage):
             if key in before:
                 reducers[key] = before[key]
             else:

@@ -292,3 +292,14 @@ class EchoChild:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def add_one_to_parameters(model: Any, outq: Any) -> None:
+    """A Process target under spawn (Hogwild): write into the model's parameters it was given."""
+    import torch
+
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1)
+    outq.put([p.is_shared() for p in model.parameters()])
+    del model

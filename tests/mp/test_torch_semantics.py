@@ -1,0 +1,264 @@
+"""torch.multiprocessing's semantics for CPU tensors (Note [A tensor's storage moves into the
+pool]): a tensor sent is shared, both ways, with every view of its storage; views sent together or
+apart alias on the receiver; the sender gets its own storage back; is_shared() and
+share_memory_() agree; and no fd is kept per tensor."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from multiprocessing.reduction import ForkingPickler
+
+import pytest
+import torch
+
+import shmshare.multiprocessing as smp
+from shmshare.multiprocessing import _reduce
+from tests.mp import helpers
+from tests.mp.helpers import WAIT
+
+
+def _get(q):
+    return q.get(timeout=WAIT) if hasattr(q, "get_nowait") else q.get()  # a SimpleQueue has no timeout
+
+
+def _fill_and_report(inq, outq):
+    data = _get(inq)
+    data[0][:] = 4  # through the first tensor; the second is a view of the same storage
+    outq.put((float(data[1].sum()), data[0].untyped_storage()._cdata == data[1].untyped_storage()._cdata,
+              data[0].is_shared()))
+    assert _get(inq) == "read"  # the parent wrote meanwhile
+    outq.put(float(data[0][0, 0]))
+    del data
+
+
+@pytest.mark.parametrize("how", ["queue", "simple queue"])
+def test_a_sent_tensor_is_shared_both_ways_with_every_view_of_it(how):
+    x = torch.zeros(5, 5)
+    kept = x[2:]  # a view made before the send, never sent: it follows its storage too
+    ctx = smp.get_context("fork")
+    inq = ctx.Queue() if how == "queue" else ctx.SimpleQueue()
+    outq = ctx.Queue()
+    try:
+        with helpers.child(_fill_and_report, inq, outq):
+            inq.put([x, x[:, 1]])
+            col_sum, aliased, shared_there = outq.get(timeout=WAIT)
+            assert (col_sum, aliased, shared_there) == (20.0, True, True)
+            assert x.eq(4).all() and kept.eq(4).all()
+            assert x.is_shared()
+            x[0, 0] = 9  # and back: the child reads what we wrote
+            inq.put("read")
+            assert outq.get(timeout=WAIT) == 9.0
+    finally:
+        helpers.close_queue(inq)
+        helpers.close_queue(outq)
+
+
+def _simple_pool_fill(t):
+    t.fill_(4)
+    return t.add(1)
+
+
+def test_pool_map_writes_into_its_arguments_as_torch_does():
+    buffers = [torch.zeros(2, 2) for _ in range(4)]
+    with smp.get_context("fork").Pool(2) as pool:
+        results = pool.map(_simple_pool_fill, buffers, 1)
+    assert all(torch.equal(r, torch.full((2, 2), 5.0)) for r in results)
+    assert all(torch.equal(b, torch.full((2, 2), 4.0)) for b in buffers)
+
+
+def test_the_sender_unpickles_its_own_storage_and_views_alias():
+    """torch's test_fd_preserve_sharing: in the process that sent them, what comes back is the
+    very storage it sent (its _cdata), and every view of it."""
+    x = torch.randn(5, 5)
+    data = [x.untyped_storage(), x, x[2], x[:, 1]]
+    q = smp.get_context("fork").Queue()
+    try:
+        q.put(data)
+        got = q.get(timeout=WAIT)
+    finally:
+        helpers.close_queue(q)
+    assert got[0]._cdata == x.untyped_storage()._cdata
+    assert all(t.untyped_storage()._cdata == x.untyped_storage()._cdata for t in got[1:])
+    assert torch.equal(got[2], x[2]) and torch.equal(got[3], x[:, 1])
+
+
+def _views_apart(inq, outq):
+    a = inq.get(timeout=WAIT)
+    b = inq.get(timeout=WAIT)  # a view of the same storage, in a later message
+    b[0] = -3.0
+    outq.put((a.untyped_storage()._cdata == b.untyped_storage()._cdata, float(a[1, 0])))
+    del a, b
+
+
+def test_views_sent_in_different_messages_alias_on_the_receiver():
+    x = torch.arange(12.0).reshape(3, 4)
+    ctx = smp.get_context("fork")
+    inq, outq = ctx.Queue(), ctx.Queue()
+    try:
+        with helpers.child(_views_apart, inq, outq):
+            inq.put(x)
+            inq.put(x[1])
+            assert outq.get(timeout=WAIT) == (True, -3.0)
+    finally:
+        helpers.close_queue(inq)
+        helpers.close_queue(outq)
+    assert float(x[1, 0]) == -3.0
+
+
+def test_share_memory_after_a_send_leaves_the_storage_in_the_pool():
+    """Note [is_shared of our storages]: torch's share_memory_() would move it again, silently
+    ending its sharing with every receiver."""
+    x = torch.ones(64)
+    ForkingPickler.dumps(x)  # what a Queue does: x's storage is in the pool now
+    where = x.data_ptr()
+    assert x.is_shared()
+    assert x.share_memory_() is x and x.data_ptr() == where
+    y = torch.ones(64)
+    assert not y.is_shared()  # torch's answers for every other storage
+    y.share_memory_()
+    assert y.is_shared() and y.untyped_storage()._get_shared_fd() >= 0
+
+
+def _keep_all(inq, outq, n):
+    kept = [inq.get(timeout=WAIT) for _ in range(n)]
+    outq.put((len(os.listdir("/proc/self/fd")), sum(float(t[0]) for t in kept)))
+    assert inq.get(timeout=WAIT) == "bye"
+    del kept
+
+
+def test_no_fd_per_tensor_on_either_side():
+    """torch's file_descriptor strategy keeps an fd per shared storage in the sender and in the
+    receiver ("too many open files"); here the fds are the pool's segments, a few in all."""
+    n = 300
+    tensors = [torch.full((16,), float(i)) for i in range(n)]
+    ctx = smp.get_context("fork")
+    inq, outq = ctx.Queue(), ctx.Queue()
+    mine_before = len(os.listdir("/proc/self/fd"))
+    try:
+        with helpers.child(_keep_all, inq, outq, n) as c:
+            theirs_before = len(os.listdir(f"/proc/{c.pid}/fd"))
+            for t in tensors:
+                inq.put(t)
+            theirs_after, total = outq.get(timeout=WAIT)
+            mine_after = len(os.listdir("/proc/self/fd"))
+            inq.put("bye")
+    finally:
+        helpers.close_queue(inq)
+        helpers.close_queue(outq)
+    assert total == sum(range(n))
+    assert all(t.is_shared() for t in tensors)
+    assert mine_after - mine_before < 20, (mine_before, mine_after)
+    assert theirs_after - theirs_before < 20, (theirs_before, theirs_after)
+
+
+def test_hogwild_parameters_passed_to_a_spawned_process_are_shared():
+    model = torch.nn.Linear(4, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    ctx = smp.get_context("spawn")
+    outq = ctx.Queue()
+    try:
+        with helpers.child(helpers.add_one_to_parameters, model, outq, method="spawn"):
+            assert outq.get(timeout=WAIT) == [True, True]
+    finally:
+        helpers.close_queue(outq)
+    for p, old in zip(model.parameters(), before, strict=True):
+        assert torch.equal(p.detach(), old + 1)
+        assert type(p) is torch.nn.Parameter and p.requires_grad
+
+
+def _send_back_then_write(inq, outq):
+    t = inq.get(timeout=WAIT)
+    outq.put(t)  # received from the parent: goes back as a copy, and t stays the parent's
+    assert inq.get(timeout=WAIT) == "write"
+    t[0] = 8.0
+    outq.put("written")
+    del t
+
+
+def test_a_received_tensor_sent_on_arrives_and_stays_shared_with_its_owner():
+    x = torch.arange(100.0)
+    ctx = smp.get_context("fork")
+    inq, outq = ctx.Queue(), ctx.Queue()
+    try:
+        with helpers.child(_send_back_then_write, inq, outq):
+            inq.put(x)
+            back = outq.get(timeout=WAIT)
+            assert torch.equal(back, torch.arange(100.0))
+            inq.put("write")
+            assert outq.get(timeout=WAIT) == "written"
+    finally:
+        helpers.close_queue(inq)
+        helpers.close_queue(outq)
+    assert float(x[0]) == 8.0  # the child's write, after it had sent its tensor on
+    assert float(back[0]) == 0.0  # what came back is a copy (docs/multiprocessing.md)
+
+
+def _resend_inherited(inq, outq, t):
+    outq.put(t)  # a storage of the parent's pool, inherited at fork: sent as a copy
+    assert inq.get(timeout=WAIT) == "write"  # the copy arrived: the write below is not in it
+    t[1] = 6.0  # and t is still the parent's memory
+    outq.put("written")
+    del t
+
+
+def test_a_forked_child_keeps_sharing_an_inherited_tensor_it_sends():
+    x = torch.zeros(32)
+    ForkingPickler.dumps(x)  # in the pool now, as after any send
+    ctx = smp.get_context("fork")
+    inq, outq = ctx.Queue(), ctx.Queue()
+    try:
+        with helpers.child(_resend_inherited, inq, outq, x):
+            got = outq.get(timeout=WAIT)
+            inq.put("write")
+            assert outq.get(timeout=WAIT) == "written"
+    finally:
+        helpers.close_queue(inq)
+        helpers.close_queue(outq)
+    assert torch.equal(got, torch.zeros(32))
+    assert float(x[1]) == 6.0
+
+
+def _put_and_exit(q):
+    q.put(torch.arange(1000.0))
+
+
+def test_a_tensor_stays_claimable_after_its_sender_exited():
+    """Issue 21, item 5 for tensors: torch's fd sharer refuses once the producer is gone; here the
+    keeper serves the storage's handle as it serves arrays'."""
+    ctx = smp.get_context("fork")
+    q = ctx.Queue()
+    try:
+        with helpers.child(_put_and_exit, q) as c:
+            assert c.join(WAIT) == 0
+        got = q.get(timeout=WAIT)
+    finally:
+        helpers.close_queue(q)
+    assert torch.equal(got, torch.arange(1000.0)) and got.is_shared()
+
+
+def test_under_the_file_system_strategy_storages_are_torchs(monkeypatch):
+    from torch.multiprocessing import reductions
+
+    seen = []
+    # torch's own would connect to its torch_shm_manager and name a file in /dev/shm: only
+    # which reducer is called matters here
+    monkeypatch.setattr(reductions, "reduce_storage", lambda st: seen.append(st) or (bytes, ()))
+    prev = smp.get_sharing_strategy()
+    smp.set_sharing_strategy("file_system")
+    try:
+        st = torch.ones(8).untyped_storage()
+        assert _reduce.reduce_storage(st) == (bytes, ()) and seen == [st]
+    finally:
+        smp.set_sharing_strategy(prev)
+    monkeypatch.undo()
+    st = torch.ones(8).untyped_storage()
+    fn, args = _reduce.reduce_storage(st)
+    assert fn is _reduce.rebuild_storage
+    assert pickle.loads(pickle.dumps(fn)) is fn and len(args) == 1
+
+
+def test_an_empty_storage_goes_torchs_way():
+    t = torch.tensor([])
+    got = ForkingPickler.loads(ForkingPickler.dumps(t))
+    assert got.shape == (0,) and smp.statistics().handles_pickled == 0
