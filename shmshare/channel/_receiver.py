@@ -16,7 +16,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic
 
 import numpy as np
 
@@ -56,6 +56,15 @@ from ._trust import check_fd_room, default_max_peer_bytes, default_max_peer_segm
 
 __all__ = ["Receiver"]
 
+if TYPE_CHECKING:  # a default lets an unparameterized ``Receiver`` mean Receiver[Any] under --strict
+    from typing_extensions import TypeVar
+
+    T = TypeVar("T", default=Any)
+else:  # typing's TypeVar takes a default from 3.13; typing_extensions is no dependency of ours
+    from typing import TypeVar
+
+    T = TypeVar("T")
+
 _CLOSE_CHECK = wire._CLOSE_CHECK  # s: a wait looks this often whether close() was called
 _BATCH = 64  # releases that make recv() send at once, ...
 _BATCH_BYTES = 1 << 20  # ... or bytes released: a sender's pool should not grow by a batch of them
@@ -64,7 +73,7 @@ _WHY_MAX = 2000  # characters of a refusal told to the sender
 _MAX_PEERS = 256  # connections a listen() receiver keeps at once, by default
 
 
-class Receiver(Closeable):
+class Receiver(Closeable, Generic[T]):
     """Receive batches sent by one sender (``channel()``) or many (``listen()``).
 
     ``recv()`` returns the batch with the same structure; arrays are views of
@@ -75,6 +84,12 @@ class Receiver(Closeable):
     not imported torch, as numpy arrays (Note [Tensors to a process without
     torch] in ``tensors.py``). A receiver is
     iterable, and ``fileno()``/``poll()`` let it sit in a selector.
+
+    ``Receiver[T]`` is a receiver of `T`s for the type checker, as
+    ``multiprocessing.Queue[T]`` is: the program says what its senders send
+    (``rx: Receiver[dict[str, np.ndarray]]``), nothing checks it at run
+    time, and an unparameterized ``Receiver`` receives ``Any``. Say
+    ``np.ndarray`` for a tensor that may reach a process without torch.
 
     Parameters
     ----------
@@ -134,7 +149,7 @@ class Receiver(Closeable):
 
     # -- receiving -------------------------------------------------------------
 
-    def recv(self, timeout: float | None = None) -> Any:
+    def recv(self, timeout: float | None = None) -> T:
         """Return the next batch; raise PeerDied when the (or a) sender is gone.
 
         Everything a sender sent before it went is delivered first. With
@@ -144,7 +159,7 @@ class Receiver(Closeable):
         """
         return self._recv(timeout)[1]
 
-    def recv_from(self, timeout: float | None = None) -> tuple[int, Any]:
+    def recv_from(self, timeout: float | None = None) -> tuple[int, T]:
         """Return ``(sender, batch)``: the next batch and the number of the sender that sent it.
 
         Senders are numbered from 0 in the order of `conns`, then in the order
@@ -182,7 +197,7 @@ class Receiver(Closeable):
         if self._fences is not None:
             self._fences.take(self)
 
-    def _recv(self, timeout: float | None) -> tuple[Peer, Any]:
+    def _recv(self, timeout: float | None) -> tuple[Peer, T]:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._check_open()
         if self._fences is not None:
@@ -232,7 +247,7 @@ class Receiver(Closeable):
                 continue
             raise self._drop(peer, ProtocolError(f"unexpected message kind {kind!r}"))
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[T]:
         """Yield batches until the sender closes the channel (PeerDied if it died)."""
         while True:
             try:

@@ -19,8 +19,12 @@ import importlib as _importlib
 import multiprocessing as _mp
 import multiprocessing.util as _util
 import sys as _sys
+from collections.abc import Iterable as _Iterable
 from multiprocessing import *  # noqa: F403  (the drop-in: everything multiprocessing exports)
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from typing import SupportsIndex as _SupportsIndex
+from typing import TypeVar as _TypeVar
+from typing import overload as _overload
 
 import numpy as _np
 
@@ -38,6 +42,13 @@ from ._reduce import BY_VALUE_BELOW as BY_VALUE_BELOW
 from ._reduce import init_reductions as init_reductions
 from ._reduce import install as _install
 from ._statistics import OwnerStatistics as OwnerStatistics
+
+if TYPE_CHECKING:
+    import numpy.typing as _npt
+    import torch as _torch
+
+_ScalarT = _TypeVar("_ScalarT", bound=_np.generic)
+_Shape = int | _Iterable[_SupportsIndex]  # what empty and zeros take, as their code reads it
 
 _OURS = ["init_reductions", "empty", "zeros", "statistics", "shutdown", "exit_linger",
          "set_exit_linger", "OwnerGone", "HandleError", "OwnerStatistics", "BY_VALUE_BELOW"]
@@ -85,6 +96,16 @@ def __dir__() -> list[str]:
     return sorted(names)
 
 
+@_overload
+def empty(shape: _Shape) -> _npt.NDArray[_np.float64]: ...
+@_overload
+def empty(shape: _Shape, dtype: type[_ScalarT] | _np.dtype[_ScalarT]) -> _npt.NDArray[_ScalarT]: ...
+@_overload
+def empty(shape: _Shape, dtype: _npt.DTypeLike | None) -> _npt.NDArray[Any]: ...
+@_overload
+def empty(shape: _Shape, dtype: _torch.dtype) -> _torch.Tensor: ...  # last: Any without torch
+
+
 def empty(shape: Any, dtype: Any = _np.float64) -> Any:
     """An uninitialized array in this process's pool (a torch tensor for a torch dtype).
 
@@ -96,6 +117,16 @@ def empty(shape: Any, dtype: Any = _np.float64) -> Any:
     if any(n < 0 for n in shp):
         raise ValueError(f"negative dimensions are not allowed: {shp}")
     return _tensors.allocated(_get_owner().empty(shp, np_dtype), torch_dtype)
+
+
+@_overload
+def zeros(shape: _Shape) -> _npt.NDArray[_np.float64]: ...
+@_overload
+def zeros(shape: _Shape, dtype: type[_ScalarT] | _np.dtype[_ScalarT]) -> _npt.NDArray[_ScalarT]: ...
+@_overload
+def zeros(shape: _Shape, dtype: _npt.DTypeLike | None) -> _npt.NDArray[Any]: ...
+@_overload
+def zeros(shape: _Shape, dtype: _torch.dtype) -> _torch.Tensor: ...  # last: Any without torch
 
 
 def zeros(shape: Any, dtype: Any = _np.float64) -> Any:

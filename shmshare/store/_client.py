@@ -31,7 +31,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any, Generic, Self, SupportsIndex, overload
 
 import numpy as np
 
@@ -60,11 +60,24 @@ from ._protocol import (
 
 __all__ = ["Store", "ObjectInfo"]
 
+if TYPE_CHECKING:  # a default lets an unparameterized ``Store`` mean Store[Any] under --strict
+    import numpy.typing as npt
+    import torch
+    from typing_extensions import TypeVar
+
+    V = TypeVar("V", default=Any)
+else:  # typing's TypeVar takes a default from 3.13; typing_extensions is no dependency of ours
+    from typing import TypeVar
+
+    V = TypeVar("V")
+_ScalarT = TypeVar("_ScalarT", bound=np.generic)
+_Shape = SupportsIndex | tuple[SupportsIndex, ...] | builtins.list[SupportsIndex]  # what create takes
+
 _MIN_ANSWER = 0.05  # s a get(timeout=...) leaves the daemon to answer, however little is left
 _WAIT_MARGIN = 0.5  # s past a wait's own end that its answer may take
 
 
-class Store:
+class Store(Generic[V]):
     """A connection to the store daemon (``shmshare serve``).
 
     Parameters
@@ -76,6 +89,12 @@ class Store:
     timeout : float or None
         Seconds to wait for the daemon to connect and to answer each
         request (None: forever).
+
+    ``Store[V]`` is a store of `V`s for the type checker, as ``shelve.Shelf[V]``
+    is: the program says what it puts (``store: Store[dict[str, np.ndarray]] =
+    Store()``), ``put`` takes and ``get`` returns that, nothing checks it at
+    run time, and an unparameterized ``Store`` holds ``Any``. Say
+    ``np.ndarray`` for a tensor that may reach a process without torch.
     """
 
     def __init__(self, path: str | os.PathLike[str] | None = None,
@@ -110,7 +129,7 @@ class Store:
 
     # -- the API -------------------------------------------------------------------
 
-    def put(self, name: str, value: Any, *, replace: bool = False) -> None:
+    def put(self, name: str, value: V, *, replace: bool = False) -> None:
         """Store `value` (an array, a CPU tensor, or a nested dict/list/tuple of them and plain
         values) under `name`, sealed; ObjectExists if the name is taken (unless `replace`)."""
         check_name(name)
@@ -128,6 +147,15 @@ class Store:
             self._stage(plan)
             header["st"] = plan.size
             self._call_locked(header, [])
+
+    @overload
+    def create(self, name: str, shape: _Shape,
+               dtype: type[_ScalarT] | np.dtype[_ScalarT]) -> npt.NDArray[_ScalarT]: ...
+    @overload
+    def create(self, name: str, shape: _Shape,
+               dtype: npt.DTypeLike | None) -> npt.NDArray[Any]: ...
+    @overload  # last: where torch is not installed, torch.dtype is Any and would match anything
+    def create(self, name: str, shape: _Shape, dtype: torch.dtype) -> torch.Tensor: ...
 
     def create(self, name: str, shape: Any, dtype: Any) -> Any:
         """Make object `name` of one uninitialized array to fill in place; :meth:`seal` it to
@@ -190,7 +218,7 @@ class Store:
                 self._call_locked({"k": "seal", "n": name, "st": plan.size}, [])
             buf.flags.writeable = False
 
-    def get(self, name: str, timeout: float | None = None) -> Any:
+    def get(self, name: str, timeout: float | None = None) -> V:
         """The value stored under `name`, as read-only zero-copy views.
 
         With `timeout` None it does not wait (KeyError if no sealed object
@@ -205,7 +233,8 @@ class Store:
             try:
                 # the daemon gets at least _MIN_ANSWER to answer, even with timeout=0
                 left = None if deadline is None else max(_MIN_ANSWER, deadline - time.monotonic())
-                return self._get_now(name, left)
+                got: V = self._get_now(name, left)  # what was put, by the Store's word (V)
+                return got
             except ObjectNotFound:
                 if deadline is None:
                     raise
@@ -251,7 +280,7 @@ class Store:
         except KeyError:
             return False
 
-    def __enter__(self) -> Store:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: Any) -> None:
