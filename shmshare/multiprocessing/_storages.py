@@ -58,6 +58,7 @@ __all__ = ["share", "rebuild", "is_ours", "wrap_torch_methods", "receivers_key"]
 
 _U8 = np.dtype(np.uint8)
 _lock = threading.Lock()
+_moving = threading.Lock()  # held while a storage is looked at and moved
 # storages this process's pool holds and pickled: (token, seg, start, nbytes) -> StorageWeakRef
 _mine: dict[tuple[int, ...], Any] = {}
 # storages received: (pid, token, seg, start, nbytes) -> StorageWeakRef, and their data pointers
@@ -80,11 +81,13 @@ def share(st: Any) -> tuple[tuple[Any, ...] | None, bool]:
         return ow.place(_u8(st)), False  # torch's file_system storage: no fd to give, a copy
     if _foreign(ptr, n):
         return ow.place(_u8(st)), False  # a copy: moving it would cut it off from its owner
-    with ow._lock:
-        inside = bool(ow._addrs) and ow._find(ptr, n) is not None
-    if not inside:
-        _move(ow, st, n)
-    got = ow.place(_u8(st))
+    with _moving:  # two feeder threads sending one storage move it once (torch locks too)
+        ptr = st.data_ptr()
+        with ow._lock:
+            inside = bool(ow._addrs) and ow._find(ptr, n) is not None
+        if not inside:
+            _move(ow, st, n)
+        got = ow.place(_u8(st))
     if got is not None:
         _remember(_mine, (ow.token, got[0], got[2], n), st)
     return got, False
@@ -258,8 +261,8 @@ def _torch() -> Any:
 
 
 def _after_fork_in_child() -> None:
-    global _lock
-    _lock = threading.Lock()
+    global _lock, _moving
+    _lock, _moving = threading.Lock(), threading.Lock()
     # the parent's pool blocks stay foreign to us (_owner._inherited); our received storages are
     # still views of other owners' blocks: _received_at stays; the parent's own handles do not
     _mine.clear()
