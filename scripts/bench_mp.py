@@ -6,6 +6,11 @@
     the Queue; the consumer (this process) gets it, reads one byte of every
     4 KiB page, and drops it. Throughput is taken in the consumer, from the
     end of a warm-up (10% of the messages, at least 5) to the last message.
+    CPU per message, beside it: the producer's ``time.process_time()`` (all its
+    threads: the Queue's feeder that pickles, torch's fd sharer, shmshare's pool
+    server) from its first message until the consumer has taken the last,
+    over every message it sent; the consumer's over the timed loop, per timed
+    message. Helper processes are not in it (torch fs's ``torch_shm_manager``).
     Paths:
 
     - ``torch fd``:     ``torch.empty`` + fill, ``torch.multiprocessing`` Queue with its
@@ -15,8 +20,9 @@
                         and consumer (a named shm file per tensor, torch_shm_manager)
     - ``stdlib``:       ``numpy.empty`` + fill, stdlib ``multiprocessing`` Queue (the array
                         pickled: its bytes go through the Queue's pipe)
-    - ``shmshare``:     ``torch.empty`` + fill, ``shmshare.multiprocessing`` Queue (the tensor
-                        copied into the producer's pool once, a handle sent)
+    - ``shmshare``:     ``torch.empty`` + fill, ``shmshare.multiprocessing`` Queue (torch's
+                        semantics: the tensor's storage moved into the producer's pool in place,
+                        copied once and its data pointer swapped, then a handle sent)
     - ``shm in-place``: ``smp.empty(shape, torch.uint8)`` + fill, the same Queue (the tensor is
                         in the pool already: no copy)
 
@@ -26,7 +32,10 @@
     over tensors (file_descriptor: the inputs move to shm on the first map),
     ``smp.Pool`` over plain numpy arrays, and ``smp.Pool`` over arrays made by
     ``smp.empty`` (in place). Pools are made before timing; one warm-up map,
-    then maps/s over several maps.
+    then maps/s over several maps, with the CPU per map of this process
+    (``time.process_time()``: the pool's threads, pickling arguments, reading
+    results) and of the two workers together (utime+stime from
+    ``/proc/<pid>/stat``, in clock ticks: 10 ms steps over all the timed maps).
 
 Everything uses the fork start method (``get_context('fork')`` of each module).
 Importing ``shmshare.multiprocessing`` registers its reducers on
@@ -172,6 +181,7 @@ def produce(q: Any, done: Any, stats: Any, kind: str, strategy: str | None, size
     if strategy is not None:
         tmp.set_sharing_strategy(strategy)
     try:
+        cpu0 = time.process_time()
         for i in range(count):
             x = make_buffer(kind, size)
             if isinstance(x, np.ndarray):
@@ -183,7 +193,8 @@ def produce(q: Any, done: Any, stats: Any, kind: str, strategy: str | None, size
         q.put(None)
         # torch's fd sharing (and a pool's server) needs the producer alive until the consumer took them all
         done.wait(WAIT)
-        stats.send(smp_stats() if uses_smp else None)  # now that the Queue's feeder has pickled them all
+        cpu = time.process_time() - cpu0  # every thread's: the feeder pickled them all, the consumer has them
+        stats.send((cpu, smp_stats() if uses_smp else None))
     finally:
         if uses_smp:
             smp.shutdown()  # this child's pool server
@@ -192,12 +203,19 @@ def produce(q: Any, done: Any, stats: Any, kind: str, strategy: str | None, size
 # -- Queue: consumer (this process) ---------------------------------------------------
 
 
-def run_queue(ctx: Any, kind: str, strategy: str | None, size: int, warm: int, count: int,
-              uses_smp: bool = False) -> tuple[float, dict[str, int] | None]:
-    """Run one cell: a forked producer of `count` messages.
+@dataclasses.dataclass
+class QueueRun:
+    """One Queue cell's figures."""
 
-    Return seconds for the ones after `warm`, and the producer's ``smp.statistics()`` at the end (if it used smp).
-    """
+    secs: float  # wall time of the timed messages, in the consumer
+    producer_cpu: float  # s of the producer's CPU per message it sent
+    consumer_cpu: float  # s of the consumer's CPU per timed message
+    stats: dict[str, int] | None  # the producer's smp.statistics() at the end (if it used smp)
+
+
+def run_queue(ctx: Any, kind: str, strategy: str | None, size: int, warm: int, count: int,
+              uses_smp: bool = False) -> QueueRun:
+    """Run one cell: a forked producer of `count` messages; time the ones after `warm`."""
     use_reducers(uses_smp)
     q = ctx.Queue(maxsize=8 if size <= MiB else 4)
     done = mp.get_context("fork").Event()
@@ -217,16 +235,17 @@ def run_queue(ctx: Any, kind: str, strategy: str | None, size: int, warm: int, c
     try:
         for _ in range(warm):
             one()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         for _ in range(count - warm):
             one()
-        secs = time.perf_counter() - t0
+        secs, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         if q.get(timeout=WAIT) is not None:
             raise RuntimeError("more messages than sent")
         done.set()
         if not stats_rx.poll(WAIT / 4):
             raise TimeoutError("the producer sent no statistics")
-        return secs, stats_rx.recv()
+        producer_cpu, st = stats_rx.recv()
+        return QueueRun(secs, producer_cpu / count, cpu / (count - warm), st)
     finally:
         done.set()
         finish(child)
@@ -234,7 +253,7 @@ def run_queue(ctx: Any, kind: str, strategy: str | None, size: int, warm: int, c
         stats_rx.close()
 
 
-Cell = Callable[[int, int, int], tuple[float, dict[str, int] | None]]
+Cell = Callable[[int, int, int], QueueRun]
 
 
 def queue_paths() -> list[tuple[str, Cell, bool, str]]:
@@ -242,7 +261,7 @@ def queue_paths() -> list[tuple[str, Cell, bool, str]]:
     fork = mp.get_context("fork")
     paths: list[tuple[str, Cell, bool, str]] = []
 
-    def torch_fs(size: int, warm: int, count: int) -> tuple[float, dict[str, int] | None]:
+    def torch_fs(size: int, warm: int, count: int) -> QueueRun:
         before = tmp.get_sharing_strategy()
         tmp.set_sharing_strategy("file_system")  # here (the consumer) and in the forked producer
         try:
@@ -264,6 +283,7 @@ def bench_queue(sizes: list[int], quick: bool, rounds: int) -> tuple[dict[int, d
     """Run every (size, path) cell `rounds` times, the paths interleaved; print the tables.
 
     Return {size: {path: median messages/s over the rounds, None if a round failed}} and the failures.
+    The CPU per message (producer, consumer) is the median over the rounds too.
     """
     paths = queue_paths()
     names = [p[0] for p in paths if not p[3]]
@@ -273,6 +293,7 @@ def bench_queue(sizes: list[int], quick: bool, rounds: int) -> tuple[dict[int, d
     print(f"\n(1) Queue of fresh arrays/tensors, producer forked, consumer reads one byte per 4 KiB page; "
           f"{rounds} round(s), the paths interleaved, median shown")
     runs: dict[int, dict[str, list[float | None]]] = {s: {n: [] for n in names} for s in sizes}
+    cpus: dict[int, dict[str, list[tuple[float, float]]]] = {s: {n: [] for n in names} for s in sizes}
     failed = 0
     for k in range(rounds):
         for size in sizes:
@@ -282,7 +303,7 @@ def bench_queue(sizes: list[int], quick: bool, rounds: int) -> tuple[dict[int, d
                 warm, count = plan(size, quick, slow)
                 t0 = time.perf_counter()
                 try:
-                    secs, st = fn(size, warm, count)
+                    got = fn(size, warm, count)
                 except Exception as exc:  # noqa: BLE001 - one broken cell must not lose the others
                     failed += 1
                     runs[size][name].append(None)
@@ -290,14 +311,18 @@ def bench_queue(sizes: list[int], quick: bool, rounds: int) -> tuple[dict[int, d
                     traceback.print_exc()
                     sys.stdout.flush()
                     continue
-                runs[size][name].append((count - warm) / secs)
-                print(f"  round {k + 1} {fmt(size):>4} {name:<12} {(count - warm) / secs:>10,.0f} msg/s  "
-                      f"({count - warm} timed of {count}, cell {time.perf_counter() - t0:.1f} s{stats_note(st)})",
-                      flush=True)
+                runs[size][name].append((count - warm) / got.secs)
+                cpus[size][name].append((got.producer_cpu, got.consumer_cpu))
+                print(f"  round {k + 1} {fmt(size):>4} {name:<12} {(count - warm) / got.secs:>10,.0f} msg/s  "
+                      f"CPU {cpu_us(got.producer_cpu, got.consumer_cpu)} us/msg  ({count - warm} timed of "
+                      f"{count}, cell {time.perf_counter() - t0:.1f} s{stats_note(got.stats)})", flush=True)
     results = {s: {n: (None if None in v or not v else statistics.median(v)) for n, v in r.items()}  # type: ignore[type-var]
                for s, r in runs.items()}
     print("\nQueue: messages/s (GB/s)")
     table(["size", *names], [[fmt(s), *(rate(r.get(n), s) for n in names)] for s, r in results.items()])
+    print("\nQueue: CPU \u00b5s per message (producer / consumer)")
+    table(["size", *names], [[fmt(s), *(median_cpu(cpus[s][n], None in runs[s][n]) for n in names)]
+                             for s in results])
     for mine in ("shmshare", "shm in-place"):
         if mine not in names:
             continue
@@ -330,8 +355,31 @@ def pool_inputs(kind: str) -> list[Any]:
     return out
 
 
-def run_pool(ctx: Any, kind: str, reps: int, ours: bool = False) -> float:
-    """Make a Pool(2), warm it with one map, time `reps` maps; return maps/s."""
+def proc_cpu(pid: int) -> float | None:
+    """Seconds of CPU (user + system) a live process has used, from /proc (in clock ticks); None if unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15
+
+
+def workers_cpu(procs: list[Any]) -> float | None:
+    got = [proc_cpu(p.pid) for p in procs]
+    return None if not got or None in got else sum(got)  # type: ignore[arg-type]
+
+
+@dataclasses.dataclass
+class PoolRun:
+    """One Pool column's figures."""
+
+    maps_per_s: float
+    parent_cpu: float  # s of this process's CPU per map
+    workers_cpu: float | None  # s of the workers' CPU per map, together (None if /proc did not say)
+
+
+def run_pool(ctx: Any, kind: str, reps: int, ours: bool = False) -> PoolRun:
+    """Make a Pool(2), warm it with one map, time `reps` maps; return maps/s and CPU per map."""
     use_reducers(ours)  # before the fork: the workers inherit it
     pool = ctx.Pool(2)
     procs = list(getattr(pool, "_pool", []))  # the workers, to kill by pid should the pool not end them
@@ -351,8 +399,12 @@ def run_pool(ctx: Any, kind: str, reps: int, ours: bool = False) -> float:
             return secs
 
         one()  # warm-up
+        live = [p for p in getattr(pool, "_pool", []) if p.exitcode is None]
+        w0, cpu0 = workers_cpu(live), time.process_time()
         secs = [one() for _ in range(reps)]
-        return reps / sum(secs)
+        cpu, w1 = time.process_time() - cpu0, workers_cpu(live)
+        wcpu = None if w0 is None or w1 is None or live != list(getattr(pool, "_pool", [])) else (w1 - w0) / reps
+        return PoolRun(reps / sum(secs), cpu / reps, wcpu)
     finally:
         # close(), not terminate(): the workers exit by themselves and run their exit hooks (shmshare's removes
         # each worker's fd server directory; a SIGTERM would leave it behind). terminate() if they do not.
@@ -373,7 +425,7 @@ def run_pool(ctx: Any, kind: str, reps: int, ours: bool = False) -> float:
 def bench_pool(quick: bool) -> tuple[dict[str, float | None], int]:
     """Run every Pool column; print the table; return {column: maps/s} and failures."""
     reps = 5 if quick else 20
-    cols: list[tuple[str, Callable[[], float], str]] = [
+    cols: list[tuple[str, Callable[[], PoolRun], str]] = [
         ("stdlib", lambda: run_pool(mp.get_context("fork"), "numpy", reps), ""),
         ("torch", lambda: run_pool(tmp.get_context("fork"), "torch", reps), NO_TORCH),
         ("shmshare", lambda: run_pool(smp.get_context("fork"), "numpy", reps, True), NO_SMP),
@@ -382,6 +434,7 @@ def bench_pool(quick: bool) -> tuple[dict[str, float | None], int]:
     print(f"\n(2) Pool(2).map(plus_one, {POOL_ITEMS} arrays of {fmt(POOL_ITEM)}), one warm-up map, "
           f"then {reps} maps; this process reads one byte per page of every result")
     res: dict[str, float | None] = {}
+    cpu: dict[str, PoolRun] = {}
     failed = 0
     for name, fn, why in cols:
         if why:
@@ -390,7 +443,7 @@ def bench_pool(quick: bool) -> tuple[dict[str, float | None], int]:
         t0 = time.perf_counter()
         before = smp_stats() if smp is not None else {}
         try:
-            res[name] = fn()
+            got = fn()
         except Exception as exc:  # noqa: BLE001 - one broken column must not lose the others
             failed += 1
             res[name] = None
@@ -398,16 +451,20 @@ def bench_pool(quick: bool) -> tuple[dict[str, float | None], int]:
             traceback.print_exc()
             sys.stdout.flush()
             continue
+        res[name], cpu[name] = got.maps_per_s, got
         st = None
         if name.startswith("shm"):  # this process's handles for this column's arguments
             st = {k: v - before.get(k, 0) for k, v in smp_stats().items()}
-        print(f"  {name:<12} {res[name]:>8.2f} maps/s  (column {time.perf_counter() - t0:.1f} s{stats_note(st)})",
+        print(f"  {name:<12} {got.maps_per_s:>8.2f} maps/s  CPU per map: this process {ms(got.parent_cpu)} ms, "
+              f"workers {ms(got.workers_cpu)} ms  (column {time.perf_counter() - t0:.1f} s{stats_note(st)})",
               flush=True)
     moved = 2 * POOL_ITEMS * POOL_ITEM  # in and out
-    print("\nPool.map: maps/s (GB/s of arguments and results), and shmshare's multiple of each")
+    print("\nPool.map: maps/s (GB/s of arguments and results), CPU ms per map (this process / the 2 workers), "
+          "and shmshare's multiple of each maps/s")
     rows = [[n, f"{v:.2f}" if v else "failed", f"{v * moved / 1e9:.2f}" if v else "-",
+             f"{ms(cpu[n].parent_cpu)} / {ms(cpu[n].workers_cpu)}" if n in cpu else "-",
              times(res.get("shmshare"), v), times(res.get("shm in-place"), v)] for n, v in res.items()]
-    table(["column", "maps/s", "GB/s", "shmshare x", "in-place x"], rows)
+    table(["column", "maps/s", "GB/s", "CPU ms/map", "shmshare x", "in-place x"], rows)
     return res, failed
 
 
@@ -500,6 +557,21 @@ def rate(v: float | None, size: int) -> str:
     return "failed" if v is None else f"{v:,.0f} ({v * size / 1e9:.2f})"
 
 
+def cpu_us(producer: float, consumer: float) -> str:
+    return f"{producer * 1e6:,.1f} / {consumer * 1e6:,.1f}"
+
+
+def median_cpu(got: list[tuple[float, float]], failed: bool) -> str:
+    """The median (producer / consumer) CPU per message over the rounds, in microseconds."""
+    if failed or not got:
+        return "failed"
+    return cpu_us(statistics.median(p for p, _ in got), statistics.median(c for _, c in got))
+
+
+def ms(secs: float | None) -> str:
+    return "?" if secs is None else f"{secs * 1e3:.1f}"
+
+
 def times(mine: float | None, base: float | None) -> str:
     return f"{mine / base:.2f}x" if mine and base else "-"
 
@@ -520,6 +592,8 @@ def main(argv: list[str] | None = None) -> int:
           f"numpy {np.__version__}, {tver}, fork start method{', --quick' if args.quick else ''}")
     if NO_SMP:
         print(f"shmshare's columns are left out: {NO_SMP}")
+    else:
+        print(f"shmshare.multiprocessing from {os.path.dirname(smp.__file__)}")
     print(f"load average before: {load()} (other work on the machine shows in every figure)")
     failed = 0
     try:
