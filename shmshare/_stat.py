@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _procfs, _statask, _statsd
+from ._termtable import Col, fit, printable, table
 
 __all__ = ["Segment", "Process", "Report", "scan", "ask_stats", "render", "main_stat", "ASK_TIMEOUT",
            "STORE_BUDGET"]
@@ -277,42 +278,68 @@ def _size(n: float) -> str:
     return f"{n}B"
 
 
+# The process table's columns; on a narrow terminal the lowest `keep` goes first (Note [Fitting
+# the table to the terminal])
+_PROCESS_COLS = [Col("PID"), Col("MAPPED", keep=5), Col("RESIDENT", keep=3),
+                 Col("FDS", keep=2), Col("SEGS", keep=1), Col("SHARES WITH", left=True, keep=4),
+                 Col("COMMAND", left=True)]
+_SHARES_ROOM = 16  # characters of SHARES WITH before the rest of the pids are counted ("+3")
+
+
 def render(report: Report, width: int = 100) -> str:
-    """The report as a table for a terminal."""
+    """The report as tables for a terminal `width` characters wide."""
     if not report.processes:
         lines = ["no process of this host holds shmshare memory" if report.asked_pids is None else
                  f"no process asked about ({', '.join(map(str, sorted(report.asked_pids)))}) holds "
                  "shmshare memory"]
     else:
-        lines = [f"{'PID':>7}  {'MAPPED':>8}  {'RESIDENT':>8}  {'FDS':>4}  {'SEGS':>4}  "
-                 f"{'SHARES WITH':<16}  COMMAND"]
-        for p in report.processes:
-            shares = ",".join(str(x) for x in sorted(p.shares_with)) or "-"
-            row = (f"{p.pid:>7}  {_size(p.mapped_bytes):>8}  {_size(p.resident_bytes):>8}  "
-                   f"{p.fds:>4}  {len(p.segments):>4}  {shares:<16}  {p.command}")
-            lines.append(_cut(row, width))
+        rows = [[str(p.pid), _size(p.mapped_bytes), _size(p.resident_bytes), str(p.fds),
+                 str(len(p.segments)), _pid_list(p.shares_with), p.command] for p in report.processes]
+        lines = table(_PROCESS_COLS, rows, width, fit_last=_fit_command)
         total = sum(s.size for s in report.segments)
         lines.append(f"{len(report.segments)} segments, {_size(total)} in all")
     lines += _render_pools(report, width)
     lines += _render_stores(report, width)
     if report.skipped:
         lines.append(f"({report.skipped} processes of other users not read: run as root to see them)")
-    return "\n".join(_printable(line) for line in lines)  # cut rows are escaped already
-
-
-def _printable(text: str) -> str:
-    """`text` with what a terminal would act on (control and format characters) escaped, as
-    ``repr`` does: a process names itself, a store daemon its objects, and both reach root's
-    terminal."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+    return "\n".join(printable(line) for line in lines)  # cut rows are escaped already
 
 
 def _cut(row: str, width: int) -> str:
-    return _printable(row)[:width]
+    return printable(row)[:width]
 
 
+def _pid_list(pids: set[int]) -> str:
+    """`pids` comma-separated, in _SHARES_ROOM characters: those past it counted ("101,102,+3")."""
+    ordered = [str(p) for p in sorted(pids)]
+    for shown in range(len(ordered), -1, -1):  # as many as fit, the count of the rest last
+        text = ",".join(ordered[:shown] + ([f"+{len(ordered) - shown}"] if shown < len(ordered) else []))
+        if len(text) <= _SHARES_ROOM:
+            break
+    return text or "-"
+
+
+def _fit_command(command: str, room: int) -> str:
+    """A command line in `room` characters: whole if it fits; else without the program's
+    directory, then without the directories of the other absolute paths (a script's name says
+    more than where it lies, and ``--json`` has it whole), then cut (Note [Fitting the table to
+    the terminal])."""
+    if len(command) <= room:
+        return command
+    words = command.split(" ")
+    words[0] = os.path.basename(words[0]) or words[0]
+    if len(" ".join(words)) > room:
+        words = [os.path.basename(w) if w.startswith("/") and os.path.basename(w) else w
+                 for w in words]
+    return fit(" ".join(words), room)
+
+
+_POOL_COLS = [Col("PID"), Col("KIND", left=True), Col("POOLS", keep=1),
+              Col("RESERVED", keep=6), Col("ALLOCATED", keep=5), Col("PEAK RES", keep=2),
+              Col("LEASES", keep=4), Col("OLDEST", keep=3)]
+_STORE_COLS = [Col("SIZE"), Col("REFS", keep=4), Col("HOLDERS", keep=2),
+               Col("AGE", keep=3), Col("KIND", left=True, keep=1), Col("SEAL", left=True, keep=0),
+               Col("NAME", left=True)]
 _KIND_ORDER = {"shm": 0, "pinned": 1, "device": 2, "host": 3, "simulated": 4}
 
 
@@ -321,23 +348,27 @@ def _render_pools(report: Report, width: int) -> list[str]:
     answered = [p for p in report.processes if p.stats is not None]
     if not answered and not report.unanswered:
         return []
-    lines = ["", "pools, from the processes' stats sockets (SHMSHARE_STATS=1 or shmshare.serve_stats()):",
-             f"{'PID':>7}  {'KIND':<9}  {'POOLS':>5}  {'RESERVED':>8}  {'ALLOCATED':>9}  "
-             f"{'PEAK RES':>8}  {'LEASES':>6}  {'OLDEST':>7}"]
+    lines = ["", fit("pools, from the stats sockets (SHMSHARE_STATS=1 or shmshare.serve_stats()):",
+                     width)]
+    rows: list[list[str]] = []
+    notes: list[str] = []
     for p in answered:
         assert p.stats is not None
         by_kind = (p.stats.get("totals") or {}).get("by_kind") or {}
         if not by_kind:
-            lines.append(f"{p.pid:>7}  (no pool)")
+            rows.append([str(p.pid), "(no pool)"] + [""] * 6)
         for kind in sorted(by_kind, key=lambda k: (_KIND_ORDER.get(k, 9), k)):
             t = by_kind[kind]
             age = t.get("oldest_lease_s")
-            row = (f"{p.pid:>7}  {kind:<9}  {t.get('pools', 0):>5}  {_size(t.get('reserved_bytes', 0)):>8}  "
-                   f"{_size(t.get('allocated_bytes', 0)):>9}  {_size(t.get('peak_reserved_bytes', 0)):>8}  "
-                   f"{t.get('leases_out') or '-':>6}  {'-' if age is None else f'{age:.1f}s':>7}")
-            lines.append(_cut(row, width))
+            rows.append([str(p.pid), kind, str(t.get("pools", 0)), _size(t.get("reserved_bytes", 0)),
+                         _size(t.get("allocated_bytes", 0)), _size(t.get("peak_reserved_bytes", 0)),
+                         str(t.get("leases_out") or "-"), "-" if age is None else f"{age:.1f}s"])
         if p.stats.get("truncated"):
-            lines.append(f"{'':>7}  ({p.stats['truncated']} entries cut from its answer; totals are whole)")
+            notes.append(f"(pid {p.pid}: {p.stats['truncated']} entries cut from its answer; "
+                         "totals are whole)")
+    if rows:
+        lines += table(_POOL_COLS, rows, width)
+    lines += [_cut(n, width) for n in notes]
     for u in report.unanswered:
         lines.append(_cut(f"(pid {u['pid']}: {u['why']})", width))
     return lines
@@ -360,12 +391,10 @@ def _render_stores(report: Report, width: int) -> list[str]:
                           f"{f.get('connected', '?')} clients", width))
         objects = sorted(st.get("objects") or [], key=lambda o: -o["size"])
         if objects:
-            lines.append(f"  {'SIZE':>8}  {'REFS':>5}  {'HOLDERS':>7}  {'AGE':>8}  {'KIND':<6}  "
-                         f"{'SEAL':<6}  NAME")
-        for o in objects[:_STORE_ROWS]:
-            seal = o["write_seal"] if o["sealed"] else "open"
-            lines.append(_cut(f"  {_size(o['size']):>8}  {o['refs']:>5}  {o['holders']:>7}  "
-                              f"{o['age']:>7.1f}s  {o['kind']:<6}  {seal:<6}  {o['name']}", width))
+            lines += table(_STORE_COLS, [
+                [_size(o["size"]), str(o["refs"]), str(o["holders"]), f"{o['age']:.1f}s", o["kind"],
+                 o["write_seal"] if o["sealed"] else "open", o["name"]] for o in objects[:_STORE_ROWS]],
+                width, indent="  ")
         more = len(objects) - _STORE_ROWS + st.get("objects_cut", 0)
         if more > 0:
             lines.append(f"  ... and {more} smaller objects (--json lists them)")

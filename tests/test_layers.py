@@ -19,7 +19,8 @@ LAYERS = {
     "tensors": 4,
     "channel": 5,
     "loader": 6, "server": 6, "multiprocessing": 6, "store": 6,
-    "cli": 7, "_doctor": 7, "_demo": 7, "_stat": 7, "_statask": 7, "__main__": 7, "__init__": 7,
+    "cli": 7, "_doctor": 7, "_demo": 7, "_stat": 7, "_statask": 7, "_termtable": 7, "__main__": 7,
+    "__init__": 7,
 }
 ROOT = pathlib.Path(shmshare.__file__).parent
 

@@ -218,7 +218,8 @@ def test_stat_shows_the_pools_and_leases_a_process_reports_on_its_stats_socket()
         assert shm["reserved_bytes"] >= own["shm"][0] and shm["allocated_bytes"] >= own["shm"][1]
         assert stats["totals"]["oldest_lease_s"] >= 1.5 - stats["tick_s"]
         text = _stat.render(_stat.scan([child.pid]))
-        assert "simulated" in text and "host" in text and f"{child.pid:>7}  shm" in text
+        assert "simulated" in text and "host" in text
+        assert any(line.split()[:2] == [str(child.pid), "shm"] for line in text.splitlines()), text
         assert got["stats_unanswered"] == []
     finally:
         child.kill()
