@@ -10,7 +10,9 @@ datasets into numpy batches, with the samplers below.
 Modules: ``_dataloader`` (the class), ``_iters`` (the main process's side),
 ``_worker`` (a worker), ``_collate`` and ``_pool`` (batches made in the
 pool), ``_batch`` (a batch on the wire), ``_fetch``, ``_wrap`` (worker
-exceptions), ``_samplers`` and ``_seeding`` (torch's, without torch).
+exceptions), ``_samplers`` and ``_seeding`` (torch's, without torch);
+with torch imported, ``_torch_loader`` (the loader's class: torch's
+DataLoader too) and ``_accelerate`` (Accelerate's ``prepare`` keeps it).
 """
 
 from __future__ import annotations

@@ -13,17 +13,21 @@ Note [Two modes: torch's and numpy's]
     made, but a loader made before ``import torch`` whose samples turn out
     to be torch tensors collates them with torch's ``default_collate`` all
     the same (``numpy_mode_collate``): the data decides, not import order.
+    A loader made in torch's mode is also a ``torch.utils.data.DataLoader``
+    (``__new__``; Note [A torch DataLoader when torch is imported] in
+    ``_torch_loader.py``).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import multiprocessing
 import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Any, Generic, Protocol, Self, TypeVar, cast
 
 from ..channel import DEFAULT_LIMIT
 from . import _collate, _samplers
@@ -70,9 +74,21 @@ class DataLoader(Generic[T_co]):
         device's memory (torch tensors, or ``shmshare.cuda.DeviceArray``s in
         numpy mode), copied on a side stream one batch ahead (``_device.py``).
         Needs shmshare's CUDA support (cuda-python).
+
+    Made while torch is imported, the loader is also an instance of
+    ``torch.utils.data.DataLoader``: ``type(loader)`` is a subclass of both
+    (Note [A torch DataLoader when torch is imported]).
     """
 
     __initialized = False
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        """Make the loader, as a ``torch.utils.data.DataLoader`` too when torch is imported."""
+        if sys.modules.get("torch") is not None:  # the same test as __init__'s mode
+            from ._torch_loader import as_torch
+
+            return cast(Self, object.__new__(as_torch(cls)))
+        return object.__new__(cls)
 
     def __init__(self, dataset: _MapDataset[T_co] | _IterDataset[T_co], batch_size: int | None = 1,
                  shuffle: bool | None = None,
@@ -113,6 +129,10 @@ class DataLoader(Generic[T_co]):
         self.worker_init_fn = worker_init_fn
         self.multiprocessing_context = multiprocessing_context
         self.in_order = in_order
+        # as given, under their own names, as torch keeps its arguments: code that re-creates a loader from the
+        # attributes named like __init__'s parameters (Lightning's _update_dataloader) keeps them
+        self.pool_limit = pool_limit
+        self.device = device
         self._pool_limit = pool_limit or DEFAULT_LIMIT
         self._device = parse_device(device)
 
@@ -263,6 +283,10 @@ class DataLoader(Generic[T_co]):
     def __repr__(self) -> str:
         return (f"<shmshare DataLoader num_workers={self.num_workers} batch_size={self.batch_size} "
                 f"{'torch' if self._use_torch else 'numpy'}>")
+
+
+# inspect.signature(DataLoader) and help() read a class's __new__ before its __init__: show __init__'s parameters
+DataLoader.__new__.__signature__ = inspect.signature(DataLoader.__init__)  # type: ignore[attr-defined]
 
 
 def _is_iter_datapipe(dataset: Any) -> bool:
