@@ -45,6 +45,7 @@ from ._common import (
     DROP,
     ERROR,
     KIND,
+    LEND,
     MAX_RELEASES,
     RELEASE,
     SEGMENT,
@@ -196,6 +197,20 @@ class _Link:
         self.segments[seg_id] = mapped
         seg.close()  # no fd kept: the root lease keeps the mapping while views of it live
         return mapped
+
+    def lend_again(self, slot: int, gen: int) -> tuple[int, int]:
+        """A new lease on the block of our lease (slot, gen), for a handle we pickle on."""
+        with self.lock:
+            if self.dead or self.readable(0):
+                self.check()
+            header, fds = self._request({KIND: LEND, "s": slot, "g": gen})
+        for f in fds:
+            f.close()
+        got = header.get("s"), header.get("g")
+        if header.get(KIND) != LEND or type(got[0]) is not int or type(got[1]) is not int \
+                or not 0 <= got[0] < self.slots:
+            raise HandleError(f"pid {self.pid} did not lend lease {slot}.{gen} on: {header.get('w', header)!r}")
+        return got  # type: ignore[return-value]
 
     def close(self) -> None:
         self.segments.clear()

@@ -13,6 +13,11 @@ Frames (msgpack headers on a ``wire.Connection``; nothing is pickled):
   marks it.
 - owner -> peer ``{"k": "d", "i": id}``: a segment the pool gave back (drop
   the mapping once no view uses it). Sent without waiting; may be lost.
+- peer -> owner ``{"k": "l", "s": slot, "g": gen}``: lend the block of a
+  lease this peer holds once more, for a handle it pickles on (a tensor it
+  received and sends to another process); owner -> peer ``{"k": "l", "s":
+  new slot, "g": its gen}``, or ``{"k": "e", "w": why}`` (Note [Lending on]
+  in ``_storages.py``).
 """
 
 from __future__ import annotations
@@ -21,11 +26,11 @@ import os
 
 from .._errors import PeerDied, ShmshareError
 
-__all__ = ["KIND", "TABLE", "SEGMENT", "ERROR", "RELEASE", "DROP", "OwnerGone", "HandleError",
+__all__ = ["KIND", "TABLE", "SEGMENT", "ERROR", "RELEASE", "DROP", "LEND", "OwnerGone", "HandleError",
            "alive", "env_number"]
 
 KIND = "k"
-TABLE, SEGMENT, ERROR, RELEASE, DROP = "t", "s", "e", "r", "d"
+TABLE, SEGMENT, ERROR, RELEASE, DROP, LEND = "t", "s", "e", "r", "d", "l"
 MAX_RELEASES = 4096  # (slot, gen) pairs in one release frame
 
 

@@ -41,10 +41,37 @@ import signal
 import time
 from typing import TYPE_CHECKING
 
+from ._common import env_number
+
 if TYPE_CHECKING:
     from ._owner import Owner
 
-__all__ = ["keep_after_exit"]
+__all__ = ["keep_after_exit", "exit_linger", "set_exit_linger"]
+
+_DEFAULT_LINGER = 10.0
+
+
+def _env_linger() -> float:
+    return env_number("SHMSHARE_MP_LINGER", _DEFAULT_LINGER, "seconds")
+
+
+_linger: float | None = None
+
+
+def exit_linger() -> float:
+    """Seconds an exiting process keeps serving handles not yet unpickled (Note [Exit linger])."""
+    return _env_linger() if _linger is None else _linger
+
+
+def set_exit_linger(seconds: float) -> None:
+    """Set :func:`exit_linger` for this process (children made later inherit it through
+    ``SHMSHARE_MP_LINGER``, which this sets too)."""
+    global _linger
+    value = float(seconds)
+    if not value >= 0:
+        raise ValueError(f"exit linger must be >= 0 seconds, got {seconds!r}")
+    _linger = value
+    os.environ["SHMSHARE_MP_LINGER"] = repr(value)
 
 
 def keep_after_exit(owner: Owner, linger: float) -> bool:

@@ -48,40 +48,14 @@ from ..channel._blocks import SPARE_BYTES, BlockBook, _Held, host_cause
 from ..memory import CachingAllocator, OutOfMemoryError, ShmProvider, ShmSegment
 from ..memory._shm import _new_id
 from ._claims import ClaimBook, ClaimMap
-from ._common import env_number
-from ._keeper import keep_after_exit
+from ._keeper import exit_linger, keep_after_exit, set_exit_linger
 from ._server import Server, sweep_stale
 from ._statistics import OwnerStatistics
 from ._table import CLAIMED, PENDING, LeaseTable, sign, word
 
 __all__ = ["Owner", "owner", "current_owner", "exit_linger", "set_exit_linger"]
 
-_DEFAULT_LINGER = 10.0
 _RECHECK = 0.1  # s between two looks at slots released while still marked
-
-
-def _env_linger() -> float:
-    return env_number("SHMSHARE_MP_LINGER", _DEFAULT_LINGER, "seconds")
-
-
-_linger: float | None = None
-
-
-def exit_linger() -> float:
-    """Seconds an exiting process keeps serving handles not yet unpickled (Note [Exit linger])."""
-    return _env_linger() if _linger is None else _linger
-
-
-def set_exit_linger(seconds: float) -> None:
-    """Set :func:`exit_linger` for this process (children made later inherit it through
-    ``SHMSHARE_MP_LINGER``, which this sets too)."""
-    global _linger
-    value = float(seconds)
-    if not value >= 0:
-        raise ValueError(f"exit linger must be >= 0 seconds, got {seconds!r}")
-    _linger = value
-    os.environ["SHMSHARE_MP_LINGER"] = repr(value)
-
 
 # A foreign call: the GIL is released while it copies. One thread: a copy split over two was
 # slower end to end at 64 MiB on 2 cores (23-24 against 27-28 messages/s, scripts/bench_mp.py),
@@ -244,6 +218,19 @@ class Owner(BlockBook):
         self._since[got[0]] = _monotonic()  # for the stats socket's oldest handle (Note [Reporters])
         rec.leases += 1
         return got
+
+    def lend_again(self, cm: ClaimMap, slot: int, gen: int) -> tuple[int, int] | None:
+        """A new slot on the block of lease (slot, gen), which `cm`'s process holds, for a handle
+        it pickles on; None if it holds no such lease (Note [Lending on] in ``_storages.py``)."""
+        with self._lock:
+            rec = self._slots.get(slot)
+            if rec is None or self.table.gens[slot] != gen or self.table.state(slot)[:2] != (gen, CLAIMED) \
+                    or cm.closed or not cm.marks[slot]:
+                return None
+            got = self._lease(rec)
+            if got is not None:
+                self._in_place += 1
+            return got
 
     def _drop_external(self, ext: _External) -> None:
         if ext.leases:

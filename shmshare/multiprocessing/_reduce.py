@@ -155,23 +155,18 @@ def reduce_storage(st: Any) -> Any:
             or torch.multiprocessing.get_sharing_strategy() == "file_system":
         return torch.multiprocessing.reductions.reduce_storage(st)  # theirs, unchanged
     try:
-        got, external = _storages.share(st)
+        handle = _storages.share(st)
     except Exception as exc:  # noqa: BLE001  (torch's own reducer shares it instead, below)
         _warn_by_value(exc, "torch's own shared memory")
-        got, external = None, False
-    if got is None:  # no room in the pool or the lease table: shared all the same, torch's way
+        handle = None
+    if handle is None:  # no room in the pool or the lease table: shared all the same, torch's way
         return torch.multiprocessing.reductions.reduce_storage(st)
-    ow = owner()
-    return rebuild_storage, ((ow.pid, ow.token, ow.path, *got, _dtype_str(_U8), (st.nbytes(),),
-                              external, ow.sign(got, external)),)
-
-
-_U8 = np.dtype(np.uint8)
+    return rebuild_storage, (handle,)
 
 
 def rebuild_storage(handle: tuple[Any, ...]) -> Any:
     """Unpickle a storage: one storage per block range while any view of it lives here."""
-    return _storages.rebuild(rebuild_array(*handle), _storages.receivers_key(handle))
+    return _storages.rebuild(rebuild_array(*handle), handle)
 
 
 _torch_mod: Any = None

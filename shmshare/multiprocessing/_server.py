@@ -33,7 +33,7 @@ from .._listen import AcceptGate, refused
 from ..channel._releases import WakePipe
 from ..channel._trust import check_fd_room
 from ._claims import ClaimMap
-from ._common import DROP, ERROR, KIND, RELEASE, SEGMENT, TABLE
+from ._common import DROP, ERROR, KIND, LEND, RELEASE, SEGMENT, TABLE
 
 if TYPE_CHECKING:
     from ._owner import Owner
@@ -307,6 +307,16 @@ class Server:
                 peer.conn.send({KIND: SEGMENT, "i": seg_id, "n": size}, [fd], timeout=_REPLY_WAIT)
             finally:
                 os.close(fd)
+        elif kind == LEND:
+            slot, gen = header.get("s"), header.get("g")
+            got = None
+            if peer.claims is not None and type(slot) is int and type(gen) is int:
+                got = self._owner.lend_again(peer.claims, slot, gen)
+            if got is None:
+                peer.conn.send({KIND: ERROR, "w": f"pid {self._owner.pid} holds no lease {slot!r}.{gen!r} "
+                                "of yours to lend on (released, or never yours)"}, timeout=_REPLY_WAIT)
+            else:
+                peer.conn.send({KIND: LEND, "s": got[0], "g": got[1]}, timeout=_REPLY_WAIT)
         elif kind == TABLE:
             table = self._owner.table
             try:

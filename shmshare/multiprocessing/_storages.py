@@ -24,12 +24,25 @@ Note [A tensor's storage moves into the pool]
     sent it, a handle gives back the original storage itself (its
     ``_cdata``, torch's ``test_fd_preserve_sharing``).
 
-    Storages we cannot move in place without breaking what already shares
-    them are sent as copies: one received from another process (this
-    process holds a lease on another owner's block; it cannot lend it on),
-    and one a forked child inherited from its parent's pool (swapping it
-    would cut the child off from the parent's memory). torch's own shared
+    A storage inherited by a forked child from its parent's pool is sent as
+    a copy: swapping it would cut the child off from the parent's memory,
+    and the parent's leases are not the child's to lend. torch's own shared
     storages (``share_memory_()``) go with no copy, by their fd, as before.
+
+Note [Lending on]
+    A storage this process received (it holds a lease, a claimed slot, on
+    another owner's block) and now sends on -- a Pool worker returning the
+    tensor it was given, a stage of a pipeline passing it along -- must name
+    the same memory, as torch's fd does. Only the owner can issue a slot, so
+    the sender asks it over the link it already has (``{"k": "l"}``, one
+    round trip): the owner checks that this process's claim map marks the
+    slot and that the slot is claimed, and leases the same block to a new
+    slot. The handle then names the original owner, and whoever unpickles
+    it claims that slot as usual; in the owner's own process it becomes the
+    original storage again. A request for a slot the peer does not hold is
+    refused and lends nothing: a lease only ever adds to what pins a block.
+    If the owner is gone or refuses, the storage goes as a copy from our
+    own pool (its values; our own tensor stays the owner's memory).
 
 Note [is_shared of our storages]
     torch's ``is_shared()`` is true only for its own ``MapAllocator``
@@ -54,33 +67,41 @@ import numpy as np
 from .. import _fork
 from . import _owner
 
-__all__ = ["share", "rebuild", "is_ours", "wrap_torch_methods", "receivers_key"]
+__all__ = ["share", "rebuild", "is_ours", "wrap_torch_methods"]
 
 _U8 = np.dtype(np.uint8)
+_U8_STR = _U8.str  # a handle's dtype (tensors.encode_dtype of uint8)
 _lock = threading.Lock()
 _moving = threading.Lock()  # held while a storage is looked at and moved
 # storages this process's pool holds and pickled: (token, seg, start, nbytes) -> StorageWeakRef
 _mine: dict[tuple[int, ...], Any] = {}
 # storages received: (pid, token, seg, start, nbytes) -> StorageWeakRef, and their data pointers
 _theirs: dict[tuple[int, ...], Any] = {}
-_received_at: dict[int, Any] = {}  # data_ptr -> StorageWeakRef (is_shared, and not moved again)
+# data_ptr -> (StorageWeakRef, the handle whose lease it holds): is_shared, and Note [Lending on]
+_received_at: dict[int, tuple[Any, tuple[Any, ...]]] = {}
 _prune_at = 1024  # entries before the next sweep of dead weak references
 
 
-def share(st: Any) -> tuple[tuple[Any, ...] | None, bool]:
+def share(st: Any) -> tuple[Any, ...] | None:
     """Put CPU storage `st` in the pool in place (Note [A tensor's storage moves into the pool])
-    and lease it to a handle: (what ``Owner.place`` returns, or None: no room; external: a
-    storage torch shared, named by its own segment)."""
+    and lease it to a handle: the handle's arguments (``_client.rebuild_array``'s), or None: no
+    room in the pool or the lease table."""
     n = st.nbytes()
     ptr = st.data_ptr()
     ow = _owner.owner()
     if _torch_is_shared(st):
         got = ow.place_shared(_u8(st), st)
         if got is not None:
-            return got, True
-        return ow.place(_u8(st)), False  # torch's file_system storage: no fd to give, a copy
-    if _foreign(ptr, n):
-        return ow.place(_u8(st)), False  # a copy: moving it would cut it off from its owner
+            return _handle(ow.pid, ow.token, ow.path, got, True, ow.sign(got, True))
+        return _ours(ow, ow.place(_u8(st)))  # torch's file_system storage: no fd to give, a copy
+    received = _received(ptr)
+    if received is not None:
+        lent = _lend_on(received)
+        if lent is not None:
+            return lent
+        return _ours(ow, ow.place(_u8(st)))  # its owner is gone or refused: a copy
+    if _inherited(ptr, n):
+        return _ours(ow, ow.place(_u8(st)))  # a copy: moving it would cut it off from the parent
     with _moving:  # two feeder threads sending one storage move it once (torch locks too)
         ptr = st.data_ptr()
         with ow._lock:
@@ -90,7 +111,34 @@ def share(st: Any) -> tuple[tuple[Any, ...] | None, bool]:
         got = ow.place(_u8(st))
     if got is not None:
         _remember(_mine, (ow.token, got[0], got[2], n), st)
-    return got, False
+    return _ours(ow, got)
+
+
+def _ours(ow: Any, got: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
+    return None if got is None else _handle(ow.pid, ow.token, ow.path, got, False, ow.sign(got, False))
+
+
+def _handle(pid: int, token: int, path: str, got: tuple[Any, ...], external: bool,
+            mac: bytes) -> tuple[Any, ...]:
+    return (pid, token, path, *got, _U8_STR, (got[3],), external, mac)
+
+
+def _lend_on(handle: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """A new handle on the block of a storage we received (Note [Lending on]); None if its owner
+    is gone or will not."""
+    from ._client import client
+    from ._table import sign
+
+    pid, token, path, seg_id, size, start, span, lo, strides, _slot, _gen = handle[:11]
+    external = handle[13]
+    try:
+        link = client().link(pid, token, path)
+        slot, gen = link.lend_again(handle[9], handle[10])
+    except Exception:  # noqa: BLE001  (gone, refused, out of fds: the caller sends a copy)
+        return None
+    got = (seg_id, size, start, span, lo, strides, slot, gen)
+    return _handle(pid, token, path, got, external,
+                   sign(link.secret, seg_id, size, start, span, lo, slot, gen, external))
 
 
 def _move(ow: Any, st: Any, n: int) -> None:
@@ -109,10 +157,20 @@ def _u8(st: Any) -> np.ndarray:
     return got
 
 
-def _foreign(ptr: int, n: int) -> bool:
-    """Bytes we hold on another owner's lease, or a parent's pool block inherited at fork."""
-    if ptr in _received_at and _alive_at(_received_at, ptr):
-        return True
+def _received(ptr: int) -> tuple[Any, ...] | None:
+    """The handle by which this process holds the received storage at `ptr`, if it is one."""
+    with _lock:
+        got = _received_at.get(ptr)
+        if got is None:
+            return None
+        if got[0].expired():
+            del _received_at[ptr]
+            return None
+        return got[1]
+
+
+def _inherited(ptr: int, n: int) -> bool:
+    """Bytes of a parent's pool block, inherited at fork."""
     for segs in _owner._inherited:
         for seg in segs:
             if seg.address <= ptr and ptr + n <= seg.address + seg.size:
@@ -120,11 +178,12 @@ def _foreign(ptr: int, n: int) -> bool:
     return False
 
 
-def rebuild(arr: np.ndarray, key: tuple[int, ...]) -> Any:
+def rebuild(arr: np.ndarray, handle: tuple[Any, ...]) -> Any:
     """The storage of a handle: `arr` (its bytes, just claimed) or, if a storage of the same
     block range lives here already, that one (`arr` then goes, releasing its lease)."""
     torch = _torch()
-    pid, token = key[0], key[1]
+    pid, token, _path, seg_id, _size, start, span = handle[:7]
+    key = (pid, token, seg_id, start, span)
     ow = _owner.current_owner()
     if pid == os.getpid() and ow is not None and ow.token == token:
         st = _alive(_mine, (token, *key[2:]))
@@ -135,8 +194,8 @@ def rebuild(arr: np.ndarray, key: tuple[int, ...]) -> Any:
         return st
     st = torch.from_numpy(arr).untyped_storage()
     with _lock:
-        _theirs[key] = _weak(st)
-        _received_at[st.data_ptr()] = _theirs[key]
+        ref = _theirs[key] = _weak(st)
+        _received_at[st.data_ptr()] = (ref, handle)  # the lease it holds: for Note [Lending on]
         _maybe_prune()
     return st
 
@@ -148,7 +207,7 @@ def is_ours(st: Any) -> bool:
     if n == 0:
         return False
     ptr = st.data_ptr()
-    if ptr in _received_at and _alive_at(_received_at, ptr):
+    if _received(ptr) is not None:
         return True
     ow = _owner.current_owner()
     if ow is None or not ow._addrs:
@@ -220,32 +279,17 @@ def _alive(book: dict[tuple[int, ...], Any], key: tuple[int, ...]) -> Any:
         return st
 
 
-def _alive_at(book: dict[int, Any], ptr: int) -> bool:
-    with _lock:
-        ref = book.get(ptr)
-        if ref is None:
-            return False
-        if ref.expired():
-            del book[ptr]
-            return False
-        return True
-
-
 def _maybe_prune() -> None:
     """Drop dead weak references once the books grow (under _lock): as torch's shared_cache."""
     global _prune_at
     if len(_mine) + len(_theirs) + len(_received_at) < _prune_at:
         return
-    for book in (_mine, _theirs, _received_at):
+    for book in (_mine, _theirs):
         for k in [k for k, ref in book.items() if ref.expired()]:
-            del book[k]  # type: ignore[arg-type]
+            del book[k]
+    for ptr in [p for p, (ref, _) in _received_at.items() if ref.expired()]:
+        del _received_at[ptr]
     _prune_at = max(1024, 2 * (len(_mine) + len(_theirs) + len(_received_at)))
-
-
-def receivers_key(handle: tuple[Any, ...]) -> tuple[int, ...]:
-    """The (pid, token, segment, start, nbytes) a handle's storage is known by."""
-    pid, token, _path, seg_id, _size, start, span = handle[:7]
-    return (pid, token, seg_id, start, span)
 
 
 _torch_mod: Any = None

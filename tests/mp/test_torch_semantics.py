@@ -169,14 +169,14 @@ def test_hogwild_parameters_passed_to_a_spawned_process_are_shared():
 
 def _send_back_then_write(inq, outq):
     t = inq.get(timeout=WAIT)
-    outq.put(t)  # received from the parent: goes back as a copy, and t stays the parent's
+    outq.put(t)  # received from the parent and sent on: the parent's own memory (Note [Lending on])
     assert inq.get(timeout=WAIT) == "write"
     t[0] = 8.0
     outq.put("written")
     del t
 
 
-def test_a_received_tensor_sent_on_arrives_and_stays_shared_with_its_owner():
+def test_a_received_tensor_sent_back_is_the_senders_own_storage():
     x = torch.arange(100.0)
     ctx = smp.get_context("fork")
     inq, outq = ctx.Queue(), ctx.Queue()
@@ -184,14 +184,59 @@ def test_a_received_tensor_sent_on_arrives_and_stays_shared_with_its_owner():
         with helpers.child(_send_back_then_write, inq, outq):
             inq.put(x)
             back = outq.get(timeout=WAIT)
-            assert torch.equal(back, torch.arange(100.0))
+            assert back.untyped_storage()._cdata == x.untyped_storage()._cdata
             inq.put("write")
             assert outq.get(timeout=WAIT) == "written"
     finally:
         helpers.close_queue(inq)
         helpers.close_queue(outq)
-    assert float(x[0]) == 8.0  # the child's write, after it had sent its tensor on
-    assert float(back[0]) == 0.0  # what came back is a copy (docs/multiprocessing.md)
+    assert float(x[0]) == 8.0 and float(back[0]) == 8.0  # the child's write, after it sent t on
+
+
+def _pass_on(inq, midq):
+    t = inq.get(timeout=WAIT)
+    midq.put(t[::2])  # a view of what it received, to a third process
+    assert inq.get(timeout=WAIT) == "done"
+    del t
+
+
+def _write_at_the_end(midq, outq):
+    v = midq.get(timeout=WAIT)
+    v[:] = -1.0
+    outq.put((v.is_shared(), float(v.sum())))
+    del v
+
+
+def test_a_tensor_passed_along_a_pipeline_stays_the_first_senders_memory():
+    x = torch.zeros(10)
+    ctx = smp.get_context("fork")
+    inq, midq, outq = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    try:
+        with helpers.child(_pass_on, inq, midq), helpers.child(_write_at_the_end, midq, outq):
+            inq.put(x)
+            assert outq.get(timeout=WAIT) == (True, -5.0)
+            inq.put("done")
+    finally:
+        for q in (inq, midq, outq):
+            helpers.close_queue(q)
+    assert x.tolist() == [-1.0, 0.0] * 5
+
+
+def test_a_lend_request_for_a_lease_the_peer_does_not_hold_lends_nothing():
+    from shmshare.multiprocessing import _client, _owner
+
+    x = torch.ones(64)
+    handle = ForkingPickler.dumps(x)  # a pending handle of ours: slot 0 or so, claimed by nobody
+    ow = _owner.current_owner()
+    assert ow is not None
+    out_before = ow.statistics().handles_unclaimed
+    link = _client.client().link(ow.pid, ow.token, ow.path)
+    slot = next(iter(ow._slots))
+    with pytest.raises(smp.HandleError, match="holds no lease"):
+        link.lend_again(slot, ow.table.gens[slot])
+    assert ow.statistics().handles_unclaimed == out_before
+    got = ForkingPickler.loads(handle)
+    assert got.untyped_storage()._cdata == x.untyped_storage()._cdata
 
 
 def _resend_inherited(inq, outq, t):
