@@ -52,7 +52,7 @@ def put(srv: Server, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
         check_memfd(srv, name, size, fds, sealed=True)
     else:
         check_staged(srv, client, size, h)
-    srv.table.could_ever_fit(len(meta) + _pages(size), f"object {name!r}", old)
+    srv.table.could_ever_fit(len(meta) + _pages(size), f"object {name!r}", old, size)
     srv.table.room_for_meta(len(meta), f"object {name!r}")
     if fds:
         if old is not None and frees_room_for(srv, old, size, memfd=True):
@@ -99,7 +99,7 @@ def create(srv: Server, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> No
         raise Bad(EXISTS, _exists(name))
     if fds:
         check_memfd(srv, name, size, fds, sealed=False)
-    srv.table.could_ever_fit(len(meta) + _pages(size), f"object {name!r}", None)
+    srv.table.could_ever_fit(len(meta) + _pages(size), f"object {name!r}", None, size)
     srv.table.room_for_meta(len(meta), f"object {name!r}")
     if fds:
         obj = memfd_object(srv, client, name, size, meta, torch, fds, sealed=False)

@@ -139,25 +139,25 @@ class Table:
     def charge_memfd(self, size: int, what: str, evict: bool = True) -> int:
         """Count a memfd object of `size` against the limit; the bytes charged."""
         charge = -(-size // _PAGE) * _PAGE
-        self._make_room(charge, what, evict)
+        self._make_room(charge, what, evict, size)
         self.memfd_bytes += charge
         return charge
 
-    def could_ever_fit(self, need: int, what: str, old: Obj | None) -> None:
-        """StoreFull, before anything is evicted, unless `need` bytes could fit once every
-        unreferenced object went (with --evict) and `old` (the object a put replaces, if
-        unreferenced) was given back."""
+    def could_ever_fit(self, need: int, what: str, old: Obj | None, size: int | None = None) -> None:
+        """StoreFull, before anything is evicted, unless `need` bytes (an object of `size` in
+        whole pages, and its meta) could fit once every unreferenced object went (with --evict)
+        and `old` (the object a put replaces, if unreferenced) was given back."""
         if self.limit is None or self.held_bytes + need <= self.limit:
             return
         room = self._reclaimable(self.evict)
         if old is not None and not old.refs and not (self.evict and old.oid in self._idle):
             room += old.charge + len(old.meta)  # not counted among the evictable already
         if self.held_bytes - room + need > self.limit:
-            raise self._full(need, what)
+            raise self._full(need, what, size=size, counted="in whole pages, with its description")
 
     def room_for_meta(self, nbytes: int, what: str) -> None:
         """StoreFull unless `nbytes` of meta fit (evicting if asked)."""
-        self._make_room(nbytes, what, True)
+        self._make_room(nbytes, f"the description of {what}", True)
 
     def malloc(self, size: int, what: str, evict: bool = True) -> Block:
         """A block of the arena for an object of `size` bytes (StoreFull past the limit)."""
@@ -172,18 +172,18 @@ class Table:
                 # it needs a new segment of the pool (2 MiB for objects under 1 MiB)
                 need = max(size, _SMALL_SEGMENT)
                 if not evict or not self._could_fit(need) or not self._evict_one():
-                    raise self._full(size, what) from exc
+                    raise self._full(size, what, size=size, segment=need) from exc
 
-    def _make_room(self, charge: int, what: str, evict: bool) -> None:
+    def _make_room(self, charge: int, what: str, evict: bool, size: int | None = None) -> None:
         if self.limit is None:
             return
         if self.held_bytes + charge > self.limit and not self._could_fit(charge if evict else -1):
-            raise self._full(charge, what)
+            raise self._full(charge, what, size=size, counted="in whole pages")
         while self.held_bytes + charge > self.limit:
             if self._cached_arena() and self._trim():
                 continue
             if not evict or not self._evict_one():
-                raise self._full(charge, what)
+                raise self._full(charge, what, size=size, counted="in whole pages")
 
     def _could_fit(self, need: int) -> bool:
         """Whether giving back the pool's wholly free segments and (with --evict) evicting
@@ -219,17 +219,42 @@ class Table:
         self.unname(obj)
         return True
 
-    def _full(self, need: int, what: str) -> StoreFull:
-        named = [o for o in self.objects.values() if o.named]
-        held = sum(o.size for o in self.objects.values() if o.refs)
-        hint = ("nothing unreferenced is left to evict: getters hold views of the rest"
-                if self.evict else "delete objects, raise --limit, or run `shmshare serve "
-                "--evict` to evict unreferenced objects, least recently used first")
-        return StoreFull(
-            f"{what} needs {format_size(need)}, and the store's --limit is "
-            f"{format_size(self.limit or 0)}: it holds {format_size(self.held_bytes)} "
-            f"({len(named)} objects, {format_size(held)} of them referenced by getters' views, "
-            f"{len(self.objects) - len(named)} deleted but still viewed); {hint}")
+    def _full(self, need: int, what: str, *, size: int | None = None, counted: str = "",
+              segment: int = 0) -> StoreFull:
+        """StoreFull for `need` bytes past the limit -- `what` of `size` bytes, counted as
+        `counted` says; or a whole new pool `segment` -- that states the bytes asked, the limit,
+        what the store holds, and what to do."""
+        limit = self.limit or 0
+        held = self.held_bytes
+        objs = list(self.objects.values())
+        viewed = sum(o.size for o in objs if o.refs)
+        besides = max(0, held - sum(o.size for o in objs))
+        if segment > need:  # the pool's segments are larger than small objects
+            asked = (f"{what} needs {_amount(need)} (and for it the store's pool a new "
+                     f"{format_size(segment)} segment)")
+        elif size is not None and size != need:
+            asked = f"{what} of {_amount(size)} needs {need} bytes of the limit ({counted})"
+        else:
+            asked = f"{what} needs {_amount(need)}"
+        text = (f"{asked}, but the store's --limit is {_amount(limit)} and it holds "
+                f"{format_size(held)} already, so {format_size(max(0, limit - held))} is free. "
+                f"It holds {_objects([o for o in objs if o.named], '')} by name, "
+                f"{_objects([o for o in objs if not o.named], 'deleted ')} that getters still "
+                f"view, and {format_size(besides)} besides (room between objects in its pool, "
+                f"the objects' descriptions); getters are viewing {format_size(viewed)} of it.")
+        if max(need, segment) > limit:
+            fix = (f"Deleting objects cannot make room for {format_size(max(need, segment))} "
+                   f"under a limit of {format_size(limit)}: restart the store with a larger "
+                   "--limit (`shmshare serve --limit ...`), or put less at once.")
+        elif self.evict:
+            fix = ("It runs with --evict, but nothing unreferenced is left to evict: getters "
+                   "hold views of the rest. Drop those views or delete objects (Store.delete), "
+                   "or restart the store with a larger --limit.")
+        else:
+            fix = ("To make room: delete objects that are no longer needed (Store.delete), "
+                   "restart the store with a larger --limit, or run `shmshare serve --evict` so "
+                   "that it evicts the least recently used objects no getter is viewing.")
+        return StoreFull(f"{text} {fix}")
 
     def _host_full(self, size: int, what: str, exc: OutOfMemoryError) -> HostFull:
         """The pool could not grow for want of the daemon's memory, not of room under --limit."""
@@ -238,9 +263,13 @@ class Table:
         if got is not None:
             return got
         cause = _host_cause(exc) or exc
-        return HostFull(f"{what} needs {format_size(size)}, and the store daemon (pid "
-                        f"{os.getpid()}) could not grow its pool: {cause}. Delete objects, or "
-                        "give the daemon more memory")
+        limit = f" under a --limit of {_amount(self.limit)}" if self.limit is not None else ""
+        return HostFull(f"{what} needs {_amount(size)}, and the store daemon (pid "
+                        f"{os.getpid()}) could not grow its pool: {cause}. The store holds "
+                        f"{format_size(self.held_bytes)}{limit}, "
+                        f"{_objects(list(self.objects.values()), '')} among it. Delete objects "
+                        "that are no longer needed (Store.delete), or give the daemon more "
+                        "memory (the host's, or its container's).")
 
     def trim_if_idle(self, now: float) -> float | None:
         """Give the pool's segments back once it has been empty for IDLE_TRIM; the time of
@@ -406,3 +435,18 @@ def _host_cause(exc: BaseException) -> SegmentError | None:
             return seen
         seen = seen.__cause__
     return None
+
+
+def _amount(n: int) -> str:
+    """`n` bytes as a person reads them, exact where rounding would hide it: "4.00 MiB (4194304
+    bytes)", "1000 bytes"."""
+    short = format_size(n)
+    return short if short.endswith(" bytes") else f"{short} ({n} bytes)"
+
+
+def _objects(objs: list[Obj], kind: str) -> str:
+    """How many `objs` and their bytes: "2 objects (5.00 MiB)", "no deleted objects"."""
+    if not objs:
+        return f"no {kind}objects"
+    return (f"{len(objs)} {kind}object{'s' if len(objs) != 1 else ''} "
+            f"({format_size(sum(o.size for o in objs))})")

@@ -174,8 +174,8 @@ def cgroup_refusal(nbytes: int, what: str, who: str, fix: str) -> str | None:
     cache = f", {lim.reclaimable} of them reclaimable page cache" if lim.reclaimable else ""
     return (f"cannot reserve {nbytes} bytes of shared memory for {what}: the memory cgroup "
             f"{lim.path} (v{lim.version}, {lim.directory}) of {who} has a limit of {lim.limit} "
-            f"bytes and {lim.usage} in use{cache}, {lim.slack} kept as headroom; writing past "
-            f"the limit would get {who} OOM-killed, so it was not tried. {fix}")
+            f"bytes and {lim.usage} bytes in use{cache}, {lim.slack} bytes kept as headroom; "
+            f"writing past the limit would get {who} OOM-killed, so it was not tried. {fix}")
 
 
 def reserve(fd: int, size: int, what: str) -> None:
