@@ -35,7 +35,7 @@ from ._batch import pack, unpack
 from ._device import DeviceCopier
 from ._pin import choose, pin_by_copy
 from ._seeding import draw_base_seed
-from ._worker import WorkerSpec, worker_main
+from ._worker import SpecHandoff, WorkerSpec, worker_main
 
 __all__ = ["SingleProcessIter", "MultiProcessIter", "close_inherited"]
 
@@ -186,10 +186,12 @@ class MultiProcessIter(_BaseIter):
                 a, b = wire.pipe()
                 a._role, b._role = "sender", "receiver"
                 conns.append(b)
-                spec = WorkerSpec(self._iterable, self._dataset, self._auto_collation,
-                                  self._collate_fn, self._drop_last, self._base_seed,
-                                  loader.worker_init_fn, i, self._num_workers, self._use_torch,
-                                  loader._pool_limit)
+                spec = SpecHandoff(WorkerSpec(self._iterable, self._dataset, self._auto_collation,
+                                              self._collate_fn, self._drop_last, self._base_seed,
+                                              loader.worker_init_fn, i, self._num_workers,
+                                              self._use_torch, loader._pool_limit))
+                # spawn, forkserver: start() returns without waiting for the child to read its
+                # spec (Note [The spec beside the start pipe] in _worker.py)
                 w = ctx.Process(target=worker_main, args=(a, spec), daemon=True)
                 try:
                     w.start()
@@ -203,6 +205,7 @@ class MultiProcessIter(_BaseIter):
                     raise
                 finally:
                     a.close()  # the worker has its own copy now
+                    spec.close()  # and of the spec's memfd
                 _drop_parent_pipe(w)
                 self._workers.append(w)
             self._rx = Receiver(conns, writable=True, pin=self._pinner)

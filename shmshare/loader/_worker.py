@@ -35,6 +35,7 @@ Messages (notes are msgpack; a batch is a channel batch of a list)::
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 import pickle
 import warnings
@@ -45,6 +46,8 @@ import numpy as np
 
 from .. import wire
 from .._errors import PeerDied, ProtocolError, ShmshareTimeout
+from .._fd import Fd
+from .._lifetime import Closeable
 from ..channel import Sender
 from . import _collate, _pool
 from ._batch import pack
@@ -52,7 +55,8 @@ from ._fetch import make_fetcher
 from ._seeding import seed_worker
 from ._wrap import capture
 
-__all__ = ["WorkerSpec", "WorkerInfo", "worker_main", "get_worker_info", "WATCH_INTERVAL"]
+__all__ = ["WorkerSpec", "SpecHandoff", "WorkerInfo", "worker_main", "get_worker_info",
+           "WATCH_INTERVAL"]
 
 WATCH_INTERVAL = 1.0  # s between a waiting worker's looks at whether its parent is alive
 _INLINE = 32 << 10  # bytes of a batch's pickle sent in its frame; more go through the pool
@@ -99,9 +103,90 @@ class WorkerSpec:
     pool_limit: int
 
 
-def worker_main(conn: wire.Connection, spec: WorkerSpec) -> None:
+class SpecHandoff(Closeable):
+    """A worker's spec on its way to the worker: as is under fork, in a memfd under spawn and forkserver.
+
+    Note [The spec beside the start pipe]
+        A spawn or forkserver ``Process.start()`` pickles the process object
+        and writes it into a pipe that the child reads only once it has
+        started Python, imported the main module and imported whatever the
+        pickle names before the bytes that follow (the target's module;
+        torch, for torch's ``default_collate``). A pipe holds 64 KiB: with a
+        dataset bigger than that, ``start()`` blocks until the child has
+        read nearly all of it, so the workers start one after the other,
+        each after the last one's imports. torch's loader does so too: with
+        a 5 MB dataset, its 4 spawned workers had read their datasets at
+        2.4, 4.7, 6.9 and 9.8 s, and its first batch came at 9.9 s.
+        Here the spec is pickled during that same start (``__reduce__`` runs
+        inside it, so ``DupFd`` and the ``assert_spawning`` of
+        multiprocessing locks and queues in a dataset work as they do in the
+        pipe), into a memfd (no name to clean up, gone with its last fd)
+        handed to the child beside the pipe: the pipe gets a few hundred
+        bytes, ``start()`` returns at once, and the workers start together.
+        The parent closes its fd once ``start()`` has returned (``close()``);
+        the child maps the memfd, unpickles the spec and closes it before
+        ``worker_main`` runs. Under fork nothing is pickled. Pickled outside
+        a start, or where no memfd (or no fd) can be had, the spec goes
+        in-band, as before. The price: each worker's pickled dataset is held
+        in shared memory until that worker has read it, so N workers
+        starting together hold N copies for a moment, where the pipes held
+        one at a time.
+    """
+
+    __slots__ = ("spec", "_fd")
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self._fd: Fd | None = None  # the memfd of the last pickling, until start() returns
+
+    def __reduce__(self) -> Any:
+        from multiprocessing import context, reduction
+
+        if context.get_spawning_popen() is None:
+            return SpecHandoff, (self.spec,)
+        data = reduction.ForkingPickler.dumps(self.spec)
+        try:
+            fd = Fd(os.memfd_create("shmshare-loader-spec", os.MFD_CLOEXEC))
+        except OSError:  # no memfds here, or no fd left: the pipe takes it, at its pace
+            return _spec_from_pickle, (data,)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd.fileno(), view):]
+            dup = reduction.DupFd(fd.fileno())
+        except BaseException:
+            fd.close()
+            raise
+        self.close()
+        self._fd = fd
+        return _load_spec, (dup, len(data))
+
+    def close(self) -> None:
+        """Close the parent's fd of the memfd (after ``start()``: the child has its own). Idempotent."""
+        fd, self._fd = getattr(self, "_fd", None), None
+        if fd is not None:
+            fd.close()
+
+
+def _spec_from_pickle(data: bytes) -> SpecHandoff:
+    return SpecHandoff(pickle.loads(data))
+
+
+def _load_spec(dup: Any, size: int) -> SpecHandoff:
+    """In the child, as the process object is unpickled: the spec, from the memfd beside the pipe."""
+    fd = Fd(dup.detach())
+    try:
+        with mmap.mmap(fd.fileno(), size, prot=mmap.PROT_READ) as data:
+            spec = pickle.loads(data)
+    finally:
+        fd.close()
+    return SpecHandoff(spec)
+
+
+def worker_main(conn: wire.Connection, handoff: SpecHandoff) -> None:
     """The worker process: run until told to stop, or until the main process is gone."""
     global _info
+    spec = handoff.spec
     from . import _iters
 
     _iters.close_inherited()  # a forked worker holds the main process's loader sockets

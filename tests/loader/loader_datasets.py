@@ -57,6 +57,49 @@ class DiesWhileAnotherSleeps(Arrays):
         return super().__getitem__(i)
 
 
+class Gated(Arrays):
+    """Map-style, with `nbytes` of payload: sample i is payload[4i:4i+4] and i. Unpickling it waits up to
+    `wait` s for the file `go` to exist before it reads the payload, so a worker's start that waits for the
+    worker to read its dataset cannot return before `go` exists."""
+
+    def __init__(self, n: int, go: str, nbytes: int = 1 << 20, wait: float = 30.0) -> None:
+        super().__init__(n, (4,), "uint8")
+        self.go, self.wait = go, wait
+        self.payload = (np.arange(nbytes) * 7 % 251).astype(np.uint8)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # the gate first: the payload's bytes follow it in the stream
+        return _ungate, (_Gate(self.go, self.wait), self.n, self.payload)
+
+    def __getitem__(self, i: int) -> dict[str, object]:  # type: ignore[override]
+        return {"x": self.payload[4 * i:4 * i + 4].copy(), "y": i}
+
+
+class _Gate:
+    def __init__(self, go: str, wait: float) -> None:
+        self.go, self.wait = go, wait
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return _wait_for, (self.go, self.wait)
+
+
+def _wait_for(go: str, wait: float) -> tuple[str, float]:
+    end = time.monotonic() + wait
+    while not os.path.exists(go):
+        if time.monotonic() > end:
+            raise RuntimeError(f"{go} was not made within {wait} s")
+        time.sleep(0.01)
+    return go, wait
+
+
+def _ungate(gate: tuple[str, float], n: int, payload: np.ndarray) -> Gated:
+    ds = Gated.__new__(Gated)
+    Arrays.__init__(ds, n, (4,), "uint8")
+    ds.go, ds.wait = gate
+    ds.payload = payload
+    return ds
+
+
 class Keys:
     """Indexed by anything hashable: returns the index it was given, and its type's name."""
 
