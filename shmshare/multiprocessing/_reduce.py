@@ -50,7 +50,7 @@ import numpy as np
 from .. import _native, tensors
 from . import _storages
 from ._client import rebuild_array
-from ._common import env_number
+from ._common import HandleError, env_number
 from ._owner import current_owner, exiting, owner
 
 __all__ = ["init_reductions", "reduce_ndarray", "reduce_tensor", "reduce_storage", "BY_VALUE_BELOW"]
@@ -136,15 +136,60 @@ def reduce_ndarray(arr: np.ndarray) -> Any:
 
 
 def reduce_tensor(t: Any) -> Any:
-    """ForkingPickler's reducer for ``torch.Tensor`` and ``torch.nn.Parameter``: torch's own.
+    """ForkingPickler's reducer for ``torch.Tensor`` and ``torch.nn.Parameter``.
 
-    It pickles a CPU tensor as its storage (a ``TypedStorage``) and its
-    offset, sizes and strides; the storage's bytes go through
-    :func:`reduce_storage`, ours (Note [A tensor's storage moves into the pool]
-    in ``_storages.py``). Everything else about tensors -- grads and hooks
-    refused, Parameters, CUDA, sparse, nested and meta tensors -- is torch's.
+    A dense CPU tensor goes as its storage's handle (Note [A tensor's storage
+    moves into the pool] in ``_storages.py``) with its dtype, storage offset,
+    sizes and strides, as torch's reducer sends them, without torch's
+    ``TypedStorage`` on either side (a fifth of a small tensor's cost).
+    Everything else -- a non-leaf requiring grad (torch's own error), CUDA,
+    sparse, quantized, nested, meta, conjugate and negative-bit tensors, the
+    ``file_system`` strategy -- is torch's reducer, whose storages still come
+    to :func:`reduce_storage`.
     """
-    return _torch().multiprocessing.reductions.reduce_tensor(t)
+    torch = _torch()
+    cls = type(t)
+    if not t.is_cpu or t.layout is not torch.strided or t.is_quantized or t.is_nested \
+            or (t.requires_grad and not t.is_leaf) or t.is_conj() or t.is_neg() \
+            or (cls is not torch.Tensor and cls is not torch.nn.Parameter) or exiting() \
+            or torch.multiprocessing.get_sharing_strategy() == "file_system":
+        return torch.multiprocessing.reductions.reduce_tensor(t)
+    st = t.untyped_storage()
+    if st.nbytes() == 0:
+        return torch.multiprocessing.reductions.reduce_tensor(t)
+    torch.utils.hooks.warn_if_has_hooks(t)
+    handle = _share(st)
+    if handle is None:
+        return torch.multiprocessing.reductions.reduce_tensor(t)
+    name = _torch_names.get(t.dtype)
+    if name is None:
+        name = _torch_names[t.dtype] = str(t.dtype).removeprefix("torch.")
+    return rebuild_tensor, (handle, name, t.storage_offset(), tuple(t.size()), tuple(t.stride()),
+                            bool(t.requires_grad), cls is torch.nn.Parameter)
+
+
+_torch_names: dict[Any, str] = {}
+
+
+def rebuild_tensor(handle: tuple[Any, ...], name: str, offset: int, size: tuple[int, ...],
+                   stride: tuple[int, ...], requires_grad: bool, parameter: bool) -> Any:
+    """Unpickle a tensor: a view of its storage's handle, as torch's ``rebuild_tensor`` makes it."""
+    torch = _torch()
+    st = rebuild_storage(handle)
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise HandleError(f"a tensor handle of pid {handle[0]} with no torch dtype {name!r}")
+    item = dtype.itemsize
+    last = offset + sum((n - 1) * d for n, d in zip(size, stride, strict=True)) if all(size) else offset - 1
+    if offset < 0 or min(stride, default=0) < 0 or (last + 1) * item > st.nbytes():
+        raise HandleError(f"a tensor handle of pid {handle[0]} reaches past its {st.nbytes()}-byte "
+                          f"storage: offset {offset}, sizes {size}, strides {stride}")
+    t = torch.empty(0, dtype=dtype).set_(st, offset, size, stride)
+    if parameter:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
 
 
 def reduce_storage(st: Any) -> Any:
@@ -154,14 +199,19 @@ def reduce_storage(st: Any) -> Any:
     if st.device.type != "cpu" or st.nbytes() == 0 or exiting() \
             or torch.multiprocessing.get_sharing_strategy() == "file_system":
         return torch.multiprocessing.reductions.reduce_storage(st)  # theirs, unchanged
-    try:
-        handle = _storages.share(st)
-    except Exception as exc:  # noqa: BLE001  (torch's own reducer shares it instead, below)
-        _warn_by_value(exc, "torch's own shared memory")
-        handle = None
+    handle = _share(st)
     if handle is None:  # no room in the pool or the lease table: shared all the same, torch's way
         return torch.multiprocessing.reductions.reduce_storage(st)
     return rebuild_storage, (handle,)
+
+
+def _share(st: Any) -> tuple[Any, ...] | None:
+    """The storage's handle; None (after one warning, if something failed): torch's reducer."""
+    try:
+        return _storages.share(st)
+    except Exception as exc:  # noqa: BLE001  (torch's own reducer shares it instead)
+        _warn_by_value(exc, "torch's own shared memory")
+        return None
 
 
 def rebuild_storage(handle: tuple[Any, ...]) -> Any:

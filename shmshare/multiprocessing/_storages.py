@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _fork
+from .. import _fork, _native
 from . import _owner
 
 __all__ = ["share", "rebuild", "is_ours", "wrap_torch_methods"]
@@ -106,9 +106,8 @@ def share(st: Any) -> tuple[Any, ...] | None:
         ptr = st.data_ptr()
         with ow._lock:
             inside = bool(ow._addrs) and ow._find(ptr, n) is not None
-        if not inside:
-            _move(ow, st, n)
-        got = ow.place(_u8(st))
+        view = _raw(ptr, n) if inside else _move(ow, st, n)
+        got = ow.place(view)
     if got is not None:
         _remember(_mine, (ow.token, got[0], got[2], n), st)
     return _ours(ow, got)
@@ -141,14 +140,21 @@ def _lend_on(handle: tuple[Any, ...]) -> tuple[Any, ...] | None:
                    sign(link.secret, seg_id, size, start, span, lo, slot, gen, external))
 
 
-def _move(ow: Any, st: Any, n: int) -> None:
-    """Swap `st`'s data pointer for a pool block's, its bytes copied first."""
-    torch = _torch()
+def _move(ow: Any, st: Any, n: int) -> np.ndarray:
+    """Swap `st`'s data pointer for a pool block's, its bytes copied first; return a raw view of
+    the block's bytes (for ``place``: it keeps nothing alive)."""
     block = ow.empty((n,), _U8)  # a local view: held until the storage dies
-    fresh = torch.from_numpy(block).untyped_storage()
+    fresh = _torch().from_numpy(block).untyped_storage()
+    ptr = block.ctypes.data
     del block
     fresh.copy_(st)
     st._swap_data_ptr_(fresh)  # fresh now holds the old bytes, freed with it
+    return _raw(ptr, n)
+
+
+def _raw(ptr: int, n: int) -> np.ndarray:
+    """`n` bytes at `ptr` as a uint8 array that holds nothing alive: only while the caller does."""
+    return np.ndarray((n,), _U8, buffer=_native.Lease(None, ptr, n))  # type: ignore[arg-type]
 
 
 def _u8(st: Any) -> np.ndarray:
