@@ -15,14 +15,15 @@ Note [What goes as a handle]
     the pool (``empty()``) goes with no copy. Otherwise it goes by value, as
     numpy pickles it.
 
-    torch tensors keep torch's semantics: the tensor reducer is torch's own
-    (a tensor is its storage plus offset, sizes and strides; CUDA, sparse,
-    nested, meta tensors and every check are torch's), and a CPU storage of
-    any size goes through ours, which moves it into the pool in place and
-    sends a handle to it, so sender and receivers share its memory (Note [A
-    tensor's storage moves into the pool] in ``_storages.py``). Under
-    torch's ``file_system`` strategy, or where the pool has no room,
-    storages go through torch's own reducer: still shared, torch's way.
+    torch tensors keep torch's semantics: a dense CPU tensor is what torch's
+    reducer makes of it (its storage, plus dtype, offset, sizes, strides and
+    requires_grad), and its storage, of any size, moves into the pool in
+    place and goes as a handle, so sender and receivers share its memory
+    (Note [A tensor's storage moves into the pool] in ``_storages.py``).
+    CUDA, sparse, quantized, nested, meta, conjugate and negative-bit tensors
+    go through torch's own reducer, whose CPU storages come to ours. Under
+    torch's ``file_system`` strategy, or where the pool has no room, tensors
+    and storages go through torch's own reducers: still shared, torch's way.
 
 Note [Reducers against import order]
     ``import torch`` imports ``torch.multiprocessing``, which registers
