@@ -3,11 +3,34 @@ and from the allocator's default settings."""
 
 from __future__ import annotations
 
+import compileall
 import gc
+import sys
+from pathlib import Path
 
 import pytest
 
 from shmshare.testing import check_leaks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Note [Bytecode in a checkout under PYTHONDONTWRITEBYTECODE]
+#     These machines set PYTHONDONTWRITEBYTECODE, so nothing writes bytecode and every Python process the
+#     suite starts (store daemons, spawn and forkserver children, pytester runs, the command line: several
+#     hundred) compiled shmshare's ~110 modules from source again, ~0.45 s each; and pytest rewrote the
+#     asserts of every test module at each collection (17 s of the suite's start, 6 s with its cache). So
+#     shmshare's and the tests' bytecode is compiled here first, as ``pip install`` does and as torch's is
+#     (scripts/bench_loader.py does the same), and pytest writes its assertion-rewrite cache while it
+#     collects. Only what is stale is compiled; a source changed during the run is still read, not its old
+#     bytecode (the pyc records the source's mtime and size).
+for _tree in ("shmshare", "tests"):
+    compileall.compile_dir(ROOT / _tree, quiet=1)
+_DONT_WRITE_BYTECODE = sys.dont_write_bytecode
+sys.dont_write_bytecode = False  # while the test modules are collected (and rewritten): see pytest_collection_finish
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    sys.dont_write_bytecode = _DONT_WRITE_BYTECODE
 
 
 @pytest.fixture(scope="session", autouse=True)
