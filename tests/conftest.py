@@ -43,17 +43,36 @@ def process_wide_singletons():
     yield
 
 
+_frozen_in: list[Path] = []  # the directory whose modules the frozen heap has been kept for
+
+
 @pytest.fixture(scope="module", autouse=True)
-def frozen_heap():
+def frozen_heap(request: pytest.FixtureRequest):
     """Move what is alive when a module starts (torch, numpy, hypothesis, pytest, the modules' own objects)
-    out of the collector's sight for that module: the leak checker collects garbage before and after every
-    test, as do many tests, and a full collection of that heap costs ~0.15 s each time (more than half the
-    suite's time went there). Garbage made by the tests and their fixtures is still collected, as before;
-    what was alive before the module and becomes cyclic garbage during it is collected after it."""
+    out of the collector's sight: the leak checker collects garbage before and after every test, as do many
+    tests, and a full collection of that heap costs 0.2-1 s each time (more than half the suite's time went
+    there). Garbage made by the tests and their fixtures is still collected, as before.
+
+    The heap is unfrozen and collected in full when the tests move to another directory, not at every
+    module: that full collection cost as much again, ~130 times a run. What was alive when a module of a
+    directory started and becomes cyclic garbage later is collected when the tests leave the directory; at
+    each module's start the garbage of the module before is collected (it was never frozen) and what it
+    left alive is frozen with the rest."""
+    here = request.path.parent
+    if _frozen_in != [here]:
+        gc.unfreeze()
+        _frozen_in[:] = [here]
     gc.collect()
     gc.freeze()
     yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def unfrozen_at_the_end():
+    """Give the collector back the whole heap when the session ends (pytest's own teardown, atexit)."""
+    yield
     gc.unfreeze()
+    _frozen_in.clear()
 
 
 @pytest.fixture(autouse=True)
