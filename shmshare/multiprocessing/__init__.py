@@ -30,6 +30,7 @@ import numpy as _np
 
 from .. import _fork
 from .. import tensors as _tensors
+from .._errors import PoolExhausted as PoolExhausted
 from ._client import close_client as _close_client
 from ._common import HandleError as HandleError
 from ._common import OwnerGone as OwnerGone
@@ -42,6 +43,7 @@ from ._reduce import BY_VALUE_BELOW as BY_VALUE_BELOW
 from ._reduce import init_reductions as init_reductions
 from ._reduce import install as _install
 from ._statistics import OwnerStatistics as OwnerStatistics
+from ._storages import Unshareable as Unshareable
 
 if TYPE_CHECKING:
     import numpy.typing as _npt
@@ -51,7 +53,8 @@ _ScalarT = _TypeVar("_ScalarT", bound=_np.generic)
 _Shape = int | _Iterable[_SupportsIndex]  # what empty and zeros take, as their code reads it
 
 _OURS = ["init_reductions", "empty", "zeros", "statistics", "shutdown", "exit_linger",
-         "set_exit_linger", "OwnerGone", "HandleError", "OwnerStatistics", "BY_VALUE_BELOW"]
+         "set_exit_linger", "OwnerGone", "HandleError", "Unshareable", "PoolExhausted", "OwnerStatistics",
+         "BY_VALUE_BELOW"]
 # torch.multiprocessing's own names (set_sharing_strategy, spawn, reductions, pool,
 # _set_thread_name, ENV_VAR_PARALLEL_START, ...) are served from it when torch is installed, and
 # multiprocessing's submodules (reduction, pool, connection, ...) otherwise: __getattr__ below

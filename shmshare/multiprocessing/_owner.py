@@ -12,6 +12,14 @@ Note [One owner per process]
     owner is closing. A forked child gets a fresh owner on its first pickle:
     it never hands out its parent's blocks (Note [At fork] in ``_fork.py``).
 
+Note [Blocks a child inherits]
+    A child forked while a block is in use here (a tensor whose storage
+    moved into the pool, an array from ``empty()``) maps it through its copy
+    of our mapping, as torch's children map shared storages they inherit,
+    for as long as it lives, without telling us. So the blocks in use at a
+    fork, once dropped here, are retired, never reused; ``close()`` frees
+    them (our side unmapped, the child's mapping keeps the pages).
+
 Note [Exit linger]
     A process that puts an array on a Queue and returns must not take the
     array with it: the Queue's feeder thread flushes the pickled handle at
@@ -29,6 +37,7 @@ Note [Exit linger]
 
 from __future__ import annotations
 
+import bisect
 import collections
 import contextlib
 import ctypes
@@ -47,8 +56,8 @@ from .._errors import PoolExhausted, ShmshareError
 from ..channel._announce import SegmentBook
 from ..channel._blocks import SPARE_BYTES, BlockBook, _Held, host_cause
 from ..memory import CachingAllocator, OutOfMemoryError, ShmProvider, ShmSegment
-from ..memory._shm import _new_id
 from ._claims import ClaimBook, ClaimMap
+from ._external import External, TorchSegments
 from ._keeper import exit_linger, keep_after_exit, set_exit_linger
 from ._server import Server, sweep_stale
 from ._statistics import OwnerStatistics
@@ -76,17 +85,6 @@ class _LocalDied:
         self.done.append(self.held)
 
 
-class _External:
-    """A segment torch made (``share_memory_()``): its fd, kept while handles to it are out."""
-
-    __slots__ = ("id", "fd", "size", "key", "nbytes", "leases")
-
-    def __init__(self, fd: int, size: int, key: tuple[int, int], nbytes: int) -> None:
-        self.id = _new_id()
-        self.fd, self.size, self.key, self.nbytes = fd, size, key, nbytes
-        self.leases = 0
-
-
 class Owner(BlockBook):
     """This process's pool and the leases of its handles (Note [One owner per process])."""
 
@@ -102,15 +100,15 @@ class Owner(BlockBook):
         # mapped once by each receiver (expandable ones would be announced piece by piece)
         self._alloc = CachingAllocator(self._provider, "expandable_segments:False")
         self._new_book(SPARE_BYTES)
-        self._slots: dict[int, _Held | _External] = {}  # slot -> the block its handle names
+        self._slots: dict[int, _Held | External] = {}  # slot -> the block its handle names
         self._since: dict[int, float] = {}  # slot -> when its handle was made, oldest first
         self._leases: dict[int, _Held] = {}  # BlockBook's (a channel's leases): none here
-        # torch's shared storages by (st_dev, st_ino): an address is no name -- torch maps the
-        # next storage where a freed one was, while our dup keeps the old one's inode alive
-        self._externals: dict[tuple[int, int], _External] = {}
+        self._torch_segs = TorchSegments()  # torch's shared storages lent as they are
         self._peer_dead = False
         self._sent = 0
         self._local_done: collections.deque[_Held] = collections.deque()
+        self._forked: set[int] = set()  # blocks in use here when a child was forked (at_fork)
+        self._retired: list[Any] = []  # and since dropped here: never reused (Note [Blocks a child inherits])
         self.table = LeaseTable()
         self.claims = ClaimBook(self.table.slots)  # who holds what, by our own record
         self._recheck: set[int] = set()  # slots released while still marked: looked at again
@@ -125,8 +123,8 @@ class Owner(BlockBook):
 
     # -- the pickling side ----------------------------------------------------
 
-    def place(self, arr: np.ndarray) -> tuple[int, int, int, int, int, tuple[int, ...], int,
-                                              int] | None:
+    def place(self, arr: np.ndarray, moved: bool = False) -> tuple[int, int, int, int, int,
+                                                                   tuple[int, ...], int, int] | None:
         """Lease `arr` to a handle; None: pickle it by value.
 
         Returns (segment id, segment size, start, span, lo, strides, slot,
@@ -157,7 +155,10 @@ class Owner(BlockBook):
                 self._copied += 1
             else:
                 start, strides = ptr + lo - held.seg.address, arr.strides
-                self._in_place += 1
+                if moved:  # a storage copied into the block just now (Note [A tensor's storage ...])
+                    self._copied += 1
+                else:
+                    self._in_place += 1
             slot_gen = self._lease(held)
             if slot_gen is None:
                 return None
@@ -183,13 +184,7 @@ class Owner(BlockBook):
                 return None  # shared by file name: no fd to give, so the array is copied
             if not isinstance(fd, int) or fd < 0:
                 return None
-            st = os.fstat(fd)
-            key = (st.st_dev, st.st_ino)
-            ext = self._externals.get(key)
-            if ext is None:
-                own = os.dup(fd)  # ours: torch closes its own when the storage goes
-                ext = _External(own, st.st_size, key, storage.nbytes())
-                self._externals[key] = ext
+            ext = self._torch_segs.get(fd, storage.nbytes())
             if not (base <= ptr + lo and ptr + lo + span <= base + min(ext.nbytes, ext.size)):
                 self._drop_external(ext)
                 return None
@@ -205,11 +200,11 @@ class Owner(BlockBook):
         seg_id, size, start, span, lo, _strides, slot, gen = placed
         return sign(self.secret, seg_id, size, start, span, lo, slot, gen, external)
 
-    def _lease(self, rec: _Held | _External) -> tuple[int, int] | None:
+    def _lease(self, rec: _Held | External) -> tuple[int, int] | None:
         """A table slot for a handle to `rec`; None (and `rec` let go of) when all are out."""
         got = self.table.take()
         if got is None:
-            if isinstance(rec, _External):
+            if isinstance(rec, External):
                 self._drop_external(rec)
             else:
                 self._maybe_free(rec)
@@ -233,13 +228,8 @@ class Owner(BlockBook):
                 self._in_place += 1
             return got
 
-    def _drop_external(self, ext: _External) -> None:
-        if ext.leases:
-            return
-        if self._externals.get(ext.key) is ext:
-            del self._externals[ext.key]
-        os.close(ext.fd)
-        if self.server is not None:
+    def _drop_external(self, ext: External) -> None:
+        if self._torch_segs.drop(ext) and self.server is not None:
             self.server.dropped(ext.id)
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
@@ -281,6 +271,23 @@ class Owner(BlockBook):
             self._maybe_free(held)
             raise
         return held
+
+    def _maybe_free(self, held: _Held) -> None:
+        if held.local or held.leases:
+            return
+        addr = held.block.address
+        if addr in self._forked and self._held.get(addr) is held:  # Note [Blocks a child inherits]
+            self._forked.discard(addr)
+            del self._held[addr]
+            del self._addrs[bisect.bisect_left(self._addrs, addr)]
+            self._retired.append(held.block)
+            return
+        super()._maybe_free(held)
+
+    def forked(self) -> None:
+        """After a fork, in the parent: the blocks in use here now are never reused."""
+        with self._lock:
+            self._forked.update(addr for addr, h in self._held.items() if h.local)
 
     # BlockBook's hooks
     def _malloc(self, nbytes: int, deadline: float | None) -> Any:
@@ -392,7 +399,7 @@ class Owner(BlockBook):
         self._recheck.discard(slot)
         self.table.give_back(slot, gen)
         held.leases -= 1
-        if isinstance(held, _External):
+        if isinstance(held, External):
             self._drop_external(held)
         else:
             self._maybe_free(held)
@@ -401,11 +408,10 @@ class Owner(BlockBook):
         """(a dup of its fd, size) of a pool segment or of a torch segment with handles out; None
         if gone. A dup, made under the lock: the pool may close its own fd while this one is sent."""
         with self._lock:
-            seg = self._provider.segments.get(seg_id)
-            got = (seg.fd, seg.size) if seg is not None else next(
-                ((e.fd, e.size) for e in self._externals.values() if e.id == seg_id), None)
-            if got is None:
+            seg = self._provider.segments.get(seg_id) or self._torch_segs.find(seg_id)
+            if seg is None:
                 return None
+            got = (seg.fd, seg.size)
             self._counts["segments_sent"] += 1
             return os.dup(got[0]), got[1]
 
@@ -416,7 +422,7 @@ class Owner(BlockBook):
     def fds(self) -> set[int]:
         """Every fd this owner and its server use (a keeper closes the rest)."""
         got = {seg.fd for seg in self._provider.segments.values()} | {self.table.fd}
-        got |= {e.fd for e in self._externals.values()}
+        got |= self._torch_segs.fds()
         for cm in self.claims.maps.values():
             got.add(cm.fd)
             if cm.pidfd is not None:
@@ -440,7 +446,7 @@ class Owner(BlockBook):
                 pid=self.pid, handles_pickled=self._copied + self._in_place,
                 arrays_copied=self._copied, arrays_in_place=self._in_place, by_value=c["by_value"],
                 handles_unclaimed=states.count(PENDING), handles_claimed=states.count(CLAIMED),
-                bytes_leased=sum(h.nbytes if isinstance(h, _External) else h.block.size
+                bytes_leased=sum(h.nbytes if isinstance(h, External) else h.block.size
                                  for h in set(self._slots.values())),
                 reclaimed=c["reclaimed"], peers=0 if self.server is None else self.server.peers(),
                 segments_sent=c["segments_sent"],
@@ -471,10 +477,13 @@ class Owner(BlockBook):
                 self._give_back(slot, self.table.gens[slot])
             self._drain_local()
             self._free_spares()
+            for block in self._retired:  # a child's mapping keeps its pages; ours may go now
+                self._alloc.free(block)
+            self._retired.clear()
             self._alloc.empty_cache()
             self.table.close()
             self.claims.close()
-            for ext in list(self._externals.values()):
+            for ext in self._torch_segs.all():
                 ext.leases = 0
                 self._drop_external(ext)
 
@@ -497,7 +506,7 @@ def _report(ow: Owner) -> dict[str, Any] | None:
         "handles_out": len(since),
         "handles_unclaimed": unclaimed,
         "handles_claimed": len(since) - unclaimed,
-        "bytes_leased": sum(h.nbytes if isinstance(h, _External) else h.block.size for h in held),
+        "bytes_leased": sum(h.nbytes if isinstance(h, External) else h.block.size for h in held),
         "oldest_handle_s": round(now - since[0][1], 3) if since else None,
         "oldest_unclaimed_s": oldest_unclaimed,
         "peers": 0 if ow.server is None else len(ow.server._peers),
@@ -565,9 +574,7 @@ def _after_fork_in_child() -> None:
     got.table.segment._forget_after_fork()
     got.table.close()  # nothing of the child's points into the parent's table
     got.claims.forget_in_child()
-    for ext in got._externals.values():
-        os.close(ext.fd)
-    got._externals.clear()
+    got._torch_segs.forget()
 
 
 def _locks_to_hold() -> list[Any]:
@@ -577,7 +584,14 @@ def _locks_to_hold() -> list[Any]:
     return [_owner_lock] + ([got._lock] if got is not None and got.pid == os.getpid() else [])
 
 
+def _after_fork_in_parent() -> None:
+    got = current_owner()
+    if got is not None and not got.closed:
+        got.forked()
+
+
 _fork.on_fork_in_child(6, _after_fork_in_child)
+_fork.on_fork_in_parent(_after_fork_in_parent)
 _fork.hold_across_fork(6, _locks_to_hold)
 # tempfile's first gettempdir() takes its module lock and tries the candidate directories: done
 # now, at import, not by a Queue's feeder thread that a fork may interrupt (a child would start

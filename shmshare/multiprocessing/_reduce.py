@@ -207,16 +207,32 @@ def reduce_storage(st: Any) -> Any:
 
 
 def _share(st: Any) -> tuple[Any, ...] | None:
-    """The storage's handle; None (after one warning, if something failed): torch's reducer."""
+    """The storage's handle; None (after one warning): torch's reducer shares it instead.
+
+    Out of memory (a full memory cgroup or /dev/shm, a full lease table for a storage shared
+    already) raises: torch's reducer would need the same memory (and be OOM-killed for it), or
+    would move a shared storage away from those who share it."""
     try:
-        return _storages.share(st)
-    except Exception as exc:  # noqa: BLE001  (torch's own reducer shares it instead)
-        _warn_by_value(exc, "torch's own shared memory")
+        got = _storages.share(st)
+    except (MemoryError, _storages.Unshareable):
+        raise
+    except Exception as exc:  # noqa: BLE001  (a bug of ours: torch's own reducer shares it instead)
+        _warn_by_value(exc, "through torch's own reducer")
         return None
+    if got is None:
+        _warn_by_value(ResourceWarning("no room in the pool or the lease table"),
+                       "through torch's own reducer")
+    return got
 
 
 def rebuild_storage(handle: tuple[Any, ...]) -> Any:
     """Unpickle a storage: one storage per block range while any view of it lives here."""
+    # a storage's handle is its whole extent as bytes (what the signature does not cover must
+    # still say so: a shortened one would be cached as the storage of the whole block range)
+    if len(handle) != 15 or handle[11] != "|u1" or tuple(handle[12]) != (handle[6],) or handle[7] != 0 \
+            or tuple(handle[8]) != (1,):
+        raise HandleError(f"a malformed storage handle of pid {handle[0] if handle else '?'}: its "
+                          "dtype, shape and strides must be its bytes, one after the other")
     return _storages.rebuild(rebuild_array(*handle), handle)
 
 

@@ -65,52 +65,122 @@ from typing import Any
 import numpy as np
 
 from .. import _fork, _native
+from .._errors import PoolExhausted, ShmshareError
 from . import _owner
 
-__all__ = ["share", "rebuild", "is_ours", "wrap_torch_methods"]
+__all__ = ["share", "rebuild", "is_ours", "wrap_torch_methods", "Unshareable"]
+
+
+class Unshareable(ShmshareError):
+    """A storage shared already that cannot get a handle: sent any other way, it would stop
+    being shared, with no error, with those who share it."""
+
+
+Unshareable.__module__ = "shmshare.multiprocessing"
 
 _U8 = np.dtype(np.uint8)
 _U8_STR = _U8.str  # a handle's dtype (tensors.encode_dtype of uint8)
 _lock = threading.Lock()
-_moving = threading.Lock()  # held while a storage is looked at and moved
 # storages this process's pool holds and pickled: (token, seg, start, nbytes) -> StorageWeakRef
 _mine: dict[tuple[int, ...], Any] = {}
-# storages received: (pid, token, seg, start, nbytes) -> StorageWeakRef, and their data pointers
+# storages received: (pid, token, seg, start, nbytes) -> StorageWeakRef
 _theirs: dict[tuple[int, ...], Any] = {}
-# data_ptr -> (StorageWeakRef, the handle whose lease it holds): is_shared, and Note [Lending on]
-_received_at: dict[int, tuple[Any, tuple[Any, ...]]] = {}
+# (data_ptr, nbytes) -> (StorageWeakRef, the handle whose lease it holds): is_shared, Note [Lending on]
+_received_at: dict[tuple[int, int], tuple[Any, tuple[Any, ...]]] = {}
+# (data_ptr, nbytes) -> StorageWeakRef of the storages we moved, whatever owner (closed since or not)
+_moved_at: dict[tuple[int, ...], Any] = {}
 _prune_at = 1024  # entries before the next sweep of dead weak references
 
 
 def share(st: Any) -> tuple[Any, ...] | None:
     """Put CPU storage `st` in the pool in place (Note [A tensor's storage moves into the pool])
-    and lease it to a handle: the handle's arguments (``_client.rebuild_array``'s), or None: no
-    room in the pool or the lease table."""
+    and lease it to a handle: the handle's arguments (``_client.rebuild_array``'s), or None: a
+    plain storage for which the pool or the lease table has no room (torch's reducer may move it
+    instead). A storage already shared that cannot get a handle raises: moved by torch's reducer,
+    it would silently stop being shared with those who hold it."""
+    return _lock_protected()(_share)(st)  # type: ignore[no-any-return]
+
+
+def _share(st: Any) -> tuple[Any, ...] | None:
     n = st.nbytes()
     ptr = st.data_ptr()
     ow = _owner.owner()
     if _torch_is_shared(st):
+        try:
+            fd = st._get_shared_fd()
+        except RuntimeError:
+            fd = -1
+        if fd < 0:
+            raise Unshareable(
+                "a tensor whose storage torch maps from a file or shares by name (torch.from_file("
+                "shared=True), or the file_system strategy) has no fd to share: a copy would lose "
+                "the writes of either side. Send it under torch's file_system strategy "
+                "(mp.set_sharing_strategy('file_system')), or send .clone() for its values")
         got = ow.place_shared(_u8(st), st)
-        if got is not None:
-            return _handle(ow.pid, ow.token, ow.path, got, True, ow.sign(got, True))
-        return _ours(ow, ow.place(_u8(st)))  # torch's file_system storage: no fd to give, a copy
-    received = _received(ptr)
+        return _or_raise(_handle(ow.pid, ow.token, ow.path, got, True, ow.sign(got, True))
+                         if got is not None else None, ow)
+    received = _received(ptr, n)
     if received is not None:
         lent = _lend_on(received)
         if lent is not None:
             return lent
-        return _ours(ow, ow.place(_u8(st)))  # its owner is gone or refused: a copy
-    if _inherited(ptr, n):
-        return _ours(ow, ow.place(_u8(st)))  # a copy: moving it would cut it off from the parent
-    with _moving:  # two feeder threads sending one storage move it once (torch locks too)
-        ptr = st.data_ptr()
-        with ow._lock:
-            inside = bool(ow._addrs) and ow._find(ptr, n) is not None
-        view = _raw(ptr, n) if inside else _move(ow, st, n)
-        got = ow.place(view)
-    if got is not None:
-        _remember(_mine, (ow.token, got[0], got[2], n), st)
+        return _or_raise(_ours(ow, ow.place(_u8(st))), ow)  # its owner is gone or refused: a copy
+    with ow._lock:
+        inside = bool(ow._addrs) and ow._find(ptr, n) is not None
+    if not inside and (_inherited(ptr, n) or _alive_at(_moved_at, (ptr, n))):
+        # a parent's block inherited at fork, or a block of an owner shut down since: a copy
+        # (moving it would cut it off from whoever shares it; lending it is not ours to do)
+        return _or_raise(_ours(ow, ow.place(_u8(st))), ow)
+    if inside:  # from mp.empty(), or moved by an earlier send
+        return _or_raise(_ours(ow, ow.place(_raw(ptr, n))), ow)
+    if ow.table.used >= ow.table.slots:
+        return None  # no slot for it: not moved, so torch's reducer may share it its own way
+    view = _move(ow, st, n)
+    got = ow.place(view, moved=True)
+    if got is None:
+        # the move is done, its storage ours: no handle now must not hand it to torch's reducer
+        return _or_raise(None, ow)
+    _remember(_mine, (ow.token, got[0], got[2], n), st)
+    _remember(_moved_at, (st.data_ptr(), n), st)
     return _ours(ow, got)
+
+
+class _NoRoom(Unshareable, PoolExhausted):
+    """Shown as shmshare.PoolExhausted; caught as either."""
+
+
+_NoRoom.__module__, _NoRoom.__qualname__, _NoRoom.__name__ = "shmshare", "PoolExhausted", "PoolExhausted"
+
+
+def _or_raise(handle: tuple[Any, ...] | None, ow: Any) -> tuple[Any, ...]:
+    if handle is None:
+        raise _NoRoom(
+            f"pid {ow.pid} cannot hand out another handle to its shared memory (the lease table has "
+            f"{ow.table.slots} slots, {ow.table.used} of them out, or the pool is full) and this "
+            "tensor's storage is shared already, so it cannot go another way: let the receivers "
+            "take (unpickle) what was sent before sending more")
+    return handle
+
+
+def _lock_protected() -> Any:
+    """torch's per-storage lock of ``share_memory_()`` (one move of a storage at a time, theirs or
+    ours), or a plain lock where this torch has none."""
+    global _protect
+    if _protect is None:
+        got = getattr(_torch().storage, "_share_memory_lock_protected", None)
+        if got is None:
+            fallback = threading.RLock()
+
+            def got(fn: Any) -> Any:
+                def locked(*args: Any) -> Any:
+                    with fallback:
+                        return fn(*args)
+                return locked
+        _protect = got
+    return _protect
+
+
+_protect: Any = None
 
 
 def _ours(ow: Any, got: tuple[Any, ...] | None) -> tuple[Any, ...] | None:
@@ -163,16 +233,27 @@ def _u8(st: Any) -> np.ndarray:
     return got
 
 
-def _received(ptr: int) -> tuple[Any, ...] | None:
+def _received(ptr: int, n: int) -> tuple[Any, ...] | None:
     """The handle by which this process holds the received storage at `ptr`, if it is one."""
     with _lock:
-        got = _received_at.get(ptr)
+        got = _received_at.get((ptr, n))
         if got is None:
             return None
         if got[0].expired():
-            del _received_at[ptr]
+            del _received_at[ptr, n]
             return None
         return got[1]
+
+
+def _alive_at(book: dict[tuple[int, ...], Any], key: tuple[int, ...]) -> bool:
+    with _lock:
+        ref = book.get(key)
+        if ref is None:
+            return False
+        if ref.expired():
+            del book[key]
+            return False
+        return True
 
 
 def _inherited(ptr: int, n: int) -> bool:
@@ -193,33 +274,42 @@ def rebuild(arr: np.ndarray, handle: tuple[Any, ...]) -> Any:
     ow = _owner.current_owner()
     if pid == os.getpid() and ow is not None and ow.token == token:
         st = _alive(_mine, (token, *key[2:]))
-        if st is not None:
+        if st is not None and _at_block(ow, st, seg_id, start, span):
             return st  # the sender's own storage: torch's test_fd_preserve_sharing
     st = _alive(_theirs, key)
-    if st is not None:
-        return st
+    if st is not None and st.data_ptr() == arr.ctypes.data and st.nbytes() == span:
+        return st  # (a storage of a mapping since dropped and made again is not this one)
     st = torch.from_numpy(arr).untyped_storage()
     with _lock:
         ref = _theirs[key] = _weak(st)
-        _received_at[st.data_ptr()] = (ref, handle)  # the lease it holds: for Note [Lending on]
+        _received_at[st.data_ptr(), span] = (ref, handle)  # the lease it holds: Note [Lending on]
         _maybe_prune()
     return st
 
 
+def _at_block(ow: Any, st: Any, seg_id: int, start: int, span: int) -> bool:
+    """Whether our own storage `st` still lies at (seg_id, start) of our pool, `span` bytes."""
+    ptr = st.data_ptr()
+    with ow._lock:
+        held = ow._find(ptr, span) if ow._addrs else None
+        return held is not None and held.seg.id == seg_id and ptr - held.seg.address == start \
+            and st.nbytes() == span
+
+
 def is_ours(st: Any) -> bool:
-    """Whether CPU storage `st` lies in our pool or was received from one (Note [is_shared of
-    our storages])."""
+    """Whether CPU storage `st` lies in shared memory of ours: moved into a pool, received from
+    one, or inherited at fork from a parent's (Note [is_shared of our storages])."""
     n = st.nbytes()
     if n == 0:
         return False
     ptr = st.data_ptr()
-    if _received(ptr) is not None:
+    if _received(ptr, n) is not None or _alive_at(_moved_at, (ptr, n)) or _inherited(ptr, n):
         return True
     ow = _owner.current_owner()
     if ow is None or not ow._addrs:
         return False
     with ow._lock:
-        return ow._find(ptr, n) is not None
+        return ow._find(ptr, n) is not None  # from mp.empty()
 
 
 # -- torch's methods, wrapped (Note [is_shared of our storages]) -------------------------
@@ -241,9 +331,15 @@ def wrap_torch_methods() -> None:
         return self.device.type == "cpu" and is_ours(self)
 
     def share_memory_(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.device.type == "cpu" and not their_is_shared(self) and is_ours(self):
+        if self.device.type != "cpu":
+            return their_share(self, *args, **kwargs)
+        return _lock_protected()(_share_memory_)(self, their_share, args, kwargs)
+
+    def _share_memory_(self: Any, theirs: Any, args: Any, kwargs: Any) -> Any:
+        # under the storage's lock: a move of ours (a Queue's feeder) finishes first, or waits
+        if not their_is_shared(self) and is_ours(self):
             return self  # shared already: torch's no-op
-        return their_share(self, *args, **kwargs)
+        return theirs(self, *args, **kwargs)
 
     is_shared.__doc__ = their_is_shared.__doc__
     share_memory_.__doc__ = their_share.__doc__
@@ -288,14 +384,15 @@ def _alive(book: dict[tuple[int, ...], Any], key: tuple[int, ...]) -> Any:
 def _maybe_prune() -> None:
     """Drop dead weak references once the books grow (under _lock): as torch's shared_cache."""
     global _prune_at
-    if len(_mine) + len(_theirs) + len(_received_at) < _prune_at:
+    books: tuple[dict[Any, Any], ...] = (_mine, _theirs, _moved_at)
+    if sum(map(len, books)) + len(_received_at) < _prune_at:
         return
-    for book in (_mine, _theirs):
+    for book in books:
         for k in [k for k, ref in book.items() if ref.expired()]:
             del book[k]
-    for ptr in [p for p, (ref, _) in _received_at.items() if ref.expired()]:
-        del _received_at[ptr]
-    _prune_at = max(1024, 2 * (len(_mine) + len(_theirs) + len(_received_at)))
+    for k in [k for k, (ref, _) in _received_at.items() if ref.expired()]:
+        del _received_at[k]
+    _prune_at = max(1024, 2 * (sum(map(len, books)) + len(_received_at)))
 
 
 _torch_mod: Any = None
@@ -311,8 +408,8 @@ def _torch() -> Any:
 
 
 def _after_fork_in_child() -> None:
-    global _lock, _moving
-    _lock, _moving = threading.Lock(), threading.Lock()
+    global _lock
+    _lock = threading.Lock()
     # the parent's pool blocks stay foreign to us (_owner._inherited); our received storages are
     # still views of other owners' blocks: _received_at stays; the parent's own handles do not
     _mine.clear()

@@ -5,6 +5,7 @@ share_memory_() agree; and no fd is kept per tensor."""
 
 from __future__ import annotations
 
+import multiprocessing.resource_sharer
 import os
 import pickle
 from multiprocessing.reduction import ForkingPickler
@@ -307,3 +308,136 @@ def test_an_empty_storage_goes_torchs_way():
     t = torch.tensor([])
     got = ForkingPickler.loads(ForkingPickler.dumps(t))
     assert got.shape == (0,) and smp.statistics().handles_pickled == 0
+
+
+# -- what a hostile review found (each failed before its fix) ------------------------------------
+
+
+def _write_ones(inq, outq, rounds):
+    for _ in range(rounds):
+        t = inq.get(timeout=WAIT)
+        t.fill_(1.0)
+        outq.put(True)
+        del t
+
+
+def test_share_memory_right_after_a_put_keeps_the_storage_shared():
+    """The Queue's feeder moves the storage while the caller's share_memory_() looks at it: one
+    lock (torch's, per storage) orders them, so the child's writes always reach the parent."""
+    rounds = 20
+    ctx = smp.get_context("fork")
+    inq, outq = ctx.Queue(), ctx.Queue()
+    lost = 0
+    try:
+        with helpers.child(_write_ones, inq, outq, rounds):
+            for _ in range(rounds):
+                t = torch.zeros(4096)
+                inq.put(t)
+                t.share_memory_()
+                assert outq.get(timeout=WAIT)
+                lost += float(t.sum()) != 4096.0
+    finally:
+        helpers.close_queue(inq)
+        helpers.close_queue(outq)
+    assert lost == 0, f"{lost} of {rounds} rounds lost the child's writes"
+
+
+def _read_after(inq, outq, t):
+    assert inq.get(timeout=WAIT) == "read"
+    outq.put((float(t.sum()), t.is_shared()))
+    del t
+
+
+@pytest.mark.parametrize("made", ["moved by a send", "mp.empty"])
+def test_a_forked_child_keeps_reading_what_it_inherited_after_the_parent_drops_it(made):
+    """Note [Blocks a child inherits]: the parent's block is never reused under the child."""
+    if made == "mp.empty":
+        t = smp.empty(1024, torch.float32)
+        t.fill_(1.0)
+    else:
+        t = torch.ones(1024)
+        q = smp.get_context("fork").Queue()
+        q.put(t)
+        q.get(timeout=WAIT)  # moved, claimed and released: only t holds the block now
+        helpers.close_queue(q)
+    ctx = smp.get_context("fork")
+    inq, outq = ctx.Queue(), ctx.Queue()
+    try:
+        with helpers.child(_read_after, inq, outq, t):
+            del t  # the parent lets go; its next blocks of that size must come from elsewhere
+            others = [smp.zeros(1024, torch.float32) for _ in range(4)]
+            for o in others:
+                o.fill_(-7.0)
+            inq.put("read")
+            assert outq.get(timeout=WAIT) == (1024.0, True)
+    finally:
+        helpers.close_queue(inq)
+        helpers.close_queue(outq)
+
+
+def _share_inherited(outq, t):
+    before = (t.is_shared(), t.data_ptr())
+    t.share_memory_()
+    t[0] = 3.0
+    outq.put((before[0], t.data_ptr() == before[1]))
+    del t
+
+
+def test_in_a_forked_child_an_inherited_tensor_is_shared_and_stays_so():
+    x = torch.zeros(64)
+    ForkingPickler.dumps(x)
+    outq = smp.get_context("fork").Queue()
+    try:
+        with helpers.child(_share_inherited, outq, x):
+            assert outq.get(timeout=WAIT) == (True, True)
+    finally:
+        helpers.close_queue(outq)
+    assert float(x[0]) == 3.0
+
+
+def test_a_full_lease_table_raises_for_a_shared_storage_and_never_moves_it(monkeypatch):
+    from shmshare.multiprocessing import _owner, _table
+
+    smp.shutdown()
+    monkeypatch.setattr(_owner, "LeaseTable", lambda: _table.LeaseTable(8))
+    x = torch.ones(16)
+    pickles = [ForkingPickler.dumps(x) for _ in range(8)]  # every slot out, unclaimed
+    where = x.data_ptr()
+    with pytest.raises(smp.PoolExhausted, match="storage is shared already"):
+        ForkingPickler.dumps(x)
+    assert x.data_ptr() == where and x.is_shared()  # not moved by torch's reducer
+    y = torch.ones(16)  # not shared yet: torch's own reducer shares it, with a warning
+    monkeypatch.setattr(_reduce, "_warned", False)
+    with pytest.warns(ResourceWarning, match="no room"):
+        theirs = ForkingPickler.dumps(y)
+    del pickles, theirs, y
+    smp.shutdown()
+    multiprocessing.resource_sharer.stop(timeout=10)  # torch's reducer started its fd sharer
+
+
+def test_a_storage_handle_whose_shape_was_changed_is_refused():
+    st = torch.arange(64.0).untyped_storage()
+    fn, (handle,) = _reduce.reduce_storage(st)
+    bad = (*handle[:12], (handle[6] // 2,), *handle[13:])
+    with pytest.raises(smp.HandleError, match="malformed storage handle"):
+        fn(bad)
+    got = fn(handle)  # the true one still arrives
+    assert got._cdata == st._cdata
+
+
+def test_a_tensor_mapped_from_a_file_is_refused_with_the_fix(tmp_path):
+    path = tmp_path / "t.bin"
+    path.write_bytes(bytes(64))
+    t = torch.from_file(str(path), shared=True, size=16, dtype=torch.float32)
+    with pytest.raises(smp.Unshareable, match="file_system"):
+        ForkingPickler.dumps(t)
+    del t
+
+
+def test_a_moved_tensor_counts_as_copied_and_a_pool_tensor_as_in_place():
+    before = smp.statistics()
+    ForkingPickler.dumps(torch.ones(32))
+    ForkingPickler.dumps(smp.zeros(32, torch.float32))
+    after = smp.statistics()
+    assert (after.arrays_copied - before.arrays_copied, after.arrays_in_place - before.arrays_in_place) \
+        == (1, 1)
