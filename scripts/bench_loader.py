@@ -20,12 +20,26 @@ Loaders are closed and their workers waited for between rows. Without torch,
 shmshare's rows run alone, with ``collate_fn=shmshare.loader.numpy_collate``.
 The issue's targets get PASS/MISS, informational only (times are never
 asserted). From a checkout, installed or not: ``.venv/bin/python
-scripts/bench_loader.py [--quick] [--workers 0,1,2] [--dtypes float32,uint8,cpu] [--json FILE]``.
+scripts/bench_loader.py [--quick] [--workers 0,1,2] [--dtypes float32,uint8,cpu] [--start fork,spawn]
+[--json FILE]``.
+
+Start-up (issue 21, item 10): ``--start fork,spawn,forkserver`` runs every row under each start method
+(``multiprocessing_context``); "iter ep1" is the time from building the loader until
+its first iter() returned (the main process starting the workers), "1st ep1" until its first batch, and
+"CPU ep1" the whole tree's CPU time until then (starting the workers: mostly their imports). For the
+start-up table alone: ``--dtypes uint8 --workers 1,2,4 --start fork,spawn,forkserver --batches 16 --runs 1
+--rounds 3``. This module imports neither torch nor shmshare at its top, so that a spawned worker, which
+imports the main module again, imports each loader's own modules and no more; the forkserver is started
+before the first row (a one-time cost of the process, not of a loader). shmshare's bytecode is compiled
+first, as ``pip install`` does and as torch's is: in a checkout run with PYTHONDONTWRITEBYTECODE (these
+machines), every spawned worker would otherwise compile shmshare's ~110 modules from source, about 0.2 s
+of CPU each (``--from-source`` measures that).
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
 import contextlib
 import gc
 import importlib
@@ -37,7 +51,7 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -48,10 +62,9 @@ import psutil
 
 from _bench import table  # scripts/_bench.py: run from scripts/ or by path
 
-# This checkout's shmshare, installed or not (an installed or editable copy elsewhere would shadow it).
+# This checkout's shmshare, installed or not (an installed or editable copy elsewhere would shadow it). Imported
+# where used, not here: a spawned worker imports this module again (see the docstring).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import shmshare
-from shmshare._procfs import meminfo_kb
 
 MiB = 1 << 20
 BATCH = 32
@@ -62,6 +75,7 @@ SAMPLE_S = 0.01  # the sampler's period
 FD_CONST = 8  # target: at most 2 fds per worker plus this many in the main process
 CPU_MS = 1.0  # the cpu dataset's aim per sample
 LOADERS = ("torch", "shmshare")
+STARTS = ("default", "fork", "spawn", "forkserver")  # --start: multiprocessing_context (default: None)
 
 
 # -- datasets (module level: picklable for spawn/forkserver contexts) ---------------------
@@ -177,6 +191,13 @@ class Sampler:
         self._conn.close()
 
 
+def meminfo_kb(field: str) -> int:
+    """/proc/meminfo's `field` in kB (shmshare._procfs's, imported here only when called)."""
+    from shmshare._procfs import meminfo_kb as read
+
+    return int(read(field))
+
+
 def _sample_loop(conn: Connection, pid: int) -> None:
     """The sampler's body: between "start" and "stop", sample every SAMPLE_S; "quit" ends it."""
     main, me = psutil.Process(pid), os.getpid()
@@ -237,9 +258,12 @@ class Row:
     dataset: str
     workers: int
     batch_mib: float  # one batch's images and labels
+    start: str = "default"  # the start method (multiprocessing_context; default: None, the platform's)
     rate: float = 0.0  # batches/s, the best of the measured epochs (the least disturbed by other work)
     cpu_ms: float = 0.0  # CPU time of the whole tree (this process and the workers) per measured batch
     first1: float = 0.0  # time to the first batch of epoch 1 (loader built, workers started)
+    iter1: float = 0.0  # time until epoch 1's iter() returned: the main process starting the workers
+    cpu1: float = 0.0  # CPU time of the whole tree from building the loader to epoch 1's first batch
     first2: float = 0.0  # time to the first batch of a later epoch (median)
     fds_base: int = 0  # this process's fds before the loader was built
     fds_main: int = 0  # peak fds of this process above fds_base
@@ -255,17 +279,25 @@ class Row:
     def mib_s(self) -> float:
         return self.rate * self.batch_mib
 
+    @property
+    def label(self) -> str:
+        """The dataset, and the start method where it is not the default (workers only)."""
+        return self.dataset if self.start == "default" or not self.workers else f"{self.dataset} {self.start}"
+
 
 def touch(batch: Any) -> float:
     """Read one element of the batch's images: all a consumer does here."""
     return float(batch[0][0, 0, 0, 0].item())
 
 
-def make_loader(kind: str, dataset: Any, workers: int, numpy_collate: bool) -> Iterable[Any]:
+def make_loader(kind: str, dataset: Any, workers: int, numpy_collate: bool,
+                start: str = "default") -> Iterable[Any]:
     """Build `kind`'s DataLoader over `dataset` with the arguments every row uses."""
     kw: dict[str, Any] = {"batch_size": BATCH, "num_workers": workers}
     if workers:
         kw.update(persistent_workers=True, prefetch_factor=PREFETCH, timeout=WAIT)
+        if start != "default":
+            kw["multiprocessing_context"] = start
     if kind == "torch":
         from torch.utils.data import DataLoader
 
@@ -278,7 +310,7 @@ def make_loader(kind: str, dataset: Any, workers: int, numpy_collate: bool) -> I
 def shmshare_loader() -> Any:
     """Return shmshare's DataLoader class, or None where this checkout has none yet."""
     try:
-        return getattr(shmshare, "DataLoader", None) or importlib.import_module("shmshare.loader").DataLoader
+        return importlib.import_module("shmshare.loader").DataLoader
     except (ImportError, AttributeError):
         return None
 
@@ -292,23 +324,29 @@ def close_loader(loader: Any) -> None:
 
 
 def run_row(sampler: Sampler, kind: str, name: str, dataset: Any, workers: int, runs: int,
-            numpy_collate: bool) -> Row:
+            numpy_collate: bool, start: str = "default") -> Row:
     """Measure one loader over `dataset`: epoch 1, then `runs` epochs; close it and wait for its workers."""
     sample, _ = dataset[0]
-    row = Row(kind, name, workers, (sample.nbytes + 8) * BATCH / MiB)
+    row = Row(kind, name, workers, (sample.nbytes + 8) * BATCH / MiB, start)
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
     gc.collect()
     shm_base, row.fds_base = sampler.ask("start")
     loader: Any = None
     try:
+        cpu_built = tree_cpu(me, sampler.pid)
         t0 = time.perf_counter()
-        loader = make_loader(kind, dataset, workers, numpy_collate)
+        loader = make_loader(kind, dataset, workers, numpy_collate, start)
         built = time.perf_counter() - t0
-        row.first1 = built + epoch(loader)[0]  # the rest of epoch 1 is the warm-up
-        cpu0, firsts = tree_cpu(me, sampler.pid), []
+
+        def at_first() -> None:  # the tree's CPU for starting the workers, read once the first batch is in
+            row.cpu1 = tree_cpu(me, sampler.pid) - cpu_built
+
+        first1, _, _, row.iter1 = epoch(loader, at_first)
+        row.first1, row.iter1 = built + first1, built + row.iter1
+        cpu0, firsts = tree_cpu(me, sampler.pid), []  # (the rest of epoch 1 is the warm-up)
         for _ in range(runs):
-            first, rest, n = epoch(loader)
+            first, rest, n, _ = epoch(loader)
             row.rates.append((n + 1) / (first + rest))  # the whole epoch: no batch was prefetched before it
             firsts.append(first)
         row.cpu_ms = (tree_cpu(me, sampler.pid) - cpu0) / (runs * len(loader)) * 1e3
@@ -329,17 +367,24 @@ def run_row(sampler: Sampler, kind: str, name: str, dataset: Any, workers: int, 
     return row
 
 
-def epoch(loader: Iterable[Any]) -> tuple[float, float, int]:
-    """Run one epoch; return (seconds to its first batch, seconds for the rest, batches after the first)."""
+def epoch(loader: Iterable[Any], at_first: Callable[[], None] | None = None) -> tuple[float, float, int, float]:
+    """Run one epoch; return (seconds to its first batch, seconds for the rest, batches after the first,
+    seconds until iter() returned).
+
+    `at_first` is called once the first batch is in, outside the times (it may take a while).
+    """
     t0 = time.perf_counter()
     it = iter(loader)
+    made = time.perf_counter() - t0
     touch(next(it))
-    t1 = time.perf_counter()
-    n = 0
+    first = time.perf_counter() - t0
+    if at_first is not None:
+        at_first()
+    t1, n = time.perf_counter(), 0
     for batch in it:
         touch(batch)
         n += 1
-    return t1 - t0, time.perf_counter() - t1, n
+    return first, time.perf_counter() - t1, n, made
 
 
 def tree_cpu(me: psutil.Process, skip: int) -> float:
@@ -378,38 +423,43 @@ def fmt_ms(s: float) -> str:
 
 
 def ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if a > 0 and b > 0 else "-"
+    if a <= 0 or b <= 0:
+        return "-"
+    return f"{a / b:.2f}x" if a / b >= 0.1 else f"{a / b:.1g}x"
 
 
 def print_rows(rows: list[Row]) -> None:
-    head = ["loader", "dataset", "workers", "batches/s", "MiB/s", "CPU ms/batch", "1st ep1 ms", "1st ep2 ms",
-            "fds main", "fds tree", "shm tree MiB", "Shmem peak", "Shmem left"]
+    head = ["loader", "dataset", "workers", "batches/s", "MiB/s", "CPU ms/batch", "iter ep1 ms", "1st ep1 ms",
+            "CPU ep1 ms", "1st ep2 ms", "fds main", "fds tree", "shm tree MiB", "Shmem peak", "Shmem left"]
     out = []
     for r in rows:
         if r.error:
-            out.append([r.loader, r.dataset, str(r.workers), "error", r.error[:60], *[""] * 8])
+            out.append([r.loader, r.label, str(r.workers), "error", r.error[:60], *[""] * 10])
             continue
-        out.append([r.loader, r.dataset, str(r.workers), f"{r.rate:,.1f}", f"{r.mib_s:,.0f}", f"{r.cpu_ms:.1f}",
-                    fmt_ms(r.first1), fmt_ms(r.first2), f"+{r.fds_main}", f"+{r.fds_tree}",
+        out.append([r.loader, r.label, str(r.workers), f"{r.rate:,.1f}", f"{r.mib_s:,.0f}", f"{r.cpu_ms:.1f}",
+                    fmt_ms(r.iter1), fmt_ms(r.first1), fmt_ms(r.cpu1), fmt_ms(r.first2), f"+{r.fds_main}",
+                    f"+{r.fds_tree}",
                     f"{r.tree_mib:,.1f}", f"{r.shm_mib:,.1f}", f"{r.shm_left_mib:,.1f}"
                     + (f" ({r.stragglers} alive)" if r.stragglers else "")])
     table(head, out)
 
 
 def index(rows: list[Row]) -> dict[tuple[str, str, int], Row]:
-    """Return the rows without errors by (loader, dataset, workers)."""
-    return {(r.loader, r.dataset, r.workers): r for r in rows if not r.error}
+    """Return the rows without errors by (loader, dataset and start method, workers)."""
+    return {(r.loader, r.label, r.workers): r for r in rows if not r.error}
 
 
 def print_ratios(rows: list[Row]) -> None:
     by = index(rows)
-    out = [[d, str(w), ratio(s.rate, t.rate), ratio(s.cpu_ms, t.cpu_ms), ratio(s.first1, t.first1),
-            ratio(s.first2, t.first2), f"{s.fds_main:+d} / {t.fds_main:+d}", f"{s.tree_mib:,.0f} / {t.tree_mib:,.0f}",
-            ratio(s.rate, by[("torch", d, 0)].rate) if w == 2 and ("torch", d, 0) in by else ""]
+    out = [[d, str(w), ratio(s.rate, t.rate), ratio(s.cpu_ms, t.cpu_ms), ratio(s.iter1, t.iter1),
+            ratio(s.first1, t.first1), ratio(s.cpu1, t.cpu1), ratio(s.first2, t.first2),
+            f"{s.fds_main:+d} / {t.fds_main:+d}", f"{s.tree_mib:,.0f} / {t.tree_mib:,.0f}",
+            ratio(s.rate, by[("torch", s.dataset, 0)].rate) if w == 2 and ("torch", s.dataset, 0) in by else ""]
            for (k, d, w), s in by.items() if k == "shmshare" and ("torch", d, w) in by for t in [by[("torch", d, w)]]]
     if out:
         print("\nshmshare / torch, per row (rate: higher is better; CPU and times: lower is better)")
-        table(["dataset", "workers", "batches/s", "CPU/batch", "1st ep1", "1st ep2", "fds main (s / t)",
+        table(["dataset", "workers", "batches/s", "CPU/batch", "iter ep1", "1st ep1", "CPU ep1", "1st ep2",
+               "fds main (s / t)",
                "shm tree MiB (s / t)", "2 workers vs torch 0"], out)
 
 
@@ -426,9 +476,12 @@ def targets(rows: list[Row]) -> list[dict[str, Any]]:
         if kind != "shmshare":
             continue
         for tw, times in ((2, 3.0), (0, 1.0)):
-            if w == 2 and d != "cpu" and ("torch", d, tw) in by:
-                check(f"{d}, 2 workers: rate >= {times:g}x torch {tw} workers", s.rate / by[("torch", d, tw)].rate,
-                      times, "x", at_least=True)
+            t = by.get(("torch", d if tw else s.dataset, tw))
+            if w == 2 and s.dataset != "cpu" and t is not None:
+                check(f"{d}, 2 workers: rate >= {times:g}x torch {tw} workers", s.rate / t.rate, times, "x",
+                      at_least=True)
+        if w and ("torch", d, w) in by:  # issue 21, item 10: start-up no slower than torch's
+            check(f"{d}, {w} workers: first batch <= torch's", s.first1 / by[("torch", d, w)].first1, 1.0, "x")
         check(f"{d}, {w} workers: main fds <= 2/worker + {FD_CONST}", s.fds_main, 2 * w + FD_CONST, "fds")
         if w:
             check(f"{d}, {w} workers: shm in flight <= {PREFETCH}x{w}+2 batches", s.tree_mib,
@@ -458,8 +511,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", default="float32,uint8,cpu", help="datasets: float32, uint8, cpu")
     ap.add_argument("--workers", default=None, help="worker counts (default 0,1,2; quick 0,2)")
     ap.add_argument("--loaders", default=",".join(LOADERS), help="torch, shmshare")
+    ap.add_argument("--start", default="default", help="start methods of the workers' rows: default (the "
+                    "platform's), fork, spawn, forkserver (comma-separated; 0-worker rows run once)")
     ap.add_argument("--torch-threads", type=int, default=1, help="torch.set_num_threads() in this process "
                     "(default 1; 0: torch's own default) -- see Note [One torch thread]")
+    ap.add_argument("--from-source", action="store_true", help="do not compile shmshare's bytecode first "
+                    "(a checkout under PYTHONDONTWRITEBYTECODE: each spawned worker compiles it)")
     ap.add_argument("--json", metavar="FILE", help="also write the rows and targets as JSON ('-': stdout, "
                     "tables to stderr)")
     args = ap.parse_args(argv)
@@ -469,8 +526,11 @@ def main(argv: list[str] | None = None) -> int:
     args.rounds = args.rounds or (1 if args.quick else 2)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     args.workers = [int(w) for w in (args.workers or ("0,2" if args.quick else "0,1,2")).split(",")]
+    args.start = [m.strip() for m in args.start.split(",") if m.strip()]
     if set(args.dtypes) - {"float32", "uint8", "cpu"}:
         ap.error(f"unknown dataset(s) in {args.dtypes}: float32, uint8 and cpu exist")
+    if set(args.start) - set(STARTS) or not args.start:
+        ap.error(f"unknown start method(s) in {args.start}: {', '.join(STARTS)} exist")
     with contextlib.redirect_stdout(sys.stderr) if args.json == "-" else contextlib.nullcontext():
         report = bench(args)
     if args.json:
@@ -486,6 +546,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     """Run every row (timed as main() set `args` up), print the tables; return the report for --json."""
     batches, cpu_batches, runs, dtypes = args.batches, args.cpu_batches, args.runs, args.dtypes
     started = time.perf_counter()
+    compiled = None if args.from_source else compile_shmshare()
     torch_version, threads = set_torch_threads(args.torch_threads)
     have_torch = torch_version is not None
     missing = {"torch": not have_torch, "shmshare": shmshare_loader() is None}
@@ -494,14 +555,19 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     print(f"bench_loader: Linux {platform.release()}, Python {platform.python_version()}, numpy {np.__version__}"
           f"{torch_note}, {os.cpu_count()} CPUs; batch {BATCH}, prefetch {PREFETCH}, persistent workers; "
           f"{batches} batches per epoch ({cpu_batches} for cpu), "
-          f"{args.rounds} round(s) of {runs} measured epoch(s) after epoch 1{', --quick' if args.quick else ''}")
+          f"{args.rounds} round(s) of {runs} measured epoch(s) after epoch 1{', --quick' if args.quick else ''}; "
+          f"workers started by {', '.join(args.start)} (default: {mp.get_start_method()})")
     for k in (k for k, gone in missing.items() if gone):
         print(f"{k}'s rows are left out: " + ("torch is not installed (shmshare's use numpy_collate)" if k == "torch"
                                               else "this checkout has no shmshare.DataLoader yet"))
+    print("shmshare's bytecode: " + ("not compiled first (--from-source); written on import: "
+                                     f"{not sys.dont_write_bytecode}" if compiled is None else
+                                     f"compiled first, {compiled} module(s) were missing or stale"))
     print(f"load average before: {_load()} (other work on the machine shows in every figure)")
     meta: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(), "torch_threads": threads,
                             "batch_size": BATCH, "prefetch_factor": PREFETCH, "batches": batches,
-                            "cpu_batches": cpu_batches, "runs": runs, "loaders": loaders}
+                            "cpu_batches": cpu_batches, "runs": runs, "loaders": loaders, "starts": args.start,
+                            "bytecode_compiled": compiled}
     jpeg, reps = None, 0
     if "cpu" in dtypes:
         jpeg = make_jpeg()
@@ -511,6 +577,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         print(f"cpu dataset: {ms:.2f} ms of CPU per sample in this process ({how})")
         meta.update(cpu_ms=ms, cpu_reps=reps, cpu_pillow=jpeg is not None)
     print()
+    if "forkserver" in args.start:  # once per process, before any row: not a loader's cost
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
     sampler = Sampler()
     try:
         rows = run_all(sampler, loaders, args, reps, jpeg, have_torch)
@@ -519,7 +589,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     print(f"load average after: {_load()}")
     print("\nper row: batches/s and MiB/s (best measured epoch); CPU time of the whole tree per batch (all measured"
           "\nepochs: steadier than rates when other work shares the CPUs); time to the first batch of epoch 1"
-          "\n(includes starting workers) and of a later epoch (median); peak fds above this process's count before"
+          "\n(includes starting workers; 'iter': until iter() returned) and the tree's CPU time until then; time"
+          "\nto the first batch of a later epoch (median); peak fds above this process's count before"
           "\nthe row (main, and the whole tree); peak shared memory of the objects the tree holds fds of (the"
           "\ntargets use it); the host's Shmem (MiB) above its value before the row, its peak and after close")
     print_rows(rows)
@@ -542,15 +613,18 @@ def run_all(sampler: Sampler, loaders: list[str], args: argparse.Namespace, reps
     for d in args.dtypes:
         n = (args.cpu_batches if d == "cpu" else args.batches) * BATCH
         dataset = Decoded(n, reps, jpeg) if d == "cpu" else Images(n, d)
-        for w in args.workers:
-            rounds: dict[str, list[Row]] = {k: [] for k in loaders}
-            for i in range(args.rounds):  # interleaved: a burst of other work on the machine hits both loaders
-                for kind in loaders:
-                    r = run_row(sampler, kind, d, dataset, w, args.runs, numpy_collate=not have_torch)
-                    rounds[kind].append(r)
-                    print(f"  {kind:>8} {d:>7} {w} workers, round {i + 1}: " +
-                          (r.error or f"{r.rate:,.1f} batches/s, first batch {fmt_ms(r.first1)} ms"), flush=True)
-            rows += [merge(rounds[kind]) for kind in loaders]
+        for start in args.start:
+            for w in args.workers:
+                if not w and start != args.start[0]:
+                    continue  # no workers: no start method
+                rounds: dict[str, list[Row]] = {k: [] for k in loaders}
+                for i in range(args.rounds):  # interleaved: a burst of other work on the machine hits both loaders
+                    for kind in loaders:
+                        r = run_row(sampler, kind, d, dataset, w, args.runs, not have_torch, start)
+                        rounds[kind].append(r)
+                        print(f"  {kind:>8} {r.label:>7} {w} workers, round {i + 1}: " +
+                              (r.error or f"{r.rate:,.1f} batches/s, first batch {fmt_ms(r.first1)} ms"), flush=True)
+                rows += [merge(rounds[kind]) for kind in loaders]
     return rows
 
 
@@ -560,7 +634,8 @@ def merge(rounds: list[Row]) -> Row:
         return next(r for r in rounds if r.error)
     peaks = {f: max(getattr(r, f) for r in rounds) for f in ("fds_main", "fds_tree", "tree_mib", "shm_mib",
                                                                 "shm_left_mib", "stragglers")}
-    medians = {f: statistics.median(getattr(r, f) for r in rounds) for f in ("first1", "first2", "cpu_ms")}
+    medians = {f: statistics.median(getattr(r, f) for r in rounds)
+               for f in ("iter1", "first1", "cpu1", "first2", "cpu_ms")}
     return replace(max(rounds, key=lambda r: r.rate), rates=[x for r in rounds for x in r.rates],
                                **peaks, **medians)
 
@@ -573,6 +648,24 @@ def merge(rounds: list[Row]) -> Row:
 #     16-24 batches/s, from one epoch to the next. Workers run with one
 #     thread already (torch's _worker_loop sets it), so this process gets one
 #     too by default: the 0-worker anchor is then the steady figure.
+
+
+def compile_shmshare() -> int:
+    """Compile this checkout's shmshare modules whose bytecode is missing or stale; return how many there were.
+
+    What an installed package has from ``pip install``, and torch has: without it, under
+    PYTHONDONTWRITEBYTECODE, each spawned worker compiles every module it imports.
+    """
+    from importlib.util import cache_from_source
+
+    root = Path(__file__).resolve().parents[1] / "shmshare"
+    stale = 0
+    for src in root.rglob("*.py"):
+        pyc = Path(cache_from_source(str(src)))
+        stale += not pyc.exists() or pyc.stat().st_mtime < src.stat().st_mtime
+    if stale:
+        compileall.compile_dir(str(root), quiet=1)
+    return stale
 
 
 def set_torch_threads(n: int) -> tuple[str | None, int]:
