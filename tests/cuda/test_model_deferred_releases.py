@@ -122,6 +122,12 @@ def test_a_drain_during_a_global_capture_queries_no_event(driver_model: DriverMo
 
 # --- H3. a finalizer run by the garbage collector inside _deferred._lock deadlocks --------------------
 
+# _FROZEN: the H3 children freeze what their imports made before their loops. Each loop collects in full
+# dozens of times, each time over the whole imported heap: the H3b loop took 7.9 s under load (0.9 s
+# frozen), past faulthandler's 8 s hang bound, and failed a passing run; H3's took 2 s (0.0 s frozen).
+# The Cycle and Holder objects are made after the freeze, so collections (full or set off by the
+# thresholds) still find them; both children still hang on the code before aa7bd7e, frozen or not.
+
 
 def test_a_gc_finalizer_inside_the_deferred_lock_does_not_deadlock() -> None:
     # _deferred._lock is a plain Lock, and release_later() allocates under it (_Task(...), its lists),
@@ -132,6 +138,8 @@ def test_a_gc_finalizer_inside_the_deferred_lock_does_not_deadlock() -> None:
         import faulthandler, gc
         faulthandler.dump_traceback_later(8, exit=True)  # says where it hangs, then ends the child
         from shmshare.cuda import _deferred
+        gc.collect()
+        gc.freeze()  # the imports out of the collector's sight (see _FROZEN); the cycles below are still found
 
         class Cycle:  # stands for any cyclic garbage that holds a registered segment or a DeviceArray
             def __init__(self):
@@ -165,6 +173,8 @@ def test_a_segment_finalizer_inside_context_primary_does_not_deadlock() -> None:
         from shmshare.cuda import _driver, _context
         _driver._state = (DriverModel(None), None)
         from shmshare import Segment, cuda
+        gc.collect()
+        gc.freeze()  # the imports out of the collector's sight (see _FROZEN); the cycles below are still found
 
         class Holder:  # cyclic garbage holding the last reference to a registered segment
             def __init__(self, segment):
