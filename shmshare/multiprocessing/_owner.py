@@ -12,14 +12,6 @@ Note [One owner per process]
     owner is closing. A forked child gets a fresh owner on its first pickle:
     it never hands out its parent's blocks (Note [At fork] in ``_fork.py``).
 
-Note [Blocks a child inherits]
-    A child forked while a block is in use here (a tensor whose storage
-    moved into the pool, an array from ``empty()``) maps it through its copy
-    of our mapping, as torch's children map shared storages they inherit,
-    for as long as it lives, without telling us. So the blocks in use at a
-    fork, once dropped here, are retired, never reused; ``close()`` frees
-    them (our side unmapped, the child's mapping keeps the pages).
-
 Note [Exit linger]
     A process that puts an array on a Queue and returns must not take the
     array with it: the Queue's feeder thread flushes the pickled handle at
@@ -56,6 +48,7 @@ from .._errors import PoolExhausted, ShmshareError
 from ..channel._announce import SegmentBook
 from ..channel._blocks import SPARE_BYTES, BlockBook, _Held, host_cause
 from ..memory import CachingAllocator, OutOfMemoryError, ShmProvider, ShmSegment
+from ._books import ForkBook, LendBook
 from ._claims import ClaimBook, ClaimMap
 from ._external import External, TorchSegments
 from ._keeper import exit_linger, keep_after_exit, set_exit_linger
@@ -107,8 +100,8 @@ class Owner(BlockBook):
         self._peer_dead = False
         self._sent = 0
         self._local_done: collections.deque[_Held] = collections.deque()
-        self._forked: set[int] = set()  # blocks in use here when a child was forked (at_fork)
-        self._retired: list[Any] = []  # and since dropped here: never reused (Note [Blocks a child inherits])
+        self._forks = ForkBook()  # blocks a forked child may map (Note [Blocks a child inherits])
+        self._lends = LendBook()  # slots lent on, by asker (Note [Lends and who asked])
         self.table = LeaseTable()
         self.claims = ClaimBook(self.table.slots)  # who holds what, by our own record
         self._recheck: set[int] = set()  # slots released while still marked: looked at again
@@ -221,11 +214,12 @@ class Owner(BlockBook):
         with self._lock:
             rec = self._slots.get(slot)
             if rec is None or self.table.gens[slot] != gen or self.table.state(slot)[:2] != (gen, CLAIMED) \
-                    or cm.closed or not cm.marks[slot]:
+                    or cm.closed or not cm.marks[slot] or not self._lends.allow(cm):
                 return None
             got = self._lease(rec)
             if got is not None:
                 self._in_place += 1
+                self._lends.note(got[0], cm)
             return got
 
     def _drop_external(self, ext: External) -> None:
@@ -276,18 +270,18 @@ class Owner(BlockBook):
         if held.local or held.leases:
             return
         addr = held.block.address
-        if addr in self._forked and self._held.get(addr) is held:  # Note [Blocks a child inherits]
-            self._forked.discard(addr)
-            del self._held[addr]
+        if self._held.get(addr) is held and self._forks.retire(addr, held.block):
+            del self._held[addr]  # Note [Blocks a child inherits]: not reused while its child lives
             del self._addrs[bisect.bisect_left(self._addrs, addr)]
-            self._retired.append(held.block)
             return
         super()._maybe_free(held)
+        for block in self._forks.free_now():
+            self._alloc.free(block)
 
     def forked(self) -> None:
-        """After a fork, in the parent: the blocks in use here now are never reused."""
+        """After a fork, in the parent: the blocks in use here now wait for the children."""
         with self._lock:
-            self._forked.update(addr for addr, h in self._held.items() if h.local)
+            self._forks.forked([addr for addr, h in self._held.items() if h.local])
 
     # BlockBook's hooks
     def _malloc(self, nbytes: int, deadline: float | None) -> Any:
@@ -390,10 +384,15 @@ class Owner(BlockBook):
             if state == CLAIMED and gen == self.table.gens[slot] and not self.claims.held(slot):
                 self._give_back(slot, gen)
                 n += 1
+        for slot in self._lends.of(cm):  # its lends nobody claimed: Note [Lends and who asked]
+            if self.table.state(slot)[1] == PENDING:
+                self._give_back(slot, self.table.gens[slot])
+                n += 1
         self._counts["reclaimed"] += n
         return n
 
     def _give_back(self, slot: int, gen: int) -> None:
+        self._lends.forget(slot)
         held = self._slots.pop(slot)
         self._since.pop(slot, None)
         self._recheck.discard(slot)
@@ -477,9 +476,8 @@ class Owner(BlockBook):
                 self._give_back(slot, self.table.gens[slot])
             self._drain_local()
             self._free_spares()
-            for block in self._retired:  # a child's mapping keeps its pages; ours may go now
+            for block in self._forks.free_now(force=True):  # a child's mapping keeps its pages
                 self._alloc.free(block)
-            self._retired.clear()
             self._alloc.empty_cache()
             self.table.close()
             self.claims.close()

@@ -41,8 +41,10 @@ Note [Lending on]
     it claims that slot as usual; in the owner's own process it becomes the
     original storage again. A request for a slot the peer does not hold is
     refused and lends nothing: a lease only ever adds to what pins a block.
-    If the owner is gone or refuses, the storage goes as a copy from our
-    own pool (its values; our own tensor stays the owner's memory).
+    If the owner has exited (its keeper would serve the new handle only for
+    its linger) or refuses (Note [Lends and who asked] in ``_books.py``),
+    the storage goes as a copy from our own pool (its values; our own
+    tensor stays the owner's memory).
 
 Note [is_shared of our storages]
     torch's ``is_shared()`` is true only for its own ``MapAllocator``
@@ -67,6 +69,7 @@ import numpy as np
 from .. import _fork, _native
 from .._errors import PoolExhausted, ShmshareError
 from . import _owner
+from ._common import alive
 
 __all__ = ["share", "rebuild", "is_ours", "wrap_torch_methods", "Unshareable"]
 
@@ -200,6 +203,8 @@ def _lend_on(handle: tuple[Any, ...]) -> tuple[Any, ...] | None:
 
     pid, token, path, seg_id, size, start, span, lo, strides, _slot, _gen = handle[:11]
     external = handle[13]
+    if not alive(pid):
+        return None  # its keeper may serve a lend, but only for its linger: a copy of ours lives on
     try:
         link = client().link(pid, token, path)
         slot, gen = link.lend_again(handle[9], handle[10])

@@ -303,3 +303,15 @@ def add_one_to_parameters(model: Any, outq: Any) -> None:
             p.add_(1)
     outq.put([p.is_shared() for p in model.parameters()])
     del model
+
+
+def wait_until(condition: Any, timeout: float) -> bool:
+    """Poll `condition()` every 20 ms until it is true (True) or `timeout` s pass (False)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True

@@ -441,3 +441,81 @@ def test_a_moved_tensor_counts_as_copied_and_a_pool_tensor_as_in_place():
     after = smp.statistics()
     assert (after.arrays_copied - before.arrays_copied, after.arrays_in_place - before.arrays_in_place) \
         == (1, 1)
+
+
+def _forward_and_exit(inq):
+    t = inq.get(timeout=WAIT)
+    ForkingPickler.dumps(t)  # a lend on the owner's block, for a handle nobody will unpickle
+    del t
+
+
+def test_the_lends_of_a_process_that_died_are_given_back():
+    """Note [Lends and who asked]: a lend nobody claimed, asked for by a process that is gone,
+    pins nothing once the owner sees it gone."""
+    x = torch.ones(256)
+    ctx = smp.get_context("fork")
+    inq = ctx.Queue()
+    try:
+        with helpers.child(_forward_and_exit, inq):
+            inq.put(x)
+    finally:
+        helpers.close_queue(inq)
+    assert helpers.wait_until(lambda: smp.statistics().handles_unclaimed == 0, WAIT), smp.statistics()
+
+
+def _exit_quickly():
+    pass
+
+
+def test_blocks_in_use_at_a_fork_come_back_once_the_children_are_gone():
+    """Note [Blocks a child inherits]: retired, not reused, while a child of that fork lives;
+    back to the pool after, so a process forking per epoch does not grow."""
+    from shmshare.multiprocessing import _owner
+
+    ctx = smp.get_context("fork")
+    reserved = []
+    for _ in range(4):
+        t = smp.empty(1 << 20, torch.uint8)
+        p = ctx.Process(target=_exit_quickly)
+        p.start()
+        p.join(WAIT)
+        assert p.exitcode == 0
+        p.close()
+        del t
+        ow = _owner.current_owner()
+        with ow._lock:
+            ow._forks._swept = 0.0  # sweep now, not within the second
+            for block in ow._forks.free_now():
+                ow._alloc.free(block)
+        reserved.append(smp.statistics().reserved_bytes)
+    assert reserved[-1] == reserved[0], reserved
+
+
+def _send_two_and_exit(q):
+    smp.set_exit_linger(1.0)
+    q.put(torch.full((64,), 5.0))
+    q.put(torch.zeros(64))  # never taken: its keeper serves for 1 s
+
+
+def _late_reader(q, outq):
+    import time
+
+    time.sleep(2.0)  # past the first sender's linger: what we read must not depend on it
+    t = q.get(timeout=WAIT)
+    outq.put(float(t.sum()))
+    del t
+
+
+def test_a_tensor_sent_on_after_its_first_sender_exited_outlives_that_senders_linger():
+    ctx = smp.get_context("fork")
+    q, q2, outq = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    try:
+        with helpers.child(_send_two_and_exit, q) as a:
+            x = q.get(timeout=WAIT)
+            assert a.join(WAIT) == 0
+        with helpers.child(_late_reader, q2, outq):
+            q2.put(x)  # its owner has exited: sent as a copy of ours, not a lend on its keeper
+            assert outq.get(timeout=WAIT) == 320.0
+    finally:
+        for qq in (q, q2, outq):
+            helpers.close_queue(qq)
