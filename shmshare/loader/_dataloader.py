@@ -82,6 +82,17 @@ class DataLoader(Generic[T_co]):
 
     __initialized = False
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """A user's subclass made while torch is imported gets its torch subclass now, not at its
+        first loader: Lightning records constructor arguments only for the torch DataLoader
+        subclasses that exist when it starts recording (inside ``train_dataloader()``, say)."""
+        super().__init_subclass__(**kwargs)
+        data = sys.modules.get("torch.utils.data")
+        if data is not None and not issubclass(cls, data.DataLoader):  # (_torch_loader's own is one)
+            from ._torch_loader import as_torch
+
+            as_torch(cls)
+
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:
         """Make the loader, as a ``torch.utils.data.DataLoader`` too when torch is imported."""
         if sys.modules.get("torch") is not None:  # the same test as __init__'s mode

@@ -85,6 +85,22 @@ def test_a_subclass_of_ours_is_a_torch_dataloader_of_its_own_name_and_pickles():
     assert [b["i"].tolist() for b in back] == [list(range(16)), list(range(16, 32))]
 
 
+def test_lightning_keeps_a_subclass_argument_when_the_first_loader_is_made_inside_its_hook():
+    """Lightning records constructor arguments only for the torch DataLoader subclasses that exist when
+    its recording starts: a user's subclass of ours is one from its class statement on."""
+    fabric_data = pytest.importorskip("lightning_fabric.utilities.data")
+
+    class Scaled(shmshare.DataLoader):
+        def __init__(self, dataset, scale=1, **kwargs):
+            super().__init__(dataset, **kwargs)
+            self.factor = scale  # kept under another name, as users do: only the record has it
+
+    with fabric_data._replace_dunder_methods(TorchLoader, "dataset"):
+        loader = Scaled(Samples(), scale=3, batch_size=4)  # its first instance, inside the hook
+    again = fabric_data._update_dataloader(loader, torch.utils.data.SequentialSampler(loader.dataset))
+    assert type(again) is type(loader) and again.factor == 3
+
+
 def test_a_loader_made_without_torch_stays_ours_alone_and_does_not_import_torch(tmp_path):
     script = tmp_path / "numpy_only.py"
     script.write_text(textwrap.dedent("""
