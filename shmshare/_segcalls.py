@@ -13,6 +13,12 @@ Note [Checking memory before reserving]
     ``SegmentError(ENOMEM)`` naming the cgroup, its limit, its usage and the
     request. The check is cached and cheap, and not exact: Note [Checking the
     cgroup before fallocate] in ``_cgroup`` says what can still race.
+    Outside any limit the same holds for the host: a memfd lives on the
+    kernel's internal tmpfs, which no size caps, so fallocate past the RAM
+    and swap the host has does not fail either; the kernel's global OOM
+    killer picks a victim, maybe another program. So a request larger than
+    ``MemAvailable + SwapFree`` (less ``_HOST_HEADROOM``) is refused too.
+    That catches one impossible request, not many that add up past it.
 """
 
 from __future__ import annotations
@@ -106,6 +112,35 @@ def fd_error(syscall: str, exc: OSError) -> OSError:
     if exc.errno in FD_EXHAUSTED:
         return FdLimitError.exhausted(syscall, exc, "each kept segment holds one fd")
     return SegmentError(exc.errno, f"{syscall} failed: {exc.strerror}")
+
+
+_HOST_HEADROOM = 64 << 20  # bytes left to the rest of the host (Note [Checking memory before reserving])
+
+
+def check_host(nbytes: int, backend: str) -> None:
+    """Refuse `nbytes` more than the host's available memory and free swap (Note [Checking memory
+    before reserving])."""
+    avail = _host_available()
+    if avail is None or nbytes <= avail - _HOST_HEADROOM:
+        return
+    raise SegmentError(errno.ENOMEM, (
+        f"cannot reserve {nbytes} bytes for a {backend} segment: the host has {avail} bytes "
+        f"available (MemAvailable and SwapFree of /proc/meminfo), and posix_fallocate past that "
+        "would set off the kernel's OOM killer, which may kill any process, so it was not tried. "
+        "Ask for less, or free memory first (drop arrays of earlier batches, empty_cache())"))
+
+
+def _host_available() -> int | None:
+    got = {}
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                key, _, rest = line.partition(b":")
+                if key in (b"MemAvailable", b"SwapFree"):
+                    got[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None  # no /proc to ask: not checked
+    return sum(got.values()) if b"MemAvailable" in got else None
 
 
 def check_cgroup(nbytes: int, backend: str) -> None:

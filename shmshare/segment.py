@@ -564,6 +564,7 @@ class Segment(Closeable):
         assert self.fd is not None
         if self.backend != "file":
             _sc.check_cgroup(nbytes, self.backend)
+            _sc.check_host(nbytes, self.backend)
         try:
             os.posix_fallocate(self.fd, offset, nbytes)  # EINTR is retried by Python (PEP 475)
         except OSError as exc:

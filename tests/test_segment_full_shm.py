@@ -72,3 +72,18 @@ def test_memfd_out_of_memory_names_host_memory_and_the_cgroup(monkeypatch, err):
     assert re.search(r"the host has [\d.]+ [KMG]iB \(\d+ bytes\) available", text)
     assert "memory cgroup" in text and "4.0 MiB (4194304 bytes) were asked" in text
     assert "docker run --memory" in text
+
+
+def test_a_segment_larger_than_the_host_is_refused_before_any_page_is_reserved():
+    """Note [Checking memory before reserving]: a memfd has no size cap, and fallocate past the
+    host's memory sets off the global OOM killer (it killed other programs' processes) rather
+    than failing; so the request is refused first, naming the numbers."""
+    from shmshare import Segment, SegmentError, _segcalls
+
+    avail = _segcalls._host_available()
+    if avail is None:
+        pytest.skip("no /proc/meminfo to read the host's available memory from")
+    too_big = avail + (1 << 30)
+    with pytest.raises(SegmentError, match="OOM killer") as got:
+        Segment.create(too_big)
+    assert got.value.errno == errno.ENOMEM and str(too_big) in str(got.value)
