@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -54,19 +56,34 @@ def leak_test(what: str, name: str = "test_leaks", fixtures: str = "tmp_path", m
     return f"\n{marker}\ndef {name}({fixtures}):\n    {LEAKY[what][0]}\n"
 
 
+@pytest.fixture(scope="module")
+def every_kind_leaked(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """One pytest run of a sample with a test per kind of leak (six runs cost ~2.5 s each): each test's
+    teardown report, by kind. Each test is checked against what it held before it, so the leaks of the
+    tests before it are not its own: one row each, as in a run of its own."""
+    where = tmp_path_factory.mktemp("every_kind")
+    (where / "test_sample.py").write_text(HEADER + "".join(leak_test(w, f"test_leaks_{w}") for w in sorted(LEAKY)))
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    done = subprocess.run([sys.executable, "-m", "pytest", f"--basetemp={where / 'tmp'}", "-p", "no:cacheprovider",
+                           *PLUGIN, "--leaks", "test_sample.py"], cwd=where, env={**env, "PY_COLORS": "0"},
+                          capture_output=True, text=True, timeout=TIMEOUT)
+    out = done.stdout
+    assert re.search(rf"\b{len(LEAKY)} passed, {len(LEAKY)} errors\b", out), out  # a failing teardown is an error
+    sections = re.split(r"^_+ ERROR at teardown of (test_leaks_\w+) _+$", out, flags=re.M)
+    return {name.removeprefix("test_leaks_"): text for name, text in zip(sections[1::2], sections[2::2], strict=True)}
+
+
 @pytest.mark.parametrize("what", sorted(LEAKY))
-def test_each_kind_of_leak_fails_the_test_with_a_table_row(pytester: pytest.Pytester, what: str) -> None:
-    result = run(pytester, leak_test(what), "--leaks")
-    result.assert_outcomes(passed=1, errors=1)  # pytest counts a failing teardown as an error
-    out = result.stdout.str()
-    assert "LeakError: 1 resource(s) left behind by test_sample.py::test_leaks" in out
+def test_each_kind_of_leak_fails_the_test_with_a_table_row(every_kind_leaked: dict[str, str], what: str) -> None:
+    out = every_kind_leaked[what]
+    assert f"LeakError: 1 resource(s) left behind by test_sample.py::test_leaks_{what} " in out, out
     kind, made_in_python = LEAKY[what][1], LEAKY[what][2]
     assert re.search(rf"^  \S+ +{re.escape(kind)} ", out, re.M), out
     if made_in_python:  # the creating stack ends at the test's own line, and hides pytest's frames
-        result.stdout.fnmatch_lines(["* was made at (most recent call last):",
-                                     '    File "*test_sample.py", line *, in test_leaks',
-                                     f"      {LEAKY[what][0].split(';')[0]}"])
-        assert "_pytest" not in out.split("was made at")[1].split("short test summary")[0]
+        pytest.LineMatcher(out.splitlines()).fnmatch_lines([
+            "* was made at (most recent call last):", f'    File "*test_sample.py", line *, in test_leaks_{what}',
+            f"      {LEAKY[what][0].split(';')[0]}"])
+        assert "_pytest" not in out.split("was made at")[1], out
 
 
 def test_the_row_says_number_target_and_size(pytester: pytest.Pytester) -> None:
