@@ -78,6 +78,9 @@ class CudaUnavailable(CudaError):
     """Report that CUDA cannot be used in this process; the message says why."""
 
 
+CudaUnavailable.__module__ = "shmshare.cuda"  # tracebacks name the public module
+
+
 def available() -> bool:
     """Return whether the CUDA driver is usable here (cuda-python, libcuda and a device)."""
     return why_unavailable() is None

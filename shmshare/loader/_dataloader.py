@@ -146,6 +146,8 @@ class DataLoader(Generic[T_co]):
         self.device = device
         self._pool_limit = pool_limit or DEFAULT_LIMIT
         self._device = parse_device(device)
+        if self._device is not None:
+            _check_cuda(device)
 
         samplers: Any = _torch_samplers() if use_torch else _samplers
         self._iterable = _samplers.is_iterable_dataset(dataset)
@@ -343,3 +345,12 @@ def _cpu_count(use_torch: bool) -> int | None:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
+def _check_cuda(device: Any) -> None:
+    """A loader told to copy batches to a GPU is refused now, where none can be used, not at iter()."""
+    from .. import cuda
+
+    why = cuda.why_unavailable()
+    if why is not None:
+        raise cuda.CudaUnavailable(f"device={device!r} copies batches to a CUDA GPU, and CUDA cannot be used "
+                                   f"in this process: {why.rstrip('.')}. Leave device unset to keep batches on the CPU "
+                                   "(move them yourself with batch.to(...)), or run where a GPU is")

@@ -166,6 +166,19 @@ def test_device_needs_a_device_name_torch_knows() -> None:
         L.DataLoader(Arrays(4), device="mps")
 
 
+@pytest.mark.parametrize("device", ["cuda", "cuda:1", 0])
+def test_a_cuda_device_where_cuda_cannot_be_used_is_refused_at_construction(device) -> None:
+    """The new user's review: the error came at iter(), under a private name, naming a fix
+    (pip install shmshare[cuda]) that does not give a machine a GPU."""
+    from shmshare import cuda
+
+    if cuda.available():
+        pytest.skip("CUDA is present here")
+    with pytest.raises(cuda.CudaUnavailable, match=r"Leave device unset") as got:
+        L.DataLoader(Arrays(4), device=device)
+    assert type(got.value).__module__ == "shmshare.cuda"
+
+
 @pytest.mark.parametrize("device", ["cpu", "cpu:0", None])
 def test_device_cpu_leaves_batches_where_the_workers_made_them(device) -> None:
     """torch's ``.to("cpu")`` is a no-op: so is ``device="cpu"`` (it raised ValueError)."""
