@@ -101,7 +101,21 @@ def share(st: Any) -> tuple[Any, ...] | None:
     plain storage for which the pool or the lease table has no room (torch's reducer may move it
     instead). A storage already shared that cannot get a handle raises: moved by torch's reducer,
     it would silently stop being shared with those who hold it."""
-    return _lock_protected()(_share)(st)  # type: ignore[no-any-return]
+    ow = _owner.owner()
+    n = st.nbytes()
+    if ow._addrs:  # in our pool already (mp.empty(), an earlier send): nothing moves, no lock
+        ptr = st.data_ptr()
+        with ow._lock:
+            inside = ow._find(ptr, n) is not None
+        if inside:
+            return _or_raise(_ours(ow, ow.place(_raw(ptr, n))), ow)
+    global _protected
+    if _protected is None:
+        _protected = _lock_protected()(_share)
+    return _protected(st)  # type: ignore[no-any-return]
+
+
+_protected: Any = None  # _share under torch's per-storage lock, made once
 
 
 def _share(st: Any) -> tuple[Any, ...] | None:
@@ -143,8 +157,11 @@ def _share(st: Any) -> tuple[Any, ...] | None:
     if got is None:
         # the move is done, its storage ours: no handle now must not hand it to torch's reducer
         return _or_raise(None, ow)
-    _remember(_mine, (ow.token, got[0], got[2], n), st)
-    _remember(_moved_at, (st.data_ptr(), n), st)
+    ref = _weak(st)  # one weak reference, in both books
+    with _lock:
+        _mine[ow.token, got[0], got[2], n] = ref
+        _moved_at[st.data_ptr(), n] = ref
+        _maybe_prune()
     return _ours(ow, got)
 
 
