@@ -12,6 +12,7 @@ LAYERS = {
     "_errors": 0, "_fork": 0, "_native": 0, "_procfs": 0, "_lifetime": 0, "_fd": 0,
     "_cgroup": 0, "_shmdir": 0, "_segcalls": 0,  # cgroup limits; /dev/shm; Segment's syscalls
     "_registry": 0,  # what pools and lease holders report, held weakly (Note [Reporters])
+    "_typevars": 0,  # the type variables of the generic public classes
     "segment": 1,
     "wire": 2, "_sockets": 2, "_listen": 2,  # _sockets.py: wire's kernel side (SCM_RIGHTS, SO_PEERCRED)
     "_statsd": 2,  # the opt-in stats socket: wire frames answering from _registry

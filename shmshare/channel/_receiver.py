@@ -16,7 +16,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Generic
+from typing import Any, Generic
 
 import numpy as np
 
@@ -32,6 +32,7 @@ from .._errors import (
     making_fds,
 )
 from .._lifetime import Closeable
+from .._typevars import T
 from ._books import Caps, Peer
 from ._fences import FencedRelease, Fences, Pinning
 from ._mapping import grow_and_drop, map_new, segment_of
@@ -55,15 +56,6 @@ from ._releases import MAX_AGE, Release, WakePipe, flusher_main
 from ._trust import check_fd_room, default_max_peer_bytes, default_max_peer_segments
 
 __all__ = ["Receiver"]
-
-if TYPE_CHECKING:  # a default lets an unparameterized ``Receiver`` mean Receiver[Any] under --strict
-    from typing_extensions import TypeVar
-
-    T = TypeVar("T", default=Any)
-else:  # typing's TypeVar takes a default from 3.13; typing_extensions is no dependency of ours
-    from typing import TypeVar
-
-    T = TypeVar("T")
 
 _CLOSE_CHECK = wire._CLOSE_CHECK  # s: a wait looks this often whether close() was called
 _BATCH = 64  # releases that make recv() send at once, ...

@@ -53,6 +53,7 @@ from . import _storages
 from ._client import rebuild_array
 from ._common import HandleError, env_number
 from ._owner import current_owner, exiting, owner
+from ._storages import _torch
 
 __all__ = ["init_reductions", "reduce_ndarray", "reduce_tensor", "reduce_storage", "BY_VALUE_BELOW"]
 
@@ -235,18 +236,6 @@ def rebuild_storage(handle: tuple[Any, ...]) -> Any:
                           "dtype, shape and strides must be its bytes, one after the other")
     return _storages.rebuild(rebuild_array(*handle), handle)
 
-
-_torch_mod: Any = None
-
-
-def _torch() -> Any:
-    global _torch_mod
-    if _torch_mod is None:
-        import torch
-        import torch.multiprocessing.reductions
-
-        _torch_mod = torch
-    return _torch_mod
 
 
 _registered_lock = threading.Lock()

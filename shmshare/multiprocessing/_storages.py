@@ -421,9 +421,12 @@ _torch_mod: Any = None
 
 
 def _torch() -> Any:
+    """torch, with torch.multiprocessing's reductions (imported on first use: numpy-only users
+    of this package never import torch)."""
     global _torch_mod
     if _torch_mod is None:
         import torch
+        import torch.multiprocessing.reductions
 
         _torch_mod = torch
     return _torch_mod

@@ -31,13 +31,14 @@ import os
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Generic, Self, SupportsIndex, overload
+from typing import TYPE_CHECKING, Any, Generic, Self, SupportsIndex, TypeVar, overload
 
 import numpy as np
 
 from .. import _native, tensors
 from .._errors import FdLimitError, PeerDied, ProtocolError, ShmshareTimeout
 from .._fd import Fd
+from .._typevars import V
 from ..channel._releases import WakePipe
 from ..channel._trust import check_fd
 from ._flusher import Queued, flush_loop
@@ -60,16 +61,9 @@ from ._protocol import (
 
 __all__ = ["Store", "ObjectInfo"]
 
-if TYPE_CHECKING:  # a default lets an unparameterized ``Store`` mean Store[Any] under --strict
+if TYPE_CHECKING:
     import numpy.typing as npt
     import torch
-    from typing_extensions import TypeVar
-
-    V = TypeVar("V", default=Any)
-else:  # typing's TypeVar takes a default from 3.13; typing_extensions is no dependency of ours
-    from typing import TypeVar
-
-    V = TypeVar("V")
 _ScalarT = TypeVar("_ScalarT", bound=np.generic)
 _Shape = SupportsIndex | tuple[SupportsIndex, ...] | builtins.list[SupportsIndex]  # what create takes
 
