@@ -68,10 +68,16 @@ _SUBMODULES = frozenset({
     "synchronize", "util"})
 
 
+# the private names of torch.multiprocessing's that its users reach (imported for them on demand)
+_TORCH_PRIVATE = frozenset({"_set_thread_name", "_get_thread_name", "_prctl_pr_set_pdeathsig"})
+
+
 def __getattr__(name: str) -> Any:
     """What torch.multiprocessing has and we do not override, then multiprocessing's submodules:
     a drop-in forwards what it does not replace."""
-    if name.startswith("__"):
+    if name.startswith("__") or (name.startswith("_") and name not in _TORCH_PRIVATE
+                                 and "torch.multiprocessing" not in _sys.modules):
+        # a tool's probe (pytest asks every module-level name for _mock_name) imports no torch
         raise AttributeError(f"module 'shmshare.multiprocessing' has no attribute {name!r}")
     tmp: Any
     try:

@@ -39,3 +39,17 @@ def test_multiprocessings_submodules_are_reachable_as_attributes():
 def test_an_unknown_name_is_an_attribute_error_naming_it():
     with pytest.raises(AttributeError, match="no_such_thing"):
         smp.no_such_thing  # noqa: B018
+
+
+def test_a_tools_probe_of_a_private_name_imports_no_torch():
+    """pytest asks every module-level name of a test module for ``_mock_name``: a test file that
+    imports this module must not import torch (3-5 s) for that."""
+    import subprocess
+    import sys
+
+    code = ("import sys, shmshare.multiprocessing as mp\n"
+            "assert getattr(mp, '_mock_name', None) is None\n"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
