@@ -53,7 +53,6 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, replace
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +60,7 @@ import numpy as np
 import psutil
 
 from _bench import table  # scripts/_bench.py: run from scripts/ or by path
+from _bench_tree import Sampler, meminfo_kb, tree_cpu, wait_children  # the process tree's fds, shm, CPU
 
 # This checkout's shmshare, installed or not (an installed or editable copy elsewhere would shadow it). Imported
 # where used, not here: a spawned worker imports this module again (see the docstring).
@@ -71,7 +71,6 @@ BATCH = 32
 PREFETCH = 2
 SHAPE = (3, 224, 224)
 WAIT = 120  # s: the loaders' timeout for one batch, so that a hung worker ends the row, not the run
-SAMPLE_S = 0.01  # the sampler's period
 FD_CONST = 8  # target: at most 2 fds per worker plus this many in the main process
 CPU_MS = 1.0  # the cpu dataset's aim per sample
 LOADERS = ("torch", "shmshare")
@@ -156,97 +155,6 @@ def calibrate(jpeg: bytes | None) -> tuple[int, float]:
     return reps, cost(reps)
 
 
-# -- sampling fds and shared memory -------------------------------------------------------
-
-# Note [Sampling from a process]
-#     A sampling thread takes the GIL from the loader under test: with 0 workers on a busy 2-CPU
-#     machine it slowed rows 2-4x (holding the GIL, descheduled, it stalls the consumer for a time
-#     slice). A forked sampler reads /proc and costs this process nothing.
-
-
-class Sampler:
-    """A forked process that samples this process's fd count, its descendants' and /proc/meminfo Shmem."""
-
-    def __init__(self) -> None:
-        ctx = mp.get_context("fork")
-        self._conn, theirs = ctx.Pipe()
-        self._proc = ctx.Process(target=_sample_loop, args=(theirs, os.getpid()), daemon=True, name="bench-sampler")
-        self._proc.start()
-        theirs.close()
-        self.pid = self._proc.pid
-
-    def ask(self, what: str) -> Any:
-        """"start": take the bases (Shmem kB, fds of this process), returned, and sample; "stop": return the
-        peaks (fds_main, fds_tree, shm_kb: Shmem above the base, tree_bytes)."""
-        self._conn.send(what)
-        return self._conn.recv()
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._conn.send("quit")
-        self._proc.join(5)
-        if self._proc.exitcode is None:
-            self._proc.kill()  # by its pid: only what this script started
-            self._proc.join(5)
-        self._conn.close()
-
-
-def meminfo_kb(field: str) -> int:
-    """/proc/meminfo's `field` in kB (shmshare._procfs's, imported here only when called)."""
-    from shmshare._procfs import meminfo_kb as read
-
-    return int(read(field))
-
-
-def _sample_loop(conn: Connection, pid: int) -> None:
-    """The sampler's body: between "start" and "stop", sample every SAMPLE_S; "quit" ends it."""
-    main, me = psutil.Process(pid), os.getpid()
-    while conn.recv() == "start":
-        shm_base = meminfo_kb("Shmem")
-        conn.send((shm_base, len(os.listdir(f"/proc/{pid}/fd"))))
-        peaks = dict.fromkeys(("fds_main", "fds_tree", "shm_kb", "tree_bytes"), 0)
-        kids: list[int] = []
-        rescan, scanned_at = 0.0, -1
-        while True:
-            now, n = time.monotonic(), len(os.listdir(f"/proc/{pid}/fd"))
-            # Listing the tree reads all of /proc: only when this process's fd count moved (a new worker's
-            # pipes) or every 0.1 s, not at every sample.
-            if now >= rescan or n != scanned_at:
-                kids = [k.pid for k in main.children(recursive=True) if k.pid != me]
-                rescan, scanned_at = now + 0.1, n
-            fds, objects = _fds_and_shm([pid, *kids])
-            sample = {"fds_main": fds[0], "fds_tree": sum(fds), "shm_kb": meminfo_kb("Shmem") - shm_base,
-                      "tree_bytes": sum(objects.values())}
-            peaks = {k: max(v, sample[k]) for k, v in peaks.items()}
-            if conn.poll(SAMPLE_S):
-                break
-        conn.recv()  # "stop"
-        conn.send(peaks)
-
-
-def _fds_and_shm(pids: list[int]) -> tuple[list[int], dict[tuple[int, int], int]]:
-    """Return each process's fd count, and the bytes allocated to each shm object (dev, inode) they hold fds of.
-
-    The tree's own figure beside the host's Shmem, which other work on the machine moves too: a memfd or
-    /dev/shm object counts once however many fds of the tree refer to it (st_blocks: pages really
-    allocated). An object that is only mapped, its fds all closed, is not seen.
-    """
-    counts, objects = [], {}
-    for p in pids:
-        d = f"/proc/{p}/fd"
-        try:
-            names = os.listdir(d)
-        except OSError:  # gone between the scan and now
-            names = []
-        counts.append(len(names))
-        for n in names:
-            with contextlib.suppress(OSError):  # closed while we looked
-                if os.readlink(f"{d}/{n}").startswith(("/memfd:", "/dev/shm/")):
-                    st = os.stat(f"{d}/{n}")
-                    objects[(st.st_dev, st.st_ino)] = st.st_blocks * 512
-    return counts, objects
-
-
 # -- one row -------------------------------------------------------------------------------
 
 
@@ -269,7 +177,7 @@ class Row:
     fds_main: int = 0  # peak fds of this process above fds_base
     fds_tree: int = 0  # peak fds of this process and all its descendants, above fds_base
     shm_mib: float = 0.0  # peak Shmem above its value before the row (host-wide)
-    tree_mib: float = 0.0  # peak of the shm objects the tree holds fds of (see _fds_and_shm)
+    tree_mib: float = 0.0  # peak of the shm objects the tree holds fds of (see _bench_tree._fds_and_shm)
     shm_left_mib: float = 0.0  # Shmem above that value once the loader was closed
     stragglers: int = 0  # processes the row started that were still alive after close
     rates: list[float] = field(default_factory=list)
@@ -385,34 +293,6 @@ def epoch(loader: Iterable[Any], at_first: Callable[[], None] | None = None) -> 
         touch(batch)
         n += 1
     return first, time.perf_counter() - t1, n, made
-
-
-def tree_cpu(me: psutil.Process, skip: int) -> float:
-    """Return the CPU seconds (user + system) of this process and its descendants but `skip`, so far."""
-    t = me.cpu_times()
-    total = t.user + t.system
-    for k in me.children(recursive=True):
-        if k.pid != skip:
-            with contextlib.suppress(psutil.Error):
-                c = k.cpu_times()
-                total += c.user + c.system
-    return total
-
-
-def wait_children(me: psutil.Process, before: set[int], limit: float = 10.0) -> int:
-    """Wait up to `limit` s for the processes started since `before` to end; return how many remain."""
-    deadline = time.monotonic() + limit
-    while True:
-        left = []
-        for p in me.children(recursive=True):
-            if p.pid in before:
-                continue
-            with contextlib.suppress(psutil.Error):
-                if p.status() != psutil.STATUS_ZOMBIE:
-                    left.append(p)
-        if not left or time.monotonic() > deadline:
-            return len(left)
-        time.sleep(0.02)
 
 
 # -- the report ----------------------------------------------------------------------------
