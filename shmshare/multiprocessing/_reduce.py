@@ -61,7 +61,7 @@ __all__ = ["init_reductions", "reduce_ndarray", "reduce_tensor", "reduce_storage
 BY_VALUE_BELOW = int(env_number("SHMSHARE_MP_BY_VALUE_BELOW", 1024, "bytes"))
 
 
-def _handle(arr: np.ndarray, storage: Any = None) -> tuple[Any, ...] | None:
+def _handle(arr: np.ndarray) -> tuple[Any, ...] | None:
     """A handle's arguments for `arr`, or None: pickle it by value.
 
     Never raises: an array that cannot go as a handle (a host out of fds or
@@ -71,7 +71,7 @@ def _handle(arr: np.ndarray, storage: Any = None) -> tuple[Any, ...] | None:
     if arr.dtype.hasobject:
         return None
     try:
-        return _make_handle(arr, storage)
+        return _make_handle(arr)
     except Exception as exc:  # noqa: BLE001  (see above: bytes, not lost)
         _warn_by_value(exc)
         ow = current_owner()
@@ -80,17 +80,12 @@ def _handle(arr: np.ndarray, storage: Any = None) -> tuple[Any, ...] | None:
         return None
 
 
-def _make_handle(arr: np.ndarray, storage: Any) -> tuple[Any, ...] | None:
+def _make_handle(arr: np.ndarray) -> tuple[Any, ...] | None:
     if arr.nbytes == 0 or arr.dtype.itemsize == 0:
         return None  # nothing to share, whatever BY_VALUE_BELOW says
     if exiting():
         return None  # by value, as it should at exit: nothing to warn about
     ow = owner()
-    if storage is not None:  # torch shared it: no copy (Note [What goes as a handle])
-        got = ow.place_shared(arr, storage)
-        if got is not None:
-            return (ow.pid, ow.token, ow.path, *got, _dtype_str(arr.dtype), arr.shape, True,
-                    ow.sign(got, True))
     if arr.nbytes < BY_VALUE_BELOW:
         if not ow._addrs:
             return None

@@ -384,14 +384,6 @@ def _weak(st: Any) -> Any:
     return reductions.StorageWeakRef(st)  # type: ignore[no-untyped-call]
 
 
-def _remember(book: dict[tuple[int, ...], Any], key: tuple[int, ...], st: Any) -> None:
-    with _lock:
-        ref = book.get(key)
-        if ref is None or ref.expired():
-            book[key] = _weak(st)
-            _maybe_prune()
-
-
 def _alive(book: dict[tuple[int, ...], Any], key: tuple[int, ...]) -> Any:
     with _lock:
         ref = book.get(key)
