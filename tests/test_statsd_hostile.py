@@ -9,18 +9,21 @@ from __future__ import annotations
 import array
 import os
 import random
+import select
 import socket
 import stat
 import subprocess
 import sys
 import threading
 import time
+import types
 import warnings
+from typing import Any
 
 import msgpack
 import pytest
 
-from shmshare import _registry, _stat, _statsd, wire
+from shmshare import _registry, _stat, _statask, _statsd, wire
 from shmshare.memory import CachingAllocator, CachingHostAllocator, HostFallbackProvider, SimulatedDevice
 
 from .stats_helpers import stats_dir as _stats_dir
@@ -110,13 +113,47 @@ def _fds() -> int:
 # -- stat's time, and fakes that would hang or crash it ------------------------------------
 
 
-def test_stat_with_50_unresponsive_stats_sockets_takes_about_one_timeout(home):
-    """Defect: ask_stats asks at most 16 sockets at a time, so 50 silent ones (listening, never
+class _Clock:
+    """A monotonic clock that moves only when a poll waits: a poll returns at once with what is
+    ready, and when nothing is, the clock jumps by the whole wait asked. Stat's total wait is then
+    counted, not timed."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.polls = 0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def poll(self) -> Any:
+        real = select.poll()
+        clock = self
+
+        class Poller:
+            register = real.register
+            unregister = real.unregister
+            modify = real.modify
+
+            def poll(self, ms: float | None = None) -> list[tuple[int, int]]:
+                clock.polls += 1
+                ready = real.poll(0)
+                if not ready and ms is not None:
+                    clock.now += ms / 1000
+                return ready
+
+        return Poller()
+
+
+def test_stat_with_50_unresponsive_stats_sockets_waits_one_timeout(home, monkeypatch):
+    """Defect: ask_stats asked at most 16 sockets at a time, so 50 silent ones (listening, never
     accepting: a same-uid process makes them for free) cost 4 x 0.5 s, growing without bound
-    with their number. A fix must ask every socket at once (or bound stat's total wait), so the
-    whole `stat --json` takes about one ASK_TIMEOUT more than without them."""
+    with their number. A fix must ask every socket at once (or bound stat's total wait): on a
+    clock that moves only while stat waits, 50 silent sockets cost one ASK_TIMEOUT in all."""
     d = _stats_dir()
-    _, base = _run_stat("--json", timeout=WAIT)  # interpreter start and /proc, without them
+    clock = _Clock()
+    monkeypatch.setattr(_statask, "time", clock)
+    monkeypatch.setattr(_statask, "select", types.SimpleNamespace(poll=clock.poll, POLLIN=select.POLLIN,
+                                                                  POLLOUT=select.POLLOUT))
     socks = []
     try:
         for i in range(50):
@@ -124,26 +161,41 @@ def test_stat_with_50_unresponsive_stats_sockets_takes_about_one_timeout(home):
             socks.append(s)
             s.bind(os.path.join(d, f"{4_000_000_000 + i}.sock"))
             s.listen(1)
-        out, took = _run_stat("--json", timeout=WAIT)
+        answers, unanswered = _stat.ask_stats()
     finally:
         for s in socks:
             s.close()
-    assert out.returncode == 0, out.stderr
-    assert took < base + _stat.ASK_TIMEOUT + 0.6, (
-        f"stat took {took:.2f} s with 50 silent stats sockets (no wait: {base:.2f} s)")
+    silent = [u for u in unanswered if os.path.basename(u["socket"]).startswith("4000000")]
+    assert len(silent) == 50 and not answers, (answers, unanswered)
+    assert all("no answer within" in u["why"] for u in silent), silent
+    waited = clock.now - 1000.0
+    assert waited <= _stat.ASK_TIMEOUT + 0.01, f"stat waited {waited:.2f} s for 50 silent stats sockets"
 
 
-def test_stat_with_a_fake_store_daemon_on_many_sockets_takes_about_one_timeout(home, tmp_path):
-    """Defect: _stores asks every daemon socket one after another, 0.5 s each, so one process
+def test_stat_with_a_fake_store_daemon_on_many_sockets_asks_them_at_once(home, tmp_path, monkeypatch):
+    """Defect: _stores asked every daemon socket one after another, 0.5 s each, so one process
     whose command line says `shmshare serve` and that listens on 8 sockets but never accepts
-    makes stat take 4 s (and 100 sockets, 50 s). A fix must ask them at once or bound the total."""
+    made stat take 4 s (and 100 sockets, 50 s). A fix must ask them at once, against one
+    deadline: here each ask waits at a barrier of all 8, which only asks made together pass."""
+    from shmshare.store import _find
+
     child = _fake_daemon(tmp_path, "silent", n=8)
+    barrier = threading.Barrier(8)
+    deadlines = []
+    real = _find.describe
+
+    def describe(path: str, timeout: float, deadline: float | None = None) -> dict[str, Any]:
+        deadlines.append(deadline)
+        barrier.wait(WAIT)  # BrokenBarrierError: the asks were not made together
+        return real(path, timeout, deadline)
+
+    monkeypatch.setattr(_find, "describe", describe)
     try:
-        out, took = _run_stat("--json", "--pid", str(child.pid), timeout=WAIT)
+        stores = _stat._stores({child.pid})
     finally:
         _kill(child)
-    assert out.returncode == 0, out.stderr
-    assert took < 2.0, f"stat took {took:.2f} s with one fake daemon on 8 silent sockets"
+    assert len(stores) == 8 and all("error" in st for st in stores), stores
+    assert len(set(deadlines)) == 1, f"each socket got its own deadline: {deadlines}"
 
 
 @pytest.mark.parametrize("mode", ["bad", "nos"])

@@ -12,8 +12,8 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -226,23 +226,42 @@ def test_crash_shm_name_report_as_a_normal_user_is_a_table_not_permissionerror()
     assert r.returncode == 0 and "/dev/shm name" in r.stdout, r.stderr[-2000:]
 
 
-def test_cost_many_leaked_fds_report_in_linear_time(pytester: pytest.Pytester) -> None:
-    """Each leaked fd scans every audit record (stack_for_path), and leaks_since rebuilds every row and
-    stack on every 20 ms retry: a loop that leaks N files takes O(N * min(N, MAX_RECORDS)) per retry:
-    5k fds 4.5 s, 10k 13 s, 15k 18 s
-    (--leaks-settle=0; pytest itself ~1 s) where 3k take 2.7 s."""
-    body = """
-    keep = []
+def _lines_to_report(n: int, tmp_path: Path) -> int:
+    """Python lines run (sys.settrace's line events: a loop's every turn is one) to find and print `n`
+    leaked files, the plugin's own path: record their opens, take the census, format the table."""
+    from shmshare.testing import _audit, _census
 
-    def test_leaks_many(tmp_path):
-        for i in range(10000):
-            keep.append(open(tmp_path / str(i), "w"))
-    """
-    t0 = time.monotonic()
-    result = run(pytester, body)
-    took = time.monotonic() - t0
-    result.assert_outcomes(passed=1, errors=1)
-    assert took < 8, f"reporting 10000 leaked fds took {took:.1f} s"
+    count = 0
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal count
+        count += event == "line"
+        return tracer
+
+    before = _census.Census.take()
+    files = []
+    try:
+        with _audit.recording():
+            files = [open(tmp_path / f"{n}-{i}", "w") for i in range(n)]  # noqa: SIM115 - closed below
+            sys.settrace(tracer)
+            try:
+                report = _census.table(_census.leaks_since(before))
+            finally:
+                sys.settrace(None)
+    finally:
+        for f in files:
+            f.close()
+    assert report.count(" was made at ") >= n, "every leaked file should come with the stack that opened it"
+    return count
+
+
+def test_cost_many_leaked_fds_report_in_linear_time(tmp_path: Path) -> None:
+    """Each leaked fd scanned every audit record (stack_for_path), and leaks_since rebuilt every row and
+    stack on every retry: a test that leaked N files cost O(N * min(N, MAX_RECORDS)), 10k fds 13 s.
+    Counted in work, not seconds: four times the fds must cost about four times the lines run (a quadratic
+    cost is sixteen times)."""
+    small, large = _lines_to_report(300, tmp_path), _lines_to_report(1200, tmp_path)
+    assert large < 6 * small, f"300 leaked fds cost {small} lines run, 1200 cost {large}: more than linear"
 
 
 # 30000 rounds: the process-wide flag of the code before c2d5de5 was left set after 1000-3000 rounds, and 30000
