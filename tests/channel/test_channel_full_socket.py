@@ -17,6 +17,8 @@ import pytest
 from shmshare import PeerDied, ShmshareTimeout, wire
 from shmshare.channel import Receiver, Sender, channel
 
+_WAIT = 10.0  # s: the bound of a wait for what must happen (only a failing test waits it out)
+
 
 def _fill_with_notes(rx: Receiver, sender: int) -> int:
     """Tell `sender` (which never reads) notes until its socket is full; return how many."""
@@ -72,27 +74,49 @@ def test_a_tell_waiting_on_a_full_socket_does_not_wedge_releases_or_close():
 
 def test_a_release_flush_never_waits_behind_another_threads_tell():
     # Was a defect (fixed; the same lock): _flush's timeout=0 sends wait as long as the other thread's
-    # send; recv() on the consumer's thread, which flushes, stalls with it.
+    # send; recv() on the consumer's thread, which flushes, stalls with it. Here the other thread's
+    # tell waits for room for as long as the test keeps the sender from reading (timeout=None),
+    # so flush_releases() returns at all only if it does not wait behind it.
     tx, rx = channel()
-    t = None
+    t = flusher = None
+    held = []  # cleared in finally too: a failing test must not keep the mapping
     try:
         tx.send(np.zeros(3))
-        arr = rx.recv(timeout=5)
+        held.append(rx.recv(timeout=5))
         _fill_with_notes(rx, 0)
-        t = threading.Thread(target=lambda: _quiet(rx.tell, 0, "late", timeout=3), daemon=True)
+        send_lock = rx._peers[0].conn._send_lock
+        t = threading.Thread(target=_quiet, args=(rx.tell, 0, "late"), kwargs={"timeout": None},
+                             daemon=True)
         t.start()
-        time.sleep(0.2)
-        del arr
+        _until(send_lock.locked, "the tell waits for room on the full socket, holding its send lock")
+        held.clear()  # its release goes to the flusher
         rx._released.append((rx._peers[0], 12345))  # a release to flush (unknown ids are ignored)
-        t0 = time.monotonic()
-        rx.flush_releases()  # "without waiting"
-        took = time.monotonic() - t0
-        assert took < 0.5, f"flush_releases() waited {took:.2f} s behind a tell on another thread"
+        flushed = threading.Event()
+
+        def flush() -> None:
+            rx.flush_releases()  # "without waiting"
+            flushed.set()
+
+        flusher = threading.Thread(target=flush, daemon=True)
+        flusher.start()
+        assert flushed.wait(_WAIT), "flush_releases() waited behind a tell on another thread"
+        assert t.is_alive() and send_lock.locked(), "the tell ended: nothing shows flush did not wait"
     finally:
-        if t is not None:
-            t.join(5)
+        held.clear()
+        deadline = time.monotonic() + _WAIT  # the sender reads its notes now: the tell goes on
+        while time.monotonic() < deadline and any(x is not None and x.is_alive() for x in (t, flusher)):
+            tx.poll_releases()
+            time.sleep(0.01)
         tx.close()
         rx.close()
+
+
+def _until(cond, what: str) -> None:
+    """Wait (bounded by _WAIT) until `cond()` holds; AssertionError naming `what` if it never does."""
+    deadline = time.monotonic() + _WAIT
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: not within {_WAIT} s"
+        time.sleep(0.01)
 
 
 def _quiet(f, *a, **kw):

@@ -14,7 +14,12 @@ import fcntl
 import gc
 import mmap
 import os
+import select
+import subprocess
+import sys
+import textwrap
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,10 +27,10 @@ import pytest
 
 from shmshare import wire
 from shmshare._errors import PeerDied, ShmshareTimeout
-from shmshare.store import Daemon, Store, StoreError, StoreFull, StoreGone
+from shmshare.store import Daemon, Store, StoreError, StoreFull, StoreGone, _launch
 from shmshare.store._packing import SEALS
 
-from .helpers import until
+from .helpers import WAIT, until
 from .hostile_helpers import (
     _FALLOC_FL_KEEP_SIZE,
     _FALLOC_FL_PUNCH_HOLE,
@@ -244,36 +249,101 @@ def test_list_of_many_long_names_does_not_drop_the_client(store: Store) -> None:
                     other.delete(n)
 
 
-@pytest.mark.daemon_args(log_level="critical")
+# The daemon, with every wait of its own on a client's socket (a poll of wire's with a timeout)
+# written down, a line each, in the file argv[1]; argv[2] is its socket. Note [One thread]: it
+# never waits on one, whatever the client does.
+_NOTING_WAITS = textwrap.dedent("""
+    import select, sys, types
+    from shmshare import wire
+    from shmshare.store import _launch
+
+    noted = open(sys.argv[1], "a", buffering=1)
+
+    def poll():
+        real = select.poll()
+
+        class Poller:
+            register, unregister, modify = real.register, real.unregister, real.modify
+
+            def poll(self, ms=None):
+                if ms is None or ms > 0:
+                    noted.write(f"{ms}\\n")
+                return real.poll(ms)
+
+        return Poller()
+
+    wire.select = types.SimpleNamespace(poll=poll, **{k: getattr(select, k) for k in dir(select)
+                                                      if k.startswith("POLL")})
+    sys.exit(_launch.main_serve(sys.argv[2], None, False, "critical", False))
+""")
+
+
+def _start_noting_waits(path: str, noted: str) -> Daemon:
+    """A daemon (_NOTING_WAITS) at `path` that writes its waits on clients' sockets to `noted`."""
+    proc = subprocess.Popen([sys.executable, "-c", _NOTING_WAITS, noted, path],
+                            stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                            env={**os.environ, _launch._PARENT: str(os.getpid())})
+    assert proc.stdout is not None
+    try:
+        if not select.select([proc.stdout], [], [], WAIT)[0]:
+            raise AssertionError(f"the daemon did not start within {WAIT} s")
+        line = proc.stdout.readline()
+        assert line.startswith(_launch._READY), line
+    except BaseException:
+        proc.kill()
+        proc.wait(10)
+        proc.stdout.close()
+        raise
+    return Daemon(proc, path)
+
+
+def _hung_up(conn: wire.Connection) -> bool:
+    """Whether the other end of `conn` closed (its replies left unread)."""
+    poller = select.poll()
+    poller.register(conn.fileno(), select.POLLHUP | select.POLLRDHUP)
+    return bool(poller.poll(0))
+
+
 def test_peers_that_do_not_read_their_replies_do_not_stall_other_clients(
-        own_daemon: Daemon) -> None:
+        sockdir: str, tmp_path: Path) -> None:
     """Every reply waits up to 0.5 s for room on its client's socket, on the daemon's only
     thread: four peers that send list requests and never read the replies stall every other
     client for 4 x 0.5 s, and a peer can repeat it at will. A fix must queue replies per client
     without blocking the loop (drop a client whose queue passes a cap), so one client's
-    request is never held up by another's unread replies."""
-    with Store(own_daemon.path, timeout=20) as s:
-        for i in range(256):
-            s.put(f"{i:04d}" + "x" * 150, i)
-        floods = [wire.connect(own_daemon.path, timeout=5) for _ in range(4)]
-        try:
-            for f in floods:
-                _ask(f, {"k": "stats"})
-            with Store(own_daemon.path, timeout=20) as other:  # polled after the peers
-                other.stats()
-                with _stopped(own_daemon.pid):
-                    for f in floods:
-                        for _ in range(100):
-                            f.send({"k": "list"}, timeout=5)
-                time.sleep(0.1)
-                t0 = time.monotonic()
-                other.stats()
-                took = time.monotonic() - t0
-            assert took < 1.0, (f"one stats() waited {took:.2f} s behind peers that do not "
-                                "read their replies")
-        finally:
-            for f in floods:
-                f.close()
+    request is never held up by another's unread replies: here the daemon writes down each wait
+    on a client's socket, and after the four peers are dropped and another client's stats()
+    is answered, it must have written none."""
+    noted = tmp_path / "waits"
+    noted.touch()
+    daemon = _start_noting_waits(os.path.join(sockdir, f"noting-{os.getpid()}.sock"), str(noted))
+    try:
+        with Store(daemon.path, timeout=20) as s:
+            for i in range(256):
+                s.put(f"{i:04d}" + "x" * 150, i)
+            floods = [wire.connect(daemon.path, timeout=5) for _ in range(4)]
+            try:
+                for f in floods:
+                    _ask(f, {"k": "stats"})
+                with Store(daemon.path, timeout=20) as other:  # polled after the peers
+                    other.stats()
+                    with _stopped(daemon.pid):
+                        for f in floods:
+                            for _ in range(100):
+                                f.send({"k": "list"}, timeout=5)
+                    other.stats()
+                    until(lambda: all(_hung_up(f) for f in floods),
+                          "the daemon drops the peers whose sockets its replies filled")
+                    other.stats()
+            finally:
+                for f in floods:
+                    f.close()
+        waits = noted.read_text().split()
+        assert not waits, (f"the daemon waited {len(waits)} times on a client's socket (polls of "
+                           f"{', '.join(waits[:8])} ms), every other client held up meanwhile")
+    finally:
+        rc = daemon.stop()
+    assert rc == 0, f"the daemon exited with {rc}"
+    assert not os.path.exists(daemon.path), "the daemon left its socket behind"
 
 
 @pytest.mark.daemon_args(limit=4 * MiB)
