@@ -1,5 +1,5 @@
 /*
- * shmshare._native -- OS primitives the stdlib lacks, and the Lease buffer type.
+ * shmshare._native -- OS primitives the stdlib lacks, the Lease buffer type and the Ring type.
  *
  * The primitives (ss_*) follow the rule in shmshare_native.h: return 0 or an
  * errno, never raise. The Python wrappers below validate arguments (ValueError
@@ -18,6 +18,7 @@
 
 #include "shmshare_native.h"
 #include "lease.h"
+#include "ring.h"
 
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22
@@ -461,10 +462,11 @@ static void probe_populate(void) {
 PyMODINIT_FUNC PyInit__native(void) {
     page_size_value = sysconf(_SC_PAGESIZE);
     probe_populate();
-    if (PyType_Ready(&LeaseType) < 0) return NULL;
+    if (PyType_Ready(&LeaseType) < 0 || PyType_Ready(&RingType) < 0) return NULL;
     PyObject *m = PyModule_Create(&native_module);
     if (m == NULL) return NULL;
     if (PyModule_AddObjectRef(m, "Lease", (PyObject *)&LeaseType) < 0 ||
+        PyModule_AddObjectRef(m, "Ring", (PyObject *)&RingType) < 0 ||
         PyModule_AddIntConstant(m, "PAGE_SIZE", page_size_value) < 0 ||
         PyModule_AddIntConstant(m, "MADV_NORMAL", MADV_NORMAL) < 0 ||
         PyModule_AddIntConstant(m, "MADV_SEQUENTIAL", MADV_SEQUENTIAL) < 0 ||

@@ -1,8 +1,8 @@
-"""Listener: unrelated processes connect on a Unix socket path (part of ``wire``).
+"""Listener and connect: unrelated processes meet on a Unix socket path (part of ``wire``).
 
-``wire.Listener`` is this class; it lives here to keep ``wire.py`` about one
-connection (frames, the handshake, the states). Imported by ``wire`` last,
-once ``Connection`` is defined.
+``wire.Listener`` and ``wire.connect`` are these; they live here to keep ``wire.py``
+about one connection (frames, the handshake, the states, the rings). Imported by
+``wire`` last, once ``Connection`` is defined.
 """
 
 from __future__ import annotations
@@ -19,10 +19,11 @@ from typing import Any
 
 from ._errors import FD_EXHAUSTED, FdLimitError, ShmshareError, ShmshareTimeout, making_fds
 from ._lifetime import Closeable
+from ._sockets import connect as _connect
 from ._sockets import ms as _ms
 from .wire import _CLOSE_CHECK, MAX_FDS, Connection
 
-__all__ = ["Listener", "AcceptGate", "refused"]
+__all__ = ["Listener", "connect", "AcceptGate", "refused"]
 
 
 class Listener(Closeable):
@@ -229,3 +230,18 @@ class AcceptGate:
         if not self.resume_at:
             return longest
         return max(0, min(longest, int((self.resume_at - now) * 1000) + 1))
+
+
+def connect(path: str | os.PathLike[str], timeout: float | None = None, **conn_kw: Any) -> Connection:
+    """Connect to a :class:`Listener` at `path` and return the Connection.
+
+    Waits up to `timeout` s (None: as long as it takes) for room in the listener's backlog, and
+    raises ShmshareTimeout when it stays full (Note [A full backlog] in ``_sockets.py``).
+    """
+    sock = making_fds("socket", socket.socket, socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        _connect(sock, os.fspath(path), timeout)
+    except BaseException:  # a timeout, an OSError, or a signal's exception during the wait
+        sock.close()
+        raise
+    return Connection(sock, **conn_kw)

@@ -100,3 +100,33 @@ class Lease:
     # that a Lease is a `collections.abc.Buffer` to the type checker.
     def __buffer__(self, flags: int, /) -> memoryview: ...
     def __release_buffer__(self, buffer: memoryview, /) -> None: ...
+
+@final
+class Ring:
+    """One end of a connection's two single-producer single-consumer rings in shared memory
+    (native/ring.c; Note [Rings] in shmshare/_ring.py). Maps `fd` itself and unmaps it when the
+    object dies; `first` picks which direction this end writes."""
+
+    def __init__(self, fd: int, count: int, slot: int, first: bool) -> None: ...
+    def push(self, frame: Buffer, /) -> int:
+        """1 pushed, 3 pushed and the reader must be woken, 0 full, -2 the peer broke the ring."""
+    def pop_into(self, buffer: Buffer, /) -> int:
+        """-1 empty, -2 the peer broke the ring, else the frame's length (copied to the start)."""
+    def readable(self) -> bool:
+        """Whether a frame waits."""
+    def arm(self) -> bool:
+        """Say this end is about to sleep; whether a frame waits after all."""
+    def close(self) -> None:
+        """Unmap (now, or when a spin() running without the GIL returns); later calls raise."""
+    def spin(self, ns: int, /) -> bool:
+        """Look for a frame for up to `ns` nanoseconds, the GIL released; whether one came."""
+    @staticmethod
+    def nbytes(count: int, slot: int, /) -> int:
+        """Bytes of shared memory both directions take (whole pages)."""
+    @property
+    def count(self) -> int: ...
+    @property
+    def slot(self) -> int: ...
+    @property
+    def pending(self) -> int:
+        """Frames pushed that the peer has not taken; -1 when it broke the ring."""

@@ -2,6 +2,15 @@
 
 Small functions with no state and no protocol in them, so that ``wire``
 holds only the protocol: frames, the handshake, the connection's states.
+
+Note [Receiving fds safely]
+    The kernel installs received fds into our table before we see them, and
+    drops them silently (setting MSG_CTRUNC) when the table is full or the
+    control buffer too small -- the cause of PyTorch's "received 0 items of
+    ancdata". So every fd is wrapped in an owning :class:`Fd` at once, every
+    error path closes them, and MSG_CTRUNC is an :class:`FdLimitError` that
+    names RLIMIT_NOFILE and the fds open, never a silently lost tensor.
+    EINTR is retried by Python itself (PEP 475) for recvmsg, sendmsg and poll.
 """
 
 from __future__ import annotations
@@ -41,7 +50,7 @@ def fdnum(f: Any) -> int:
 
 
 def take_fds(anc: list[tuple[int, int, bytes]]) -> list[Fd]:
-    """Own every fd of recvmsg's ancillary data at once (Note [Receiving fds safely] in wire)."""
+    """Own every fd of recvmsg's ancillary data at once (Note [Receiving fds safely])."""
     fds: list[Fd] = []
     bad = None
     for level, kind, data in anc:

@@ -5,23 +5,8 @@ there is no length prefix to get wrong) plus up to ``max_fds`` fds in one
 SCM_RIGHTS control message. Nothing is pickled: a header holds None, bool,
 int, float, str, bytes, lists and dicts (tuples arrive as lists).
 
-Note [Handshake]
-    The connection's state is explicit (:class:`State`). Each end sends a
-    HELLO frame (protocol version, pid, role) before its first message; the
-    first frame an end receives must be a HELLO with the same major version.
-    A HELLO may come again later: an end handed to another process (a
-    multiprocessing child) introduces itself anew, so ``peer_hello`` always
-    names the process that is talking now. The handshake costs no round
-    trip: it rides in front of the first message.
-
-Note [Receiving fds safely]
-    The kernel installs received fds into our table before we see them, and
-    drops them silently (setting MSG_CTRUNC) when the table is full or the
-    control buffer too small -- the cause of PyTorch's "received 0 items of
-    ancdata". So every fd is wrapped in an owning :class:`Fd` at once, every
-    error path closes them, and MSG_CTRUNC is an :class:`FdLimitError` that
-    names RLIMIT_NOFILE and the fds open, never a silently lost tensor.
-    EINTR is retried by Python itself (PEP 475) for recvmsg, sendmsg and poll.
+Elsewhere: Note [Handshake] in ``_handshake.py``, Note [Receiving fds safely] in
+``_sockets.py``, and Note [Rings] (frames in shared memory beside the socket) in ``_ring.py``.
 
 Note [Closing from another thread]
     Closing a socket does not wake a thread blocked in recvmsg/sendmsg/poll
@@ -38,7 +23,6 @@ Note [Closing from another thread]
 from __future__ import annotations
 
 import array
-import enum
 import errno
 import os
 import select
@@ -52,17 +36,16 @@ from typing import Any
 
 import msgpack
 
-from . import _fork
-from ._errors import FdLimitError, PeerDied, PeerRefused, ProtocolError, ShmshareTimeout, making_fds
+from . import _fork, _ring
+from ._errors import FdLimitError, PeerDied, ProtocolError, ShmshareTimeout, making_fds
 from ._fd import Fd
+from ._handshake import PROTOCOL_VERSION, PeerCred, State, check_hello, check_uid, hello, read_peer_cred
 from ._lifetime import Closeable
 from ._sockets import close_all as _close_all
-from ._sockets import connect as _connect
 from ._sockets import ctrunc_error as _ctrunc_error
 from ._sockets import fdnum as _fdnum
 from ._sockets import grow_buffers as _grow_buffers
 from ._sockets import ms as _ms
-from ._sockets import peer_cred
 from ._sockets import take_fds as _take_fds
 
 __all__ = [
@@ -79,10 +62,9 @@ __all__ = [
     "connect",
 ]
 
-PROTOCOL_VERSION = 2  # 2: a channel batch travels as packed bytes, tuples as marked lists
 MAX_FRAME = 128 * 1024  # bytes in one frame; SEQPACKET messages must fit the socket buffer
 MAX_FDS = 64  # fds in one message (the kernel's SCM_MAX_FD is 253)
-_KIND_HELLO, _KIND_MSG = 0, 1
+_KIND_HELLO, _KIND_MSG = _ring.KIND_HELLO, _ring.KIND_MSG
 # socket.MSG_* are IntFlag members: arithmetic on them costs ~1 us, so keep plain ints.
 _CLOSE_CHECK = 0.1  # s: how often a wait looks whether another thread closed the connection
 _NO_FDS: list[int] = []
@@ -90,24 +72,6 @@ _NO_ANC: list[Any] = []
 _NOSIGNAL, _DONTWAIT, _CTRUNC, _TRUNC, _CMSG_CLOEXEC = map(int, (
     socket.MSG_NOSIGNAL, socket.MSG_DONTWAIT, socket.MSG_CTRUNC, socket.MSG_TRUNC,
     socket.MSG_CMSG_CLOEXEC))
-
-
-class State(enum.Enum):
-    """Where a connection's handshake stands."""
-
-    NEW = "new"  # nothing sent or received yet
-    HELLO_SENT = "hello_sent"  # we introduced ourselves, the peer has not
-    READY = "ready"  # the peer's HELLO arrived (ours may be unsent: it goes with our first send)
-    CLOSED = "closed"
-
-
-@dataclass(frozen=True)
-class PeerCred:
-    """SO_PEERCRED of the peer: the process that created its end, and its ids."""
-
-    pid: int
-    uid: int
-    gid: int
 
 
 @dataclass(frozen=True)
@@ -161,6 +125,10 @@ class Connection(Closeable):
         self._farewell: bytes | None = None  # sent by the finalizer, if it can be without waiting
         self.state = State.NEW
         self.peer_hello: dict[str, Any] | None = None
+        self._rings: _ring.RingLink | None = None  # Note [Rings] in _ring.py
+        self._rings_of: int | None = None  # in a forked child: the parent pid whose rings these are
+        self._selected = False  # fileno() was asked for: a ring offered later is declined
+        self._armed_reader = False  # _poll_fd() was asked for: rings stay armed when empty
         self._counts = [0, 0, 0, 0, 0, 0]
         _live.add(self)
         self._packer = msgpack.Packer(use_bin_type=True)  # used under the send lock
@@ -170,8 +138,8 @@ class Connection(Closeable):
         self._pollout.register(sock, select.POLLOUT)
         _open_socks[id(self)] = sock  # Note [Finalizers and goodbyes]
         try:
-            self.peer_cred = _peer_cred(sock)
-            _check_uid(self.peer_cred, self._allow_uids)
+            self.peer_cred = read_peer_cred(sock)
+            check_uid(self.peer_cred, self._allow_uids)
             _grow_buffers(sock, max_frame)
         except BaseException:
             _open_socks.pop(id(self), None)
@@ -208,17 +176,24 @@ class Connection(Closeable):
                                     f"{self._max_frame}; send large data through shared memory, "
                                     "not in the header")
             if not self._hello_sent:
-                self._send_frame(self._hello_frame(), [], timeout)
-                self._hello_sent = True
-                if self.state is State.NEW:
-                    self.state = State.HELLO_SENT
-            self._send_frame(frame, fdnums, timeout)
+                self._say_hello(timeout)
+            if self._rings is None:
+                self._send_frame(frame, fdnums, timeout)
+            else:
+                self._rings.send(header, frame, fdnums, timeout)
             c = self._counts
             c[0] += 1
             c[2] += len(fdnums)
             c[4] += len(frame)
         finally:
             self._send_lock.release()
+
+    def _say_hello(self, timeout: float | None) -> None:
+        """Send our HELLO, in front of our first frame (the send lock held)."""
+        self._send_frame(_pack([_KIND_HELLO, hello(self._role)]), [], timeout)
+        self._hello_sent = True
+        if self.state is State.NEW:
+            self.state = State.HELLO_SENT
 
     def _take_send_lock(self, timeout: float | None) -> None:
         """Take the send lock within `timeout` (another thread's send may wait for room).
@@ -289,27 +264,36 @@ class Connection(Closeable):
 
     def _recv(self, timeout: float | None) -> tuple[dict[Any, Any], list[Fd]] | None:
         with self._recv_lock:
-            while True:
-                if self.state is State.CLOSED:
-                    self._check_open()
-                frame = self._recv_frame(timeout)
-                if frame is None:
-                    return None
-                kind, body, fds = frame
-                if kind == _KIND_HELLO:
-                    self._accept_hello(body, fds)
-                    continue
-                if self.peer_hello is None:
-                    _close_all(fds)
-                    raise ProtocolError("the peer sent a message before its HELLO; it does not "
-                                        "speak the shmshare protocol")
-                if not isinstance(body, dict):
-                    _close_all(fds)
-                    raise ProtocolError(f"a message header must be a map, got {type(body).__name__}")
-                c = self._counts
-                c[1] += 1
-                c[3] += len(fds)
-                return body, fds
+            return self._recv_locked(timeout)
+
+    def _recv_locked(self, timeout: float | None) -> tuple[dict[Any, Any], list[Fd]] | None:
+        if self._rings_of is not None:
+            raise ValueError(f"this connection's peer writes into rings that process {self._rings_of} "
+                             "set up and reads; a forked copy cannot receive on it. Hand the end "
+                             "to a child before the parent uses it, or connect anew in the child")
+        while True:
+            if self.state is State.CLOSED:
+                self._check_open()
+            rings = self._rings
+            frame = (rings.next_frame(timeout) if rings is not None and rings.reading
+                     else self._recv_frame(timeout))
+            if frame is None:
+                return None
+            kind, body, fds = frame
+            if kind != _KIND_MSG:
+                self._control(kind, body, fds)
+                continue
+            if self.peer_hello is None:
+                _close_all(fds)
+                raise ProtocolError("the peer sent a message before its HELLO; it does not "
+                                    "speak the shmshare protocol")
+            if not isinstance(body, dict):
+                _close_all(fds)
+                raise ProtocolError(f"a message header must be a map, got {type(body).__name__}")
+            c = self._counts
+            c[1] += 1
+            c[3] += len(fds)
+            return body, fds
 
     def _recv_frame(self, timeout: float | None) -> tuple[int, Any, list[Fd]] | None:
         # Try first and wait only when nothing is queued (in slices: Note [Closing from
@@ -365,29 +349,55 @@ class Connection(Closeable):
         except Exception as exc:  # msgpack raises several types for bad input
             _close_all(fds)
             raise ProtocolError(f"a malformed frame of {nbytes} bytes arrived: {exc}") from exc
-        if not (isinstance(msg, list) and len(msg) == 2 and msg[0] in (_KIND_HELLO, _KIND_MSG)):
+        if not (isinstance(msg, list) and len(msg) == 2 and msg[0] in _ring.SOCKET_KINDS):
             _close_all(fds)
-            raise ProtocolError(f"a frame must be [kind, body] with kind 0 or 1, got {msg!r:.80}")
+            raise ProtocolError(f"a frame must be [kind, body] with kind 0..6, got {msg!r:.80}")
         return msg[0], msg[1], fds
 
-    def _accept_hello(self, body: Any, fds: list[Fd]) -> None:
-        if fds:
+    def _control(self, kind: int, body: Any, fds: list[Fd]) -> None:
+        """A frame that is not a message: a HELLO, the rings' setup, a carried frame, a wake."""
+        if kind == _KIND_HELLO:
+            try:
+                self.peer_hello = check_hello(body, len(fds))
+            finally:
+                _close_all(fds)
+            self.state = State.READY
+        elif kind == _ring.KIND_OFFER and self._rings is None and self.peer_hello is not None:
+            self._rings = _ring.RingLink.accept(self, body, fds)
+        elif self._rings is not None:
+            self._rings.control(kind, body, fds)
+        elif kind != _ring.KIND_WAKE or fds:  # a WAKE: an offer declined, or a forked parent's
             _close_all(fds)
-            raise ProtocolError("a HELLO frame carried fds")
-        if not isinstance(body, dict) or not isinstance(body.get("version"), int):
-            raise ProtocolError(f"a malformed HELLO: {body!r:.120}")
-        if body["version"] != PROTOCOL_VERSION:
-            raise PeerRefused(f"the peer (pid {body.get('pid')}) speaks shmshare protocol version "
-                              f"{body['version']}, this process version {PROTOCOL_VERSION}; "
-                              "install the same shmshare version on both sides")
-        self.peer_hello = body
-        self.state = State.READY
+            raise ProtocolError(f"the peer sent a frame of kind {kind} where none may be (Note [Rings])")
+
+    def offer_ring(self, timeout: float | None = None) -> None:
+        """Offer the peer rings in shared memory for this connection's frames (Note [Rings]).
+
+        Frames move there once the peer has answered; until then, and for a peer that declines
+        (its ``fileno()`` was given to a selector), they go on the socket as before."""
+        self._take_send_lock(timeout)
+        try:
+            self._check_open()
+            if self._rings is None and self._rings_of is None and _ring.enabled():
+                if not self._hello_sent:
+                    self._say_hello(timeout)
+                self._rings = _ring.RingLink.offer(self, timeout)
+        finally:
+            self._send_lock.release()
+
+    def pending(self) -> bool:
+        """Whether a message waits in this connection's ring (a selector does not see those)."""
+        rings = self._rings
+        return rings is not None and rings.reading and rings.pending()
 
     # -- misc ---------------------------------------------------------------
 
     def poll(self, timeout: float | None = 0.0) -> bool:
         """Return whether a message (or end of stream) can be received within `timeout` s."""
         self._check_open()
+        rings = self._rings
+        if rings is not None and rings.reading:
+            return rings.poll(timeout)
         # A poll object of its own: a thread waiting in recv() uses _pollin, and one poll
         # object refuses two callers at once ("concurrent poll() invocation").
         poller = select.poll()
@@ -398,7 +408,22 @@ class Connection(Closeable):
                                 time.monotonic() + timeout, "poll()")
 
     def fileno(self) -> int:
-        """Return the socket's fd, for selectors (readable = a message is waiting)."""
+        """Return the socket's fd, for selectors (readable = a message is waiting).
+
+        A connection whose fd was asked for declines rings offered later (Note [Rings]): its
+        messages stay on the socket, where a selector sees them.
+        """
+        self._selected = True
+        if self._rings is not None:
+            self._rings.keep_armed()
+        return self._sock.fileno()
+
+    def _poll_fd(self) -> int:
+        """The socket's fd for a selector that drains with ``recv_nowait()`` until None and asks
+        ``pending()`` (the channel's fan-in): rings stay allowed, and armed whenever empty."""
+        self._armed_reader = True
+        if self._rings is not None:
+            self._rings.keep_armed()
         return self._sock.fileno()
 
     @property
@@ -422,12 +447,18 @@ class Connection(Closeable):
         """Close the socket. Idempotent; the peer's next recv raises PeerDied."""
         self.state = State.CLOSED
         self._farewell = None
+        rings, self._rings = self._rings, None  # unmapped when the last call using it returns
+        if rings is not None:
+            rings.close()
         _open_socks.pop(id(self), None)
         self._sock.close()
 
     def close_nowait(self) -> None:
         """Send the farewell if the socket has room now (never waiting), then close. Idempotent."""
         farewell, self._farewell = self._farewell, None
+        rings = self._rings
+        if rings is not None and farewell is not None and rings.push_nowait(farewell):
+            farewell = None  # after the frames before it, in the ring
         if farewell is not None and self.state is not State.CLOSED and self._hello_sent:
             try:
                 self._sock.sendmsg([farewell], _NO_ANC, _NOSIGNAL | _DONTWAIT)
@@ -447,16 +478,17 @@ class Connection(Closeable):
         if context.get_spawning_popen() is None:
             raise TypeError("a Connection can be pickled only to pass it to a multiprocessing "
                             "child; for an unrelated process use Listener/connect")
+        if self._rings is not None:
+            raise ValueError(
+                f"this end set up rings with its peer in this process (pid {os.getpid()}) at its first "
+                "send or receive, and they cannot move to another process: hand an end to a child "
+                "before using it, or make a new channel for the child (Note [Rings] in _ring.py)")
         dup = reduction.DupFd(self.fileno())
         return _rebuild_connection, (dup, self._role, self._max_frame, self._max_fds,
                                      tuple(self._allow_uids))
 
     def __repr__(self) -> str:
         return f"<Connection {self._role} fd={self._sock.fileno()} state={self.state.value}>"
-
-    def _hello_frame(self) -> bytes:
-        return _pack([_KIND_HELLO, {"version": PROTOCOL_VERSION, "pid": os.getpid(),
-                                    "role": self._role}])
 
     def _check_open(self) -> None:
         if self.state is State.CLOSED:
@@ -515,6 +547,10 @@ def _after_fork_in_child() -> None:
         conn._recv_lock = threading.Lock()
         conn._hello_sent = False
         conn._farewell = None  # the parent's goodbye is not the child's to say
+        if conn._rings is not None:  # the parent's: the child's frames go on the socket (Note [Rings])
+            conn._rings_of = os.getppid() if conn._rings.reading else None
+            conn._rings.ring.close()  # this process's copy of the mapping only
+            conn._rings = None
 
 
 # Note [Finalizers and goodbyes]
@@ -536,21 +572,6 @@ def pipe(**conn_kw: Any) -> tuple[Connection, Connection]:
     """Return a connected pair of Connections, for a parent and its child."""
     a, b = making_fds("socketpair", socket.socketpair, socket.AF_UNIX, socket.SOCK_SEQPACKET)
     return Connection(a, **conn_kw), Connection(b, **conn_kw)
-
-
-def connect(path: str | os.PathLike[str], timeout: float | None = None, **conn_kw: Any) -> Connection:
-    """Connect to a :class:`Listener` at `path` and return the Connection.
-
-    Waits up to `timeout` s (None: as long as it takes) for room in the listener's backlog, and
-    raises ShmshareTimeout when it stays full (Note [A full backlog] in ``_sockets.py``).
-    """
-    sock = making_fds("socket", socket.socket, socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        _connect(sock, os.fspath(path), timeout)
-    except BaseException:  # a timeout, an OSError, or a signal's exception during the wait
-        sock.close()
-        raise
-    return Connection(sock, **conn_kw)
 
 
 def _rebuild_connection(dup: Any, role: str, max_frame: int, max_fds: int,
@@ -576,16 +597,5 @@ def _pack_error(exc: Exception) -> None:
         raise TypeError(f"cannot send this header: {exc}") from exc
 
 
-def _check_uid(cred: PeerCred, allowed: frozenset[int]) -> None:
-    me = os.getuid()
-    if cred.uid != me and cred.uid not in allowed:
-        raise PeerRefused(f"peer pid {cred.pid} runs as uid {cred.uid} and this process as uid {me}; "
-                          f"pass allow_uids=[{cred.uid}] to accept it")
-
-
-def _peer_cred(sock: socket.socket) -> PeerCred:
-    return PeerCred(*peer_cred(sock))
-
-
 # Listener builds the Connections defined above, so it comes last (and lives in _listen.py).
-from ._listen import Listener  # noqa: E402
+from ._listen import Listener, connect  # noqa: E402

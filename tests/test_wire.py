@@ -141,7 +141,7 @@ def _raw_pair():
 @pytest.mark.parametrize("frame, match", [
     (b"\xc1", "malformed frame"),  # 0xc1 is never valid msgpack
     (msgpack.packb({"not": "a list"}), r"must be \[kind, body\]"),
-    (msgpack.packb([7, {}]), r"kind 0 or 1"),
+    (msgpack.packb([7, {}]), r"kind 0\.\.6"),
     (msgpack.packb([1, {}]), "before its HELLO"),
     (msgpack.packb([0, {"pid": 1}]), "malformed HELLO"),
 ])

@@ -131,7 +131,7 @@ class Receiver(Closeable, Generic[T]):
             if listener is not None:
                 self._sel.register(listener, selectors.EVENT_READ, None)
             for p in self._peers:
-                self._sel.register(p.conn, selectors.EVENT_READ, p)
+                self._sel.register(p.conn._poll_fd(), selectors.EVENT_READ, p)
         _live.add(self)
 
     @property
@@ -224,6 +224,8 @@ class Receiver(Closeable, Generic[T]):
                 raise self._drop(peer, exc) from None
             if got is None:
                 continue
+            if self._sel is not None and peer.conn.pending() and peer not in self._ready:
+                self._ready.append(peer)  # frames in its ring: a selector would not say so
             header, fds = got
             kind = header.get(KIND)
             if kind == BATCH:
@@ -398,7 +400,7 @@ class Receiver(Closeable, Generic[T]):
         self._accept_backoff = _ACCEPT_BACKOFF[0]
         peer = Peer(conn, next(self._numbers))
         self._peers.append(peer)
-        self._sel.register(conn, selectors.EVENT_READ, peer)
+        self._sel.register(conn._poll_fd(), selectors.EVENT_READ, peer)
 
     def _maybe_resume_accepting(self) -> None:
         if self._accept_paused_until and time.monotonic() >= self._accept_paused_until:
@@ -433,7 +435,7 @@ class Receiver(Closeable, Generic[T]):
                 self._accept_paused_until = time.monotonic()  # room for a newcomer again
             self._bye_seen = peer.bye
             if self._sel is not None:
-                self._sel.unregister(peer.conn)
+                self._sel.unregister(peer.conn._poll_fd())
             try:
                 self._ready.remove(peer)
             except ValueError:
@@ -563,7 +565,7 @@ class Receiver(Closeable, Generic[T]):
             if self._listener is not None:
                 self._sel.register(self._listener, selectors.EVENT_READ, None)
             for p in self._peers:
-                self._sel.register(p.conn, selectors.EVENT_READ, p)
+                self._sel.register(p.conn._poll_fd(), selectors.EVENT_READ, p)
 
 
 def _positive(value: int | None, name: str) -> int | None:

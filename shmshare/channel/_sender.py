@@ -5,22 +5,22 @@ Note [Leases]
     ``_native.Lease`` each, and when an array's last view dies its lease id
     comes back in a release frame. The pool reuses a block only when every
     lease on it is back and no local view (``empty()``) is alive -- the
-    caching allocator's "a block used on another stream waits for its
-    events", with a release message as the event (docs/architecture.md). Leases are
-    counted per block here rather than as stream-ordered events in the
-    allocator because releases come back in any order (Note [Streams of the
-    shm provider] in ``memory/_shm.py``).
+    caching allocator's "a block used on another stream waits for its events",
+    with a release message as the event (docs/architecture.md). Leases are counted
+    per block here rather than as stream-ordered events in the allocator because
+    releases come back in any order (Note [Streams of the shm provider] in
+    ``memory/_shm.py``).
 
 Note [Callbacks from the garbage collector]
-    A local array's Lease calls back when its last view dies, which can be
-    in the middle of any bytecode of any thread. The callback therefore only
-    appends to a deque (atomic, takes no lock); the sender drains that deque
-    at its own safe points (``send``, ``empty``, ``poll``), with its lock held.
+    A local array's Lease calls back when its last view dies, which can be in the middle of
+    any bytecode of any thread. The callback therefore only appends to a deque (atomic, takes
+    no lock); the sender drains it at its safe points (``send``, ``empty``, ``poll``), locked.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import math
 import os
@@ -78,6 +78,7 @@ class Sender(BlockBook, Closeable):
     LIMIT = "limit="  # the setting to name in errors (the loader's workers: pool_limit=)
     _lock: threading.RLock
     _in_send: bool  # this thread is inside send(): a nested send() is refused
+    _offered: bool  # rings offered on the connection (at the first send of this process)
     _last_drain: float
     _taken: list[int]
     _deadline: float | None
@@ -101,9 +102,8 @@ class Sender(BlockBook, Closeable):
     def send(self, obj: Any, timeout: float | None = None) -> None:
         """Send `obj`: an array, a CPU tensor, or a dict/list/tuple of them and plain values.
 
-        Arrays from :meth:`empty`/:meth:`zeros` go as they are; any other
-        array is copied into the pool once. Waits up to `timeout` s for pool
-        space (PoolExhausted after) and for room on the socket.
+        Arrays from :meth:`empty`/:meth:`zeros` go as they are; any other array is copied into
+        the pool once. Waits up to `timeout` s for pool space (PoolExhausted after) and room to send.
         """
         now = time.monotonic()
         deadline = None if timeout is None else now + timeout
@@ -117,6 +117,10 @@ class Sender(BlockBook, Closeable):
                     self._check_usable()
             elif self._local_done:
                 self._drain_local()
+            if not self._offered:  # at the first send of the process that sends (Note [Rings])
+                self._offered = True
+                with contextlib.suppress(ShmshareTimeout, OSError):  # a full socket or fd table
+                    self._conn.offer_ring(timeout=0)  # the socket it stays
             taken = self._taken = []
             self._deadline = deadline
             self._in_send = True
@@ -133,8 +137,7 @@ class Sender(BlockBook, Closeable):
                 self._on_peer_death()
                 if self._refused is not None:
                     raise self._refusal() from exc
-                raise PeerDied("the receiver is gone; its arrays stay valid, but nothing more "
-                               "can be sent on this channel") from exc
+                raise PeerDied(_GONE) from exc
             except BaseException:
                 self._return_leases(taken)  # nothing was sent: nothing is lent
                 raise
@@ -433,8 +436,8 @@ class Sender(BlockBook, Closeable):
     def _drain(self) -> None:
         """Take in local views that died and every release frame already queued."""
         self._drain_local()
-        if self._peer_dead:
-            return
+        if self._peer_dead or self._conn._rings_of is not None:
+            return  # a fork's copy of a sender whose parent reads by ring: what comes is the parent's
         try:
             while (got := self._conn.recv_nowait()) is not None:
                 header, fds = got
@@ -531,6 +534,7 @@ class Sender(BlockBook, Closeable):
         self._taken = []  # lease ids the send in progress took (under the lock)
         self._deadline = None  # the send in progress's deadline
         self._in_send = False  # this thread is inside send(): a nested send() is refused
+        self._offered = False
         self._new_book(min(self._limit // 8, SPARE_BYTES))
         self._overflow = None if self._on_overflow is None else Overflow(
             self._backend, self._config, self._ann.on_segment_event, self._on_overflow)
@@ -561,8 +565,7 @@ class Sender(BlockBook, Closeable):
         if self._peer_dead:
             if self._refused is not None:
                 raise self._refusal()
-            raise PeerDied("the receiver is gone; its arrays stay valid, but nothing more can be "
-                           "sent on this channel")
+            raise PeerDied(_GONE)
 
 
 _live: weakref.WeakSet[Sender] = weakref.WeakSet()
@@ -593,4 +596,5 @@ def _remaining(deadline: float | None) -> float | None:
 
 _DTYPE_BYTES = tensors.DTYPE_BYTES  # the descriptor bytes of dtypes seen: a dict on the hot path
 _NO_FDS: list[int] = []
+_GONE = "the receiver is gone; its arrays stay valid, but nothing more can be sent on this channel"
 _REFUSED = "the receiver refused a batch from this sender and dropped the connection: "

@@ -18,6 +18,7 @@ from shmshare import PeerDied, ShmshareTimeout, wire
 from shmshare.channel import Receiver, Sender, channel
 
 _WAIT = 10.0  # s: the bound of a wait for what must happen (only a failing test waits it out)
+_LARGE = "x" * 1000  # a note larger than a ring slot: it goes on the socket (Note [Rings] in _ring.py)
 
 
 def _fill_with_notes(rx: Receiver, sender: int) -> int:
@@ -25,7 +26,7 @@ def _fill_with_notes(rx: Receiver, sender: int) -> int:
     n = 0
     while True:
         try:
-            rx.tell(sender, "x" * 1000, timeout=0)
+            rx.tell(sender, _LARGE, timeout=0)
         except ShmshareTimeout:
             return n
         n += 1
@@ -47,7 +48,7 @@ def test_a_tell_waiting_on_a_full_socket_does_not_wedge_releases_or_close():
 
         def tell() -> None:
             try:
-                rx.tell(0, "one more", timeout=None)
+                rx.tell(0, "one more" + _LARGE, timeout=None)
             except BaseException as exc:  # noqa: BLE001
                 out.append(exc)
 
@@ -85,7 +86,7 @@ def test_a_release_flush_never_waits_behind_another_threads_tell():
         held.append(rx.recv(timeout=5))
         _fill_with_notes(rx, 0)
         send_lock = rx._peers[0].conn._send_lock
-        t = threading.Thread(target=_quiet, args=(rx.tell, 0, "late"), kwargs={"timeout": None},
+        t = threading.Thread(target=_quiet, args=(rx.tell, 0, "late" + _LARGE), kwargs={"timeout": None},
                              daemon=True)
         t.start()
         _until(send_lock.locked, "the tell waits for room on the full socket, holding its send lock")

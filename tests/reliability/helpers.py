@@ -75,8 +75,9 @@ def shm_left() -> set[str]:
 
 
 def shmshare_maps(pid: int | str) -> list[Any]:
-    """Return the shared-memory mappings of `pid` that shmshare made (memfd or /dev/shm)."""
-    return [m for m in shm_mappings(pid) if "shmshare" in m.path]
+    """Return the shared-memory mappings of `pid` that shmshare made for data (memfd or /dev/shm);
+    not a connection's rings (``shmshare-rings``: control memory, read-write on both sides)."""
+    return [m for m in shm_mappings(pid) if "shmshare" in m.path and "shmshare-rings" not in m.path]
 
 
 def exit_status(code: int | None) -> str:

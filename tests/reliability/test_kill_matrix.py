@@ -17,11 +17,12 @@ import random
 import signal
 import time
 
+import msgpack
 import numpy as np
 import pytest
 
 import shmshare
-from shmshare import PeerDied, Segment, segment, wire
+from shmshare import PeerDied, Segment, _ring, segment, wire
 
 from .helpers import Kid, MiB, exit_status, shm_left, shmem_bytes, wait_shmem_below
 
@@ -136,10 +137,11 @@ def _announce_and_die(ctl, tx, when: str) -> None:
     real = wire.Connection._send_frame
 
     def send_frame(self, frame, fds, timeout):
-        if fds and when == "before":
+        announcing = fds and msgpack.unpackb(frame)[0] != _ring.KIND_OFFER  # not the rings' memfd
+        if announcing and when == "before":
             os.kill(os.getpid(), signal.SIGKILL)
         real(self, frame, fds, timeout)
-        if fds and when == "after":
+        if announcing and when == "after":
             os.kill(os.getpid(), signal.SIGKILL)
 
     wire.Connection._send_frame = send_frame

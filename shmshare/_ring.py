@@ -1,0 +1,460 @@
+"""A connection's frames through shared memory: two rings beside the socket.
+
+Note [Rings]
+    A :class:`wire.Connection` whose end calls ``offer_ring()`` moves its
+    frames off the socket: a sealed memfd holds two single-producer
+    single-consumer rings (``native/ring.c``), one each way, of COUNT slots
+    of SLOT bytes, and a frame of up to SLOT - 4 bytes is copied into a slot
+    instead of going through ``sendmsg``/``recvmsg``. What must cross the
+    socket still does: the handshake, fds, frames too large for a slot, and
+    end of stream (the peer's death is still EOF on the socket).
+
+    Setting up, with no round trip on anyone's path: the offering end sends
+    OFFER (the memfd) on the socket; the other end checks it (a memfd-like
+    regular file of exactly the size, sealed against shrinking, growing and
+    further seals, every page allocated), maps it, and answers ACCEPT on the socket,
+    its last socket frame before its ring frames. The offerer reads ACCEPT,
+    starts reading its incoming ring, and at its next send says SWITCH on
+    the socket, its last socket frame before its own ring frames. So each
+    direction changes from socket to ring at one point that both ends see in
+    the same order, and nothing sent before it is read after what follows.
+
+    After the switch every frame of the process that set the ring up goes
+    through the ring, in order. A frame with fds, or too large for a slot,
+    goes on the socket as CARRIED with a sequence number, and the ring gets
+    a marker naming that number where the frame belongs; the reader takes
+    the carried frame off the socket when it meets the marker (a carried
+    frame read earlier waits in a small table, at most MAX_CARRIED). The
+    ring is room-checked before the carried frame is sent, so a marker
+    always finds its slot. Socket frames of any other process (a forked
+    child using its copy of the connection: only the process that set the
+    ring up uses it) are delivered as they come, as before.
+
+    Waiting: a reader that finds its ring empty spins for SPIN_NS (the
+    ``SHMSHARE_SPIN_US`` setting, microseconds, default 50), then *arms*
+    (a flag in the ring: "wake me") and sleeps in poll() on the socket. A
+    writer that finds the flag set takes it and sends a two-byte WAKE frame
+    on the socket, never waiting (MSG_DONTWAIT: a full socket is readable
+    already). The socket, not an eventfd or a futex: one poll then sees a
+    frame, a wake-up and the peer's death, no fd is added per connection,
+    and the peer cannot make the wake-up block (an eventfd's O_NONBLOCK is
+    shared with the process that sent it and would be the peer's to clear).
+    An idle end sleeps in poll() and costs nothing. A writer whose ring is
+    full backs off in sleeps of ROOM_BACKOFF, doubling, until its timeout:
+    a full ring means the reader is behind, so the wait is not for latency.
+
+    A reader of ``fileno()`` (a selector) is kept armed whenever its ring is
+    empty after a read, so a frame pushed then always makes the socket
+    readable; a WAKE is read off the socket only once the ring is empty. A
+    selector may then fire once for a WAKE whose frames were already taken:
+    ``recv_nowait()`` answers None, as for any spurious readiness.
+
+    The memory is the peer's to write at any moment: ``native/ring.c``
+    checks every index and length it reads (Note there), and here a marker
+    for a number that is not the next, a carried frame that repeats or
+    exceeds MAX_CARRIED, and a frame where none may be are ProtocolErrors.
+"""
+
+from __future__ import annotations
+
+import collections
+import fcntl
+import os
+import socket
+import stat
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+
+from . import _native
+from ._errors import PeerDied, ProtocolError, ShmshareTimeout
+
+if TYPE_CHECKING:
+    from ._fd import Fd
+    from .wire import Connection
+
+__all__ = ["COUNT", "SLOT", "MAX_CARRIED", "spin_ns", "enabled", "nbytes", "make_memfd", "check_memfd", "RingLink"]
+
+COUNT = 256  # slots each way
+SLOT = 512  # bytes per slot: a frame of up to SLOT - 4 bytes travels in the ring
+MAX_CARRIED = 64  # carried frames read ahead of their markers, at most (they hold fds)
+ROOM_BACKOFF = (50e-6, 2e-3)  # s: a writer's first and longest sleep while its ring is full
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+
+
+def spin_ns() -> int:
+    """SHMSHARE_SPIN_US as nanoseconds (default 50 us); a clear error when it is not a number."""
+    raw = os.environ.get("SHMSHARE_SPIN_US", "50")
+    try:
+        us = float(raw)
+    except ValueError:
+        raise ValueError(f"SHMSHARE_SPIN_US={raw!r} is not a number of microseconds; "
+                         "set it to e.g. 50, or 0 to never spin") from None
+    if not 0 <= us <= 1_000_000:
+        raise ValueError(f"SHMSHARE_SPIN_US={raw!r} must be 0..1000000 microseconds")
+    return int(us * 1000)
+
+
+def enabled() -> bool:
+    """Whether ends offer rings (``SHMSHARE_RINGS=0`` keeps every frame on the socket)."""
+    raw = os.environ.get("SHMSHARE_RINGS", "1")
+    if raw not in ("0", "1"):
+        raise ValueError(f"SHMSHARE_RINGS={raw!r} must be 1 (rings, the default) or 0 (the socket only)")
+    return raw == "1"
+
+
+def nbytes() -> int:
+    """Bytes of shared memory a connection's rings take (both directions, whole pages)."""
+    return int(_native.Ring.nbytes(COUNT, SLOT))
+
+
+def make_memfd() -> int:
+    """A memfd of the rings' size, its pages allocated (no SIGBUS later), sealed; the fd."""
+    size = nbytes()
+    fd = os.memfd_create("shmshare-rings", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def check_memfd(fd: int) -> None:
+    """Check a peer's rings memfd before mapping it: ProtocolError naming what is wrong."""
+    st = os.fstat(fd)
+    size = nbytes()
+    if not stat.S_ISREG(st.st_mode):
+        raise ProtocolError("the peer's rings are not a regular file (a memfd)")
+    if st.st_size != size:
+        raise ProtocolError(f"the peer's rings are {st.st_size} bytes, not the {size} of "
+                            f"{COUNT} slots of {SLOT} bytes each way")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as exc:
+        raise ProtocolError(f"the peer's rings cannot be sealed (not a memfd): {exc}") from None
+    if seals & _SEALS != _SEALS:
+        raise ProtocolError("the peer's rings are not sealed against shrinking, growing and "
+                            "unsealing; they could vanish under this process (SIGBUS)")
+    if st.st_blocks * 512 < size:  # as segments are checked (Note [Trust no fd] in channel/_trust.py)
+        raise ProtocolError(f"the peer's rings have holes: {st.st_blocks * 512} of their {size} "
+                            "bytes have pages, and touching a hole could fail (SIGBUS)")
+
+
+class RingLink:
+    """One end's rings, where the switch from the socket stands, and its reading and writing
+    (Note [Rings]). Part of its :class:`wire.Connection`, whose socket calls it uses."""
+
+    def __init__(self, conn: Connection, ring: _native.Ring, *, offered: bool) -> None:
+        self.conn = conn
+        self.ring = ring  # the mapping; its fd is closed (no fd per connection for the rings)
+        self.offered = offered  # this end made the rings (and reads the peer's ACCEPT)
+        self.token = 0  # the OFFER's number, which its ACCEPT repeats (another process's is not ours)
+        self.reading = False  # the peer's SWITCH (or ACCEPT) was read: its frames come by ring
+        self.writing = False  # ours go by ring (after our ACCEPT or SWITCH went on the socket)
+        self.accept_due = not offered  # the ACCEPT still to send
+        self.switch_due = False  # the SWITCH to send before our first ring frame
+        self.next_out = 0  # sequence number of our next carried frame
+        self.next_in = 0  # of the peer's next marker
+        self.carried: dict[int, tuple[Any, list[Fd]]] = {}  # read before their markers
+        self.stash: collections.deque[tuple[Any, list[Fd]]] = collections.deque()  # delivered first
+        self.armed_after_read = False  # a selector waits on the socket: arm whenever empty
+        self.spin = spin_ns()
+
+    @classmethod
+    def offer(cls, conn: Connection, timeout: float | None) -> RingLink:
+        """Make the rings and send OFFER on the socket (the send lock held, the HELLO sent)."""
+        fd = make_memfd()
+        try:
+            link = cls(conn, _native.Ring(fd, COUNT, SLOT, True), offered=True)
+            link.token = int.from_bytes(os.urandom(8), "little") >> 1
+            conn._rings = link  # before the peer can answer
+            conn._send_frame(conn._packer.pack([KIND_OFFER, link.token]), [fd], timeout)
+        except BaseException:
+            conn._rings = None
+            raise
+        finally:
+            os.close(fd)
+        return link
+
+    @classmethod
+    def accept(cls, conn: Connection, token: Any, fds: list[Fd]) -> RingLink | None:
+        """Take the peer's OFFER: check and map its rings, and answer ACCEPT if no send is in
+        progress (else the next send does). None: declined (a selector reads this end)."""
+        if len(fds) != 1:
+            for f in fds:
+                f.close()
+            raise ProtocolError(f"a ring OFFER carried {len(fds)} fds, not 1")
+        if type(token) is not int:
+            fds[0].close()
+            raise ProtocolError(f"a ring OFFER's number is a {type(token).__name__}, not an int")
+        if conn._selected:
+            fds[0].close()
+            return None
+        try:
+            check_memfd(fds[0].fileno())
+            ring = _native.Ring(fds[0].fileno(), COUNT, SLOT, False)
+        finally:
+            fds[0].close()
+        link = cls(conn, ring, offered=False)
+        link.token = token
+        if conn._armed_reader:
+            link.armed_after_read = True
+        link.try_start_writing()
+        return link
+
+    def control(self, kind: int, body: Any, fds: list[Fd]) -> None:
+        """A socket frame about the rings: ACCEPT, SWITCH, a carried frame early, a stale WAKE."""
+        if kind == KIND_CARRIED and self.reading:
+            self.take_carried(body, fds)
+            return
+        if kind == KIND_OFFER or (kind == KIND_WAKE and not fds):
+            for f in fds:  # another offer (a forked or spawned copy's): declined
+                f.close()
+            return  # (a wake read before the ring was: nothing to do)
+        if kind == KIND_ACCEPT and self.offered and body != self.token and not fds:
+            return  # the answer to another process's offer, on the socket it shares with us
+        if not self.reading and not fds and kind == (KIND_ACCEPT if self.offered else KIND_SWITCH):
+            self.reading = True  # the peer's frames come by ring from here on
+            if self.armed_after_read:
+                self.ring.arm()
+            if self.offered:
+                self.switch_due = True
+                self.try_start_writing()
+            return
+        for f in fds:
+            f.close()
+        raise ProtocolError(f"the peer sent a frame of kind {kind} where none may be (Note [Rings])")
+
+    def try_start_writing(self) -> None:
+        """Send ACCEPT or SWITCH now if no send is in progress (else the next send does)."""
+        conn = self.conn
+        if conn._hello_sent and conn._send_lock.acquire(blocking=False):
+            try:
+                if not self.writing and not conn.closed and (self.accept_due or self.switch_due):
+                    self.start_writing(0)
+            except (ShmshareTimeout, PeerDied):
+                pass  # the next send tries again, or finds the peer gone
+            finally:
+                conn._send_lock.release()
+
+    def keep_armed(self) -> None:
+        """A selector waits on the socket: stay armed whenever the ring is empty."""
+        self.armed_after_read = True
+        self.ring.arm()
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def send(self, header: Any, frame: bytes, fds: list[int], timeout: float | None) -> None:
+        """Send one frame (under the connection's send lock): in a slot, or carried."""
+        conn = self.conn
+        if not self.writing:
+            if not (self.accept_due or self.switch_due):  # offered, not accepted yet: the socket
+                conn._send_frame(frame, fds, timeout)
+                return
+            self.start_writing(timeout)
+        ring = self.ring
+        if fds or len(frame) > SLOT - 4:
+            self._wait_room(timeout)
+            seq = self.next_out
+            conn._send_frame(conn._packer.pack([KIND_CARRIED, [seq, header]]), fds, timeout)
+            self.next_out += 1
+            frame = conn._packer.pack([KIND_MARK, seq])
+        while (r := ring.push(frame)) == 0:
+            self._wait_room(timeout)
+        if r == 3:
+            self.wake()
+        elif r < 0:
+            raise ProtocolError("the peer broke the ring: its read index is not within the ring "
+                                "of what this end wrote")
+
+    def start_writing(self, timeout: float | None) -> None:
+        """Send our last socket frame before our ring frames: ACCEPT, or SWITCH (send lock held)."""
+        conn = self.conn
+        conn._send_frame(conn._packer.pack([KIND_ACCEPT, self.token] if self.accept_due
+                                           else [KIND_SWITCH, None]), [], timeout)
+        self.accept_due = self.switch_due = False
+        self.writing = True
+
+    def push_nowait(self, frame: bytes) -> bool:
+        """Push a frame if there is room now (a finalizer's goodbye); whether it went."""
+        if not self.writing:
+            return False
+        r = self.ring.push(frame)
+        if r == 3:
+            self.wake()
+        return r > 0
+
+    def wake(self) -> None:
+        """Tell a sleeping peer to look at its ring: a WAKE frame, never waiting."""
+        try:
+            self.conn._sock.sendmsg([_WAKE], [], _NOSIGNAL | _DONTWAIT)
+        except OSError:  # full: it is readable already; gone: its next call says so
+            pass
+
+    def _wait_room(self, timeout: float | None) -> None:
+        """Wait, backing off, until the outgoing ring has a free slot (Note [Rings])."""
+        pending = self.ring.pending
+        if 0 <= pending < COUNT:
+            return
+        conn = self.conn
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = ROOM_BACKOFF[0]
+        while True:
+            if pending < 0:
+                raise ProtocolError("the peer broke the ring: its read index is not within the "
+                                    "ring of what this end wrote")
+            if pending < COUNT:
+                return
+            if conn.closed:
+                raise ValueError("this Connection was closed while send() waited for room in "
+                                 "its ring")
+            if conn._at_end_of_stream():
+                raise PeerDied(f"the peer ({conn._peer_name()}) closed the connection with "
+                               "its ring full")
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise ShmshareTimeout(f"send timed out after {timeout} s: the peer "
+                                      f"({conn._peer_name()}) did not take from its full ring")
+            time.sleep(pause if left is None else min(pause, left))
+            pause = min(2 * pause, ROOM_BACKOFF[1])
+            pending = self.ring.pending
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def pending(self) -> bool:
+        """Whether a frame waits in the ring or the stash."""
+        return bool(self.stash) or bool(self.ring.readable())
+
+    def poll(self, timeout: float | None) -> bool:
+        """The connection's poll(): receive the next message if one comes, and keep it for recv."""
+        if self.pending():
+            return True
+        conn = self.conn
+        if not conn._recv_lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            return False
+        try:
+            got = conn._recv_locked(timeout)
+        except PeerDied:
+            return True  # recv() says so
+        finally:
+            conn._recv_lock.release()
+        if got is None:
+            return False
+        self.stash.appendleft(got)
+        conn._counts[1] -= 1  # counted when recv() delivers it
+        conn._counts[3] -= len(got[1])
+        return True
+
+    def next_frame(self, timeout: float | None) -> tuple[int, Any, list[Fd]] | None:
+        """The next frame (under the receive lock): kind, body, fds; None after `timeout`.
+
+        Ring frames come first; when the ring is empty, the socket's (what another process
+        sent, a carried frame early, a HELLO) and its end. Spins, then arms and sleeps.
+        """
+        if self.stash:
+            body, fds = self.stash.popleft()
+            return KIND_MSG, body, fds
+        conn = self.conn
+        ring = self.ring
+        buf = conn._buf
+        deadline = None
+        spun = False
+        while True:
+            n = ring.pop_into(buf)
+            if n >= 0:
+                if self.armed_after_read and not ring.readable():
+                    ring.arm()
+                return self._ring_frame(buf, n)
+            if n == -2:
+                raise ProtocolError("the peer broke the ring: its write index or a slot's length "
+                                    "is out of bounds")
+            got = conn._recv_frame(0)
+            if got is not None:
+                if got[0] == KIND_WAKE:
+                    continue
+                return got
+            if timeout is not None and timeout <= 0:
+                if self.armed_after_read and ring.arm():
+                    continue
+                return None
+            if not spun:
+                spun = True
+                if self.spin and ring.spin(self.spin):
+                    continue
+            if ring.arm():
+                continue
+            if deadline is None and timeout is not None:
+                deadline = time.monotonic() + timeout
+            if not conn._poll_until(conn._pollin, deadline, "recv()"):
+                return None
+
+    def _ring_frame(self, buf: bytearray, n: int) -> tuple[int, Any, list[Fd]]:
+        try:
+            msg = msgpack.unpackb(memoryview(buf)[:n], raw=False, strict_map_key=False)
+        except Exception as exc:  # msgpack raises several types for bad input
+            raise ProtocolError(f"a malformed frame of {n} bytes in the ring: {exc}") from exc
+        if not (type(msg) is list and len(msg) == 2):
+            raise ProtocolError(f"a ring frame must be [kind, body], got {msg!r:.80}")
+        kind, body = msg
+        if kind == KIND_MSG:
+            return KIND_MSG, body, []
+        if kind != KIND_MARK or type(body) is not int:
+            raise ProtocolError(f"a ring frame of kind {kind!r}: only messages and markers "
+                                "travel in the ring")
+        if body != self.next_in:
+            raise ProtocolError(f"the ring names carried frame {body} where {self.next_in} is next")
+        while body not in self.carried:
+            got = self.conn._recv_frame(0)
+            if got is None:
+                raise ProtocolError(f"the ring names carried frame {body}, which is not on the "
+                                    "socket")
+            if got[0] == KIND_WAKE:
+                continue
+            if got[0] == KIND_CARRIED:
+                self.take_carried(got[1], got[2])
+            elif got[0] == KIND_MSG:  # another process's, read on the way: delivered next
+                self.stash.append((got[1], got[2]))
+            else:
+                self.conn._control(got[0], got[1], got[2])
+        self.next_in += 1
+        header, fds = self.carried.pop(body)
+        return KIND_MSG, header, fds
+
+    def take_carried(self, body: Any, fds: list[Fd]) -> None:
+        """Keep a carried frame until its marker comes."""
+        bad = None
+        if not (type(body) is list and len(body) == 2 and type(body[0]) is int):
+            bad = f"a carried frame must be [number, header], got {body!r:.80}"
+        elif body[0] in self.carried or body[0] < self.next_in:
+            bad = f"the peer's carried frame {body[0]} repeats a number"
+        elif len(self.carried) >= MAX_CARRIED:
+            bad = f"the peer sent more than {MAX_CARRIED} carried frames ahead of its ring"
+        if bad is not None:
+            for f in fds:
+                f.close()
+            raise ProtocolError(bad)
+        self.carried[body[0]] = (body[1], fds)
+
+    def close(self) -> None:
+        """Unmap the rings (a call of another thread then raises ValueError) and close the fds
+        of frames never delivered."""
+        self.ring.close()
+        for _, fds in self.carried.values():
+            for f in fds:
+                f.close()
+        for _, fds in self.stash:
+            for f in fds:
+                f.close()
+        self.carried.clear()
+        self.stash.clear()
+
+
+KIND_HELLO, KIND_MSG, KIND_OFFER, KIND_ACCEPT, KIND_SWITCH, KIND_CARRIED, KIND_WAKE, KIND_MARK = range(8)
+SOCKET_KINDS = frozenset((KIND_HELLO, KIND_MSG, KIND_OFFER, KIND_ACCEPT, KIND_SWITCH, KIND_CARRIED,
+                          KIND_WAKE))
+_WAKE = msgpack.packb([KIND_WAKE, None])
+_NOSIGNAL, _DONTWAIT = int(socket.MSG_NOSIGNAL), int(socket.MSG_DONTWAIT)
