@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 
 from . import _native
-from ._errors import PeerDied, ProtocolError, ShmshareTimeout
+from ._errors import FdLimitError, PeerDied, ProtocolError, ShmshareTimeout
 
 if TYPE_CHECKING:
     from ._fd import Fd
@@ -160,6 +160,8 @@ class RingLink:
         self.next_out = 0  # sequence number of our next carried frame
         self.next_in = 0  # of the peer's next marker
         self.carried: dict[int, tuple[Any, list[Fd]]] = {}  # read before their markers
+        self.lost: set[int] = set()  # carried frames whose fds the kernel dropped (reported once)
+        self.resolving: int | None = None  # the marker popped whose carried frame is still to read
         self.stash: collections.deque[tuple[Any, list[Fd]]] = collections.deque()  # delivered first
         self.armed_after_read = False  # a selector waits on the socket: arm whenever empty
         self.spin = spin_ns()
@@ -358,6 +360,8 @@ class RingLink:
         if self.stash:
             body, fds = self.stash.popleft()
             return KIND_MSG, body, fds
+        if self.resolving is not None and (frame := self._resolve()) is not None:
+            return frame
         conn = self.conn
         ring = self.ring
         buf = conn._buf
@@ -368,11 +372,13 @@ class RingLink:
             if n >= 0:
                 if self.armed_after_read and not ring.readable():
                     ring.arm()
-                return self._ring_frame(buf, n)
+                if (frame := self._ring_frame(buf, n)) is not None:
+                    return frame
+                continue  # a marker whose carried frame's fds were lost (its error was raised)
             if n == -2:
                 raise ProtocolError("the peer broke the ring: its write index or a slot's length "
                                     "is out of bounds")
-            got = conn._recv_frame(0)
+            got = self._socket_frame()
             if got is not None:
                 if got[0] == KIND_WAKE:
                     continue
@@ -392,7 +398,7 @@ class RingLink:
             if not conn._poll_until(conn._pollin, deadline, "recv()"):
                 return None
 
-    def _ring_frame(self, buf: bytearray, n: int) -> tuple[int, Any, list[Fd]]:
+    def _ring_frame(self, buf: bytearray, n: int) -> tuple[int, Any, list[Fd]] | None:
         try:
             msg = msgpack.unpackb(memoryview(buf)[:n], raw=False, strict_map_key=False)
         except Exception as exc:  # msgpack raises several types for bad input
@@ -407,10 +413,18 @@ class RingLink:
                                 "travel in the ring")
         if body != self.next_in:
             raise ProtocolError(f"the ring names carried frame {body} where {self.next_in} is next")
-        while body not in self.carried:
-            got = self.conn._recv_frame(0)
+        self.resolving = body
+        return self._resolve()
+
+    def _resolve(self) -> tuple[int, Any, list[Fd]] | None:
+        """The carried frame of the marker popped last, off the socket; None: its fds were lost,
+        and the FdLimitError that said so was raised when it was read."""
+        seq = self.resolving
+        assert seq is not None
+        while seq not in self.carried and seq not in self.lost:
+            got = self._socket_frame()
             if got is None:
-                raise ProtocolError(f"the ring names carried frame {body}, which is not on the "
+                raise ProtocolError(f"the ring names carried frame {seq}, which is not on the "
                                     "socket")
             if got[0] == KIND_WAKE:
                 continue
@@ -420,9 +434,28 @@ class RingLink:
                 self.stash.append((got[1], got[2]))
             else:
                 self.conn._control(got[0], got[1], got[2])
+        self.resolving = None
         self.next_in += 1
-        header, fds = self.carried.pop(body)
+        if seq in self.lost:
+            self.lost.discard(seq)
+            return None
+        header, fds = self.carried.pop(seq)
         return KIND_MSG, header, fds
+
+    def _socket_frame(self) -> tuple[int, Any, list[Fd]] | None:
+        """The next socket frame, if one is queued; a carried frame whose fds the kernel dropped
+        (a full fd table) is noted, so that its marker is passed over, and the error raised."""
+        try:
+            return self.conn._recv_frame(0)
+        except FdLimitError as exc:
+            seq = getattr(exc, "carried", None)
+            if seq is not None:
+                if seq in self.carried or seq in self.lost or seq < self.next_in or (
+                        len(self.carried) + len(self.lost) >= MAX_CARRIED):
+                    raise ProtocolError(f"the peer's carried frame {seq} repeats a number or "
+                                        f"is more than {MAX_CARRIED} ahead of the ring") from exc
+                self.lost.add(seq)
+            raise
 
     def take_carried(self, body: Any, fds: list[Fd]) -> None:
         """Keep a carried frame until its marker comes."""
@@ -431,7 +464,7 @@ class RingLink:
             bad = f"a carried frame must be [number, header], got {body!r:.80}"
         elif body[0] in self.carried or body[0] < self.next_in:
             bad = f"the peer's carried frame {body[0]} repeats a number"
-        elif len(self.carried) >= MAX_CARRIED:
+        elif len(self.carried) + len(self.lost) >= MAX_CARRIED:
             bad = f"the peer sent more than {MAX_CARRIED} carried frames ahead of its ring"
         if bad is not None:
             for f in fds:

@@ -76,24 +76,28 @@ def ctrunc_error(got: int, max_fds: int, frame: memoryview | None = None) -> FdL
     """Say why the kernel dropped fds (MSG_CTRUNC) and what to do about it.
 
     The frame itself arrived: its header, as ``err.header`` (None when it
-    cannot be read), lets a caller undo what the message stood for.
+    cannot be read), lets a caller undo what the message stood for; a frame
+    carried beside a ring (Note [Rings]) also gives its number, ``err.carried``.
     """
     err = FdLimitError.exhausted(
         "recvmsg", errno.EMFILE,
         f"or the peer sent more than max_fds={max_fds} in one message",
         cause=f"fds sent with a message were dropped by the kernel (MSG_CTRUNC; {got} arrived)")
-    err.header = None if frame is None else _header_of(frame)  # type: ignore[attr-defined]
+    err.header, err.carried = (None, None) if frame is None else _header_of(frame)  # type: ignore[attr-defined]
     return err
 
 
-def _header_of(frame: memoryview) -> dict[Any, Any] | None:
+def _header_of(frame: memoryview) -> tuple[dict[Any, Any] | None, int | None]:
     try:
         msg = msgpack.unpackb(frame, raw=False, strict_map_key=False)
     except Exception:  # noqa: BLE001 - best effort: a frame whose fds were lost
-        return None
+        return None, None
     if isinstance(msg, list) and len(msg) == 2 and msg[0] == 1 and isinstance(msg[1], dict):
-        return msg[1]  # [_KIND_MSG, header] (wire.py)
-    return None
+        return msg[1], None  # [_KIND_MSG, header] (wire.py)
+    if (isinstance(msg, list) and len(msg) == 2 and msg[0] == 5 and isinstance(msg[1], list)
+            and len(msg[1]) == 2 and type(msg[1][0]) is int and isinstance(msg[1][1], dict)):
+        return msg[1][1], msg[1][0]  # [_ring.KIND_CARRIED, [number, header]]
+    return None, None
 
 
 def peer_cred(sock: socket.socket) -> tuple[int, int, int]:

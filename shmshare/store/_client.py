@@ -16,17 +16,17 @@ Note [A client's mappings]
     tensors are private copies.
 
 Note [Replies owed]
-    One connection carries requests and replies in order. A request whose
-    reply did not come in ``timeout`` still gets one later; the client
-    counts it as owed and reads it before the next reply, rather than
-    reconnect: a new connection would end the old one, and the daemon would
-    take back every reference this client holds, under its live views.
+    One connection carries requests and replies in order. A request whose reply did not
+    come in ``timeout`` still gets one later; the client counts it as owed and reads it
+    before the next reply, rather than reconnect: a new connection would end the old one,
+    and the daemon would take back every reference this client holds, under its views.
 """
 
 from __future__ import annotations
 
 import builtins
 import collections
+import contextlib
 import os
 import threading
 import time
@@ -99,6 +99,8 @@ class Store(Generic[V]):
         self.timeout = timeout
         self._closed = False
         self._conn = connect(self.path, timeout, "store-client")
+        with contextlib.suppress(ShmshareTimeout, OSError):  # a full socket or fd table: no rings
+            self._conn.offer_ring(timeout=0)  # requests and replies in shared memory (Note [Rings])
         self.daemon_pid = self._conn.peer_cred.pid
         self._lock = threading.Lock()  # one request at a time on the connection
         self._owed = 0  # replies of timed-out requests still to come (Note [Replies owed])

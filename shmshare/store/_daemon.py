@@ -77,12 +77,13 @@ _ACCEPT_PAUSE = 0.2  # s accepting pauses after EMFILE (AcceptGate)
 
 
 class _Client:
-    __slots__ = ("id", "conn", "pid", "segments", "refs", "staging", "creating", "drops", "future",
+    __slots__ = ("id", "conn", "fd", "pid", "segments", "refs", "staging", "creating", "drops", "future",
                  "waits", "pushed")
 
     def __init__(self, cid: int, conn: wire.Connection) -> None:
         self.id = cid
         self.conn = conn
+        self.fd = conn._poll_fd()  # rings allowed: the loop asks pending() (Note [Rings] in _ring)
         self.pid = conn.peer_cred.pid
         self.segments: set[int] = set()  # segments whose fd it was sent (it may map them)
         self.refs: dict[int, int] = {}  # oid -> its gets not given back
@@ -121,6 +122,7 @@ class Server:
                                 room=lambda: check_fd_room(_FD_ROOM), on_pause=_said_out_of_fds)
         self._started = time.time()
         self.counts = {"put": 0, "get": 0, "create": 0, "delete": 0, "clients": 0, "refused": 0}
+        self._again: list[_Client] = []  # served next round without waiting: frames in their rings
 
     def stop(self) -> None:
         """Ask the loop to end (from a signal handler or another thread)."""
@@ -134,7 +136,11 @@ class Server:
         wake_fd = self._wake.r
         try:
             while not self._stop:
-                for fd, _ in poller.poll(gate.wait_ms(time.monotonic(), self._poll_ms())):
+                again, self._again = self._again, []  # clients with requests in their rings
+                for waiting in again:
+                    if self._clients.get(waiting.fd) is waiting:
+                        self._serve(waiting)
+                for fd, _ in poller.poll(0 if self._again else gate.wait_ms(time.monotonic(), self._poll_ms())):
                     if fd == wake_fd:
                         _drain(wake_fd)
                     elif fd == gate.fd:
@@ -178,8 +184,8 @@ class Server:
             return
         self.counts["clients"] += 1
         client = _Client(self.counts["clients"], conn)
-        self._clients[conn.fileno()] = client
-        self._poller.register(conn.fileno(), select.POLLIN)
+        self._clients[client.fd] = client
+        self._poller.register(client.fd, select.POLLIN)
         log.debug("client %d (pid %s) connected", client.id, client.pid)
 
     def _refuse(self, conn: wire.Connection) -> None:
@@ -211,6 +217,8 @@ class Server:
             finally:
                 for f in fds:
                     f.close()
+            if client.conn.pending():  # a poll would not see what waits in its ring
+                self._again.append(client)
         except PeerDied:
             self._drop(client, hung_up=True)
         except FdLimitError as exc:
@@ -237,9 +245,9 @@ class Server:
 
     def _drop(self, client: _Client, hung_up: bool) -> None:
         """The client is gone: its references go, its unsealed objects are aborted."""
-        fd = client.conn.fileno() if not client.conn.closed else -1
-        if self._clients.pop(fd, None) is not None:
-            self._poller.unregister(fd)
+        if self._clients.get(client.fd) is client:
+            del self._clients[client.fd]
+            self._poller.unregister(client.fd)
         client.conn.close()
         table = self.table
         for oid, n in client.refs.items():
