@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from .. import _statsd  # noqa: F401 -- arms SHMSHARE_STATS: the first pool starts the stats socket
 from ._allocator import CachingAllocator
-from ._block import Block, BlockPool
+from ._block import Block
 from ._config import (
     ENV_VAR,
-    VALID_KEYS,
     AllocatorConfig,
     configure,
     get_config,
@@ -27,33 +26,19 @@ from ._config import (
 from ._core import MemoryEvent
 from ._exceptions import InvariantError, OutOfMemoryError
 from ._host import CachingHostAllocator
-from ._host_block import HostBlock, HostProvider
-from ._host_fallback import AnonymousMemory, HostFallbackProvider, HostFallbackStats
-from ._host_stats import DurationStat, HostStats
+from ._host_fallback import AnonymousMemory, HostFallbackProvider
 from ._mempool import MemPool, current_mem_pool, use_mem_pool
-from ._policy import allocation_size, format_size, round_size
+from ._policy import format_size, round_size
 from ._provider import ExpandableProvider, Provider, ProviderOutOfMemory
 from ._shm import ShmProvider, ShmSegment
-from ._simulated import (
-    SimulatedDevice,
-    SimulatedDeviceError,
-    SimulatedEvent,
-    SimulatedStats,
-    SimulatedStream,
-)
+from ._simulated import SimulatedDevice, SimulatedDeviceError, SimulatedStream
 
 __all__ = [
     "CachingAllocator",
     "CachingHostAllocator",
-    "HostBlock",
-    "HostProvider",
     "HostFallbackProvider",
-    "HostFallbackStats",
     "AnonymousMemory",
-    "HostStats",
-    "DurationStat",
     "Block",
-    "BlockPool",
     "MemoryEvent",
     "MemPool",
     "use_mem_pool",
@@ -63,9 +48,7 @@ __all__ = [
     "get_config",
     "parse_config",
     "ENV_VAR",
-    "VALID_KEYS",
     "round_size",
-    "allocation_size",
     "format_size",
     "Provider",
     "ExpandableProvider",
@@ -76,7 +59,5 @@ __all__ = [
     "ShmSegment",
     "SimulatedDevice",
     "SimulatedStream",
-    "SimulatedEvent",
-    "SimulatedStats",
     "SimulatedDeviceError",
 ]

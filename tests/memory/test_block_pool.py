@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shmshare.memory import Block, BlockPool
-from shmshare.memory._block import SegmentRecord
+from shmshare.memory import Block
+from shmshare.memory._block import BlockPool, SegmentRecord
 
 
 def make(pool: BlockPool, stream_id: int, size: int, address: int, counter: int) -> Block:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from shmshare.memory import (
-    VALID_KEYS,
     AllocatorConfig,
     CachingAllocator,
     SimulatedDevice,
@@ -13,7 +12,7 @@ from shmshare.memory import (
     get_config,
     parse_config,
 )
-from shmshare.memory._config import UNLIMITED
+from shmshare.memory._config import UNLIMITED, VALID_KEYS
 
 MiB = 1 << 20
 

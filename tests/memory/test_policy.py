@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shmshare.memory import allocation_size, format_size, parse_config, round_size
+from shmshare.memory import format_size, parse_config, round_size
+from shmshare.memory._policy import allocation_size
 
 MiB = 1 << 20
 DEFAULT = parse_config("")
