@@ -177,7 +177,20 @@ def _fd_trouble() -> dict:
         out.close()
 
 
-def test_an_owner_briefly_out_of_fds_never_hands_a_received_array_to_another():
+_fd_trouble_seen: dict = {}
+
+
+@pytest.fixture
+def fd_trouble() -> dict:
+    """One run of _fd_trouble (5 s: the owner waits out a reclaim its server may have started) read by the
+    two tests below, each about one thing it shows. It runs inside the first of them that asks, under that
+    test's leak check and mp_shutdown, as it did in each; the second reads what the first saw."""
+    if not _fd_trouble_seen:
+        _fd_trouble_seen.update(_fd_trouble())
+    return _fd_trouble_seen
+
+
+def test_an_owner_briefly_out_of_fds_never_hands_a_received_array_to_another(fd_trouble: dict):
     """An owner whose fd table is full for a moment when a receiver fetches a segment.
 
     What a user sees: an array it already holds silently changes to another array's data
@@ -188,7 +201,7 @@ def test_an_owner_briefly_out_of_fds_never_hands_a_received_array_to_another():
     connection and calls ``Owner.reclaim(peer.pid)``, which frees every block the (live)
     receiver holds; the owner's next pickle reuses them.
     """
-    seen = _fd_trouble()
+    seen = fd_trouble
     assert seen["before"] == 1.0
     assert seen["held_after"] == (1.0, 1.0), (
         f"an array received earlier now reads {seen['held_after'][0]}: its block was "
@@ -196,7 +209,7 @@ def test_an_owner_briefly_out_of_fds_never_hands_a_received_array_to_another():
         f"{seen['during']})")
 
 
-def test_after_an_owner_side_error_the_next_handle_of_the_live_owner_is_received():
+def test_after_an_owner_side_error_the_next_handle_of_the_live_owner_is_received(fd_trouble: dict):
     """After the same moment of fd trouble, the owner (alive, its fds back) sends a fresh array.
 
     What a user sees: ``OwnerGone: the array's owner, pid N, has exited (or was killed)`` for
@@ -206,7 +219,7 @@ def test_after_an_owner_side_error_the_next_handle_of_the_live_owner_is_received
     and keeps it in ``Client.links`` under (pid, token) for good, so no later handle of that
     owner ever connects again.
     """
-    seen = _fd_trouble()
+    seen = fd_trouble
     assert seen["owner_alive"]
     assert seen["fresh"] == ("received", 4.0), f"a live owner's fresh handle: {seen['fresh']}"
 
