@@ -31,6 +31,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "ring.h"
 
@@ -51,6 +52,7 @@ typedef struct {
     uint32_t slot;
     int closed;       /* close() was called: every call raises; unmapped once no spin() runs */
     int spinners;     /* spin() calls running without the GIL */
+    pid_t pid;        /* the process whose threads `spinners` counts (a fork's child has none) */
 } RingObject;
 
 static inline uint64_t *word64(char *dir, size_t off) { return (uint64_t *)(dir + off); }
@@ -98,11 +100,12 @@ static int Ring_init(RingObject *self, PyObject *args, PyObject *kwds) {
     self->slot = slot;
     self->tail = 0;
     self->head = 0;
+    self->pid = getpid();
     return 0;
 }
 
 static void unmap_if_idle(RingObject *self) {
-    if (self->base != NULL && self->spinners == 0) {
+    if (self->base != NULL && (self->spinners == 0 || self->pid != getpid())) {
         munmap(self->base, self->maplen);
         self->base = NULL;
     }

@@ -12,12 +12,15 @@ Note [Rings]
     Setting up, with no round trip on anyone's path: the offering end sends
     OFFER (the memfd) on the socket; the other end checks it (a memfd-like
     regular file of exactly the size, sealed against shrinking, growing and
-    further seals, every page allocated), maps it, and answers ACCEPT on the socket,
-    its last socket frame before its ring frames. The offerer reads ACCEPT,
-    starts reading its incoming ring, and at its next send says SWITCH on
-    the socket, its last socket frame before its own ring frames. So each
-    direction changes from socket to ring at one point that both ends see in
-    the same order, and nothing sent before it is read after what follows.
+    further seals, writable, every page allocated), maps it, and answers
+    ACCEPT on the socket, its last socket frame before its ring frames. The
+    offerer starts reading its incoming ring when it reads ACCEPT, or when
+    that ring holds a frame while the socket holds nothing (then all the
+    peer sent before was read: a forked copy of ours may have taken the
+    ACCEPT), and at its next send says SWITCH on the socket, its last socket
+    frame before its own ring frames. So each direction changes from socket
+    to ring at one point that both ends see in the same order, and nothing
+    sent before it is read after what follows.
 
     After the switch every frame of the process that set the ring up goes
     through the ring, in order. A frame with fds, or too large for a slot,
@@ -26,9 +29,15 @@ Note [Rings]
     the carried frame off the socket when it meets the marker (a carried
     frame read earlier waits in a small table, at most MAX_CARRIED). The
     ring is room-checked before the carried frame is sent, so a marker
-    always finds its slot. Socket frames of any other process (a forked
-    child using its copy of the connection: only the process that set the
-    ring up uses it) are delivered as they come, as before.
+    always finds its slot; carried frames come in order, at most MAX_CARRIED
+    ahead of their markers (an honest writer is one ahead). Releases are
+    sent in frames that fit a slot (``Connection.frame_room()``).
+
+    Only the process that set the rings up uses them (Note [An end in
+    another process] in ``_handover.py``): socket frames of any other
+    process are delivered as they come, as before, and an end that hears
+    the HELLO of a second process of its peer writes on the socket from
+    then on, where any process of that end may read.
 
     Waiting: a reader that finds its ring empty spins for SPIN_NS (the
     ``SHMSHARE_SPIN_US`` setting, microseconds, default 50), then *arms*
@@ -40,8 +49,9 @@ Note [Rings]
     and the peer cannot make the wake-up block (an eventfd's O_NONBLOCK is
     shared with the process that sent it and would be the peer's to clear).
     An idle end sleeps in poll() and costs nothing. A writer whose ring is
-    full backs off in sleeps of ROOM_BACKOFF, doubling, until its timeout:
-    a full ring means the reader is behind, so the wait is not for latency.
+    full backs off in sleeps of ROOM_BACKOFF, doubling (kept across calls),
+    until its timeout: a full ring means the reader is behind, so the wait
+    is not for latency; it looks for the peer's hang-up (POLLHUP) each time.
 
     A reader of ``fileno()`` (a selector) is kept armed whenever its ring is
     empty after a read, so a frame pushed then always makes the socket
@@ -51,8 +61,10 @@ Note [Rings]
 
     The memory is the peer's to write at any moment: ``native/ring.c``
     checks every index and length it reads (Note there), and here a marker
-    for a number that is not the next, a carried frame that repeats or
-    exceeds MAX_CARRIED, and a frame where none may be are ProtocolErrors.
+    for a number that is not the next, a carried frame out of order or past
+    MAX_CARRIED, a memfd that is not ours to write, and a frame where none
+    may be are ProtocolErrors. A peer that pushes a frame and hangs up
+    between our two looks still has the frame delivered before PeerDied.
 """
 
 from __future__ import annotations
@@ -60,6 +72,7 @@ from __future__ import annotations
 import collections
 import fcntl
 import os
+import select
 import socket
 import stat
 import time
@@ -69,6 +82,7 @@ import msgpack
 
 from . import _native
 from ._errors import FdLimitError, PeerDied, ProtocolError, ShmshareTimeout
+from ._handshake import PROTOCOL_VERSION, State
 
 if TYPE_CHECKING:
     from ._fd import Fd
@@ -78,9 +92,11 @@ __all__ = ["COUNT", "SLOT", "MAX_CARRIED", "spin_ns", "enabled", "nbytes", "make
 
 COUNT = 256  # slots each way
 SLOT = 512  # bytes per slot: a frame of up to SLOT - 4 bytes travels in the ring
-MAX_CARRIED = 64  # carried frames read ahead of their markers, at most (they hold fds)
-ROOM_BACKOFF = (50e-6, 2e-3)  # s: a writer's first and longest sleep while its ring is full
+MAX_CARRIED = 4  # carried frames read ahead of their markers, at most (they hold fds); 1 is honest
+CARRIED_EXTRA = 16  # bytes [CARRIED, [number, header]] takes beyond [MSG, header] (at most 10)
+ROOM_BACKOFF = (50e-6, 20e-3)  # s: a writer's first and longest sleep while its ring is full
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+_F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 
 
 def spin_ns() -> int:
@@ -134,11 +150,15 @@ def check_memfd(fd: int) -> None:
                             f"{COUNT} slots of {SLOT} bytes each way")
     try:
         seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        mode = fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE
     except OSError as exc:
         raise ProtocolError(f"the peer's rings cannot be sealed (not a memfd): {exc}") from None
     if seals & _SEALS != _SEALS:
         raise ProtocolError("the peer's rings are not sealed against shrinking, growing and "
                             "unsealing; they could vanish under this process (SIGBUS)")
+    if seals & (fcntl.F_SEAL_WRITE | _F_SEAL_FUTURE_WRITE) or mode != os.O_RDWR:
+        raise ProtocolError("the peer's rings cannot be written (sealed against writes, or an fd "
+                            "not opened read-write): both ends write their indices there")
     if st.st_blocks * 512 < size:  # as segments are checked (Note [Trust no fd] in channel/_trust.py)
         raise ProtocolError(f"the peer's rings have holes: {st.st_blocks * 512} of their {size} "
                             "bytes have pages, and touching a hole could fail (SIGBUS)")
@@ -153,6 +173,8 @@ class RingLink:
         self.ring = ring  # the mapping; its fd is closed (no fd per connection for the rings)
         self.offered = offered  # this end made the rings (and reads the peer's ACCEPT)
         self.token = 0  # the OFFER's number, which its ACCEPT repeats (another process's is not ours)
+        self.peer_pid = conn.peer_hello.get("pid") if conn.peer_hello else None  # whose rings
+        self.fell_back = False  # another process of the peer spoke: ours go on the socket
         self.reading = False  # the peer's SWITCH (or ACCEPT) was read: its frames come by ring
         self.writing = False  # ours go by ring (after our ACCEPT or SWITCH went on the socket)
         self.accept_due = not offered  # the ACCEPT still to send
@@ -165,6 +187,7 @@ class RingLink:
         self.stash: collections.deque[tuple[Any, list[Fd]]] = collections.deque()  # delivered first
         self.armed_after_read = False  # a selector waits on the socket: arm whenever empty
         self.spin = spin_ns()
+        self.pause = ROOM_BACKOFF[0]  # a writer's next sleep while its ring stays full
 
     @classmethod
     def offer(cls, conn: Connection, timeout: float | None) -> RingLink:
@@ -173,6 +196,7 @@ class RingLink:
         try:
             link = cls(conn, _native.Ring(fd, COUNT, SLOT, True), offered=True)
             link.token = int.from_bytes(os.urandom(8), "little") >> 1
+            link.ring.arm()  # the peer's first ring frame wakes us (we read the socket till then)
             conn._rings = link  # before the peer can answer
             conn._send_frame(conn._packer.pack([KIND_OFFER, link.token]), [fd], timeout)
         except BaseException:
@@ -199,12 +223,15 @@ class RingLink:
         try:
             check_memfd(fds[0].fileno())
             ring = _native.Ring(fds[0].fileno(), COUNT, SLOT, False)
+        except OSError as exc:
+            raise ProtocolError(f"the peer's rings cannot be mapped: {exc}") from exc
         finally:
             fds[0].close()
         link = cls(conn, ring, offered=False)
         link.token = token
         if conn._armed_reader:
             link.armed_after_read = True
+        conn._rings = link  # before ACCEPT: a send of another thread goes by ring from here on
         link.try_start_writing()
         return link
 
@@ -217,19 +244,40 @@ class RingLink:
             for f in fds:  # another offer (a forked or spawned copy's): declined
                 f.close()
             return  # (a wake read before the ring was: nothing to do)
-        if kind == KIND_ACCEPT and self.offered and body != self.token and not fds:
-            return  # the answer to another process's offer, on the socket it shares with us
+        if kind == KIND_ACCEPT and self.offered and (body != self.token or self.reading) and not fds:
+            return  # another process's offer answered, or ours after its ring frames showed
         if not self.reading and not fds and kind == (KIND_ACCEPT if self.offered else KIND_SWITCH):
-            self.reading = True  # the peer's frames come by ring from here on
-            if self.armed_after_read:
-                self.ring.arm()
-            if self.offered:
-                self.switch_due = True
-                self.try_start_writing()
+            self.start_reading()
             return
         for f in fds:
             f.close()
         raise ProtocolError(f"the peer sent a frame of kind {kind} where none may be (Note [Rings])")
+
+    def start_reading(self) -> None:
+        """The peer's frames come by ring from here on: after its ACCEPT (or SWITCH), or, for the
+        end that offered, once its ring holds a frame and the socket nothing: then everything the
+        peer sent before it (its HELLO and ACCEPT included) was read, if by a forked copy of ours
+        (Note [An end in another process] in _handover.py)."""
+        self.reading = True
+        if self.armed_after_read:
+            self.ring.arm()
+        conn = self.conn
+        if conn.peer_hello is None:  # a forked copy of ours read its HELLO: its credentials stand in
+            conn.peer_hello = {"version": PROTOCOL_VERSION, "pid": conn.peer_cred.pid, "role": "?"}
+            conn.state = State.READY
+        if self.offered and not self.fell_back:
+            self.switch_due = True
+            self.try_start_writing()
+
+    def hello_from(self, pid: Any) -> None:
+        """A HELLO: from another process than the one the rings were set up with (a fork's or a
+        spawned child's copy of the peer's end), our frames go on the socket from here on, where
+        any process of the peer may read them (Note [Rings])."""
+        if self.peer_pid is None:
+            self.peer_pid = pid
+        elif pid != self.peer_pid:
+            self.fell_back = True
+            self.writing = self.accept_due = self.switch_due = False
 
     def try_start_writing(self) -> None:
         """Send ACCEPT or SWITCH now if no send is in progress (else the next send does)."""
@@ -301,10 +349,13 @@ class RingLink:
         """Wait, backing off, until the outgoing ring has a free slot (Note [Rings])."""
         pending = self.ring.pending
         if 0 <= pending < COUNT:
+            self.pause = ROOM_BACKOFF[0]
             return
         conn = self.conn
         deadline = None if timeout is None else time.monotonic() + timeout
-        pause = ROOM_BACKOFF[0]
+        pause = self.pause  # kept across calls: a caller that waits in slices backs off too
+        hangup = select.poll()  # the peer's end closed, whatever it left queued for us
+        hangup.register(conn._sock, select.POLLHUP | select.POLLRDHUP)
         while True:
             if pending < 0:
                 raise ProtocolError("the peer broke the ring: its read index is not within the "
@@ -314,7 +365,7 @@ class RingLink:
             if conn.closed:
                 raise ValueError("this Connection was closed while send() waited for room in "
                                  "its ring")
-            if conn._at_end_of_stream():
+            if hangup.poll(0):
                 raise PeerDied(f"the peer ({conn._peer_name()}) closed the connection with "
                                "its ring full")
             left = None if deadline is None else deadline - time.monotonic()
@@ -322,7 +373,7 @@ class RingLink:
                 raise ShmshareTimeout(f"send timed out after {timeout} s: the peer "
                                       f"({conn._peer_name()}) did not take from its full ring")
             time.sleep(pause if left is None else min(pause, left))
-            pause = min(2 * pause, ROOM_BACKOFF[1])
+            pause = self.pause = min(2 * pause, ROOM_BACKOFF[1])
             pending = self.ring.pending
 
     # -- reading ------------------------------------------------------------------------------
@@ -340,16 +391,16 @@ class RingLink:
             return False
         try:
             got = conn._recv_locked(timeout)
+            if got is None:
+                return False
+            self.stash.appendleft(got)  # under the lock: a recv() of another thread gets it first
+            conn._counts[1] -= 1  # counted when recv() delivers it
+            conn._counts[3] -= len(got[1])
+            return True
         except PeerDied:
             return True  # recv() says so
         finally:
             conn._recv_lock.release()
-        if got is None:
-            return False
-        self.stash.appendleft(got)
-        conn._counts[1] -= 1  # counted when recv() delivers it
-        conn._counts[3] -= len(got[1])
-        return True
 
     def next_frame(self, timeout: float | None) -> tuple[int, Any, list[Fd]] | None:
         """The next frame (under the receive lock): kind, body, fds; None after `timeout`.
@@ -378,7 +429,12 @@ class RingLink:
             if n == -2:
                 raise ProtocolError("the peer broke the ring: its write index or a slot's length "
                                     "is out of bounds")
-            got = self._socket_frame()
+            try:
+                got = self._socket_frame()
+            except PeerDied:
+                if ring.readable():  # pushed, then gone, between our two looks
+                    continue
+                raise
             if got is not None:
                 if got[0] == KIND_WAKE:
                     continue
@@ -439,8 +495,10 @@ class RingLink:
         if seq in self.lost:
             self.lost.discard(seq)
             return None
-        header, fds = self.carried.pop(seq)
-        return KIND_MSG, header, fds
+        kept = self.carried.pop(seq, None)
+        if kept is None:  # close() of another thread emptied the table
+            raise ValueError("this Connection was closed while recv() waited")
+        return KIND_MSG, kept[0], kept[1]
 
     def _socket_frame(self) -> tuple[int, Any, list[Fd]] | None:
         """The next socket frame, if one is queued; a carried frame whose fds the kernel dropped
@@ -450,20 +508,21 @@ class RingLink:
         except FdLimitError as exc:
             seq = getattr(exc, "carried", None)
             if seq is not None:
-                if seq in self.carried or seq in self.lost or seq < self.next_in or (
+                if seq != self.next_in + len(self.carried) + len(self.lost) or (
                         len(self.carried) + len(self.lost) >= MAX_CARRIED):
-                    raise ProtocolError(f"the peer's carried frame {seq} repeats a number or "
-                                        f"is more than {MAX_CARRIED} ahead of the ring") from exc
+                    raise ProtocolError(f"the peer's carried frame {seq} is out of order or "
+                                        f"more than {MAX_CARRIED} ahead of the ring") from exc
                 self.lost.add(seq)
             raise
 
     def take_carried(self, body: Any, fds: list[Fd]) -> None:
         """Keep a carried frame until its marker comes."""
         bad = None
+        expected = self.next_in + len(self.carried) + len(self.lost)  # they come in order
         if not (type(body) is list and len(body) == 2 and type(body[0]) is int):
             bad = f"a carried frame must be [number, header], got {body!r:.80}"
-        elif body[0] in self.carried or body[0] < self.next_in:
-            bad = f"the peer's carried frame {body[0]} repeats a number"
+        elif body[0] != expected:
+            bad = f"the peer's carried frame {body[0]} came where {expected} was next"
         elif len(self.carried) + len(self.lost) >= MAX_CARRIED:
             bad = f"the peer sent more than {MAX_CARRIED} carried frames ahead of its ring"
         if bad is not None:

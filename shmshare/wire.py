@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import array
 import errno
-import os
 import select
 import socket
 import threading
@@ -36,7 +35,7 @@ from typing import Any
 
 import msgpack
 
-from . import _fork, _ring
+from . import _ring
 from ._errors import FdLimitError, PeerDied, ProtocolError, ShmshareTimeout, making_fds
 from ._fd import Fd
 from ._handshake import PROTOCOL_VERSION, PeerCred, State, check_hello, check_uid, hello, read_peer_cred
@@ -118,7 +117,9 @@ class Connection(Closeable):
         self._max_fds = max_fds
         self._allow_uids = frozenset(allow_uids)
         self._cmsg_space = socket.CMSG_SPACE(max_fds * 4)
-        self._buf = bytearray(max_frame + 1)  # one spare byte so an oversize frame shows MSG_TRUNC
+        # one spare byte so an oversize frame shows MSG_TRUNC, and room for what carrying a frame of
+        # max_frame beside the rings adds (Note [Rings]); a ring slot at least
+        self._buf = bytearray(max(max_frame + 1 + _ring.CARRIED_EXTRA, _ring.SLOT))
         self._send_lock = threading.Lock()
         self._recv_lock = threading.Lock()
         self._hello_sent = False
@@ -127,6 +128,7 @@ class Connection(Closeable):
         self.peer_hello: dict[str, Any] | None = None
         self._rings: _ring.RingLink | None = None  # Note [Rings] in _ring.py
         self._rings_of: int | None = None  # in a forked child: the parent pid whose rings these are
+        self._forked = False  # a forked copy of an end that had rings: their frames are not ours
         self._selected = False  # fileno() was asked for: a ring offered later is declined
         self._armed_reader = False  # _poll_fd() was asked for: rings stay armed when empty
         self._counts = [0, 0, 0, 0, 0, 0]
@@ -275,6 +277,9 @@ class Connection(Closeable):
             if self.state is State.CLOSED:
                 self._check_open()
             rings = self._rings
+            if rings is not None and not rings.reading and rings.offered and rings.ring.readable() \
+                    and not self._pollin.poll(0):
+                rings.start_reading()  # its ACCEPT read by a forked copy of ours (Note [Rings])
             frame = (rings.next_frame(timeout) if rings is not None and rings.reading
                      else self._recv_frame(timeout))
             if frame is None:
@@ -362,10 +367,14 @@ class Connection(Closeable):
             finally:
                 _close_all(fds)
             self.state = State.READY
+            if self._rings is not None:
+                self._rings.hello_from(self.peer_hello.get("pid"))
         elif kind == _ring.KIND_OFFER and self._rings is None and self.peer_hello is not None:
-            self._rings = _ring.RingLink.accept(self, body, fds)
+            _ring.RingLink.accept(self, body, fds)  # sets self._rings before it answers
         elif self._rings is not None:
             self._rings.control(kind, body, fds)
+        elif self._forked and kind in _ring.SOCKET_KINDS:  # the parent's rings: not this process's
+            _close_all(fds)
         elif kind != _ring.KIND_WAKE or fds:  # a WAKE: an offer declined, or a forked parent's
             _close_all(fds)
             raise ProtocolError(f"the peer sent a frame of kind {kind} where none may be (Note [Rings])")
@@ -384,6 +393,12 @@ class Connection(Closeable):
                 self._rings = _ring.RingLink.offer(self, timeout)
         finally:
             self._send_lock.release()
+
+    def frame_room(self) -> int:
+        """Bytes of the largest frame that goes without a detour: a ring slot's while rings carry
+        this end's frames (a larger one is carried on the socket), else max_frame."""
+        rings = self._rings
+        return _ring.SLOT - 4 if rings is not None and rings.writing else self._max_frame
 
     def pending(self) -> bool:
         """Whether a message waits in this connection's ring (a selector does not see those)."""
@@ -470,22 +485,7 @@ class Connection(Closeable):
         self.close_nowait()
 
     def __reduce__(self) -> Any:
-        # Only for handing an end to a multiprocessing child (spawn/forkserver),
-        # the way multiprocessing.connection does: the fd is dup'ed through the
-        # child's start machinery, never through a pickle stream of our own.
-        from multiprocessing import context, reduction
-
-        if context.get_spawning_popen() is None:
-            raise TypeError("a Connection can be pickled only to pass it to a multiprocessing "
-                            "child; for an unrelated process use Listener/connect")
-        if self._rings is not None:
-            raise ValueError(
-                f"this end set up rings with its peer in this process (pid {os.getpid()}) at its first "
-                "send or receive, and they cannot move to another process: hand an end to a child "
-                "before using it, or make a new channel for the child (Note [Rings] in _ring.py)")
-        dup = reduction.DupFd(self.fileno())
-        return _rebuild_connection, (dup, self._role, self._max_frame, self._max_fds,
-                                     tuple(self._allow_uids))
+        return _handover.reduce(self)  # to a multiprocessing child only (Note [An end in another process])
 
     def __repr__(self) -> str:
         return f"<Connection {self._role} fd={self._sock.fileno()} state={self.state.value}>"
@@ -538,21 +538,6 @@ class Connection(Closeable):
 _live: weakref.WeakSet[Connection] = weakref.WeakSet()
 
 
-def _after_fork_in_child() -> None:
-    # A forked child holds the same sockets: it gets fresh locks (a lock held by
-    # another thread at fork time would never be released here) and introduces
-    # itself with a HELLO of its own pid before its first message.
-    for conn in list(_live):
-        conn._send_lock = threading.Lock()
-        conn._recv_lock = threading.Lock()
-        conn._hello_sent = False
-        conn._farewell = None  # the parent's goodbye is not the child's to say
-        if conn._rings is not None:  # the parent's: the child's frames go on the socket (Note [Rings])
-            conn._rings_of = os.getppid() if conn._rings.reading else None
-            conn._rings.ring.close()  # this process's copy of the mapping only
-            conn._rings = None
-
-
 # Note [Finalizers and goodbyes]
 #     A Sender dropped in a garbage cycle together with its Connection used
 #     to lose its goodbye: the collector finalizes a cycle's objects in any
@@ -565,19 +550,10 @@ def _after_fork_in_child() -> None:
 _open_socks: dict[int, socket.socket] = {}
 
 
-_fork.on_fork_in_child(2, _after_fork_in_child)
-
-
 def pipe(**conn_kw: Any) -> tuple[Connection, Connection]:
     """Return a connected pair of Connections, for a parent and its child."""
     a, b = making_fds("socketpair", socket.socketpair, socket.AF_UNIX, socket.SOCK_SEQPACKET)
     return Connection(a, **conn_kw), Connection(b, **conn_kw)
-
-
-def _rebuild_connection(dup: Any, role: str, max_frame: int, max_fds: int,
-                        allow_uids: tuple[int, ...]) -> Connection:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=dup.detach())
-    return Connection(sock, role=role, max_frame=max_frame, max_fds=max_fds, allow_uids=allow_uids)
 
 
 def _pack(obj: Any) -> bytes:
@@ -598,4 +574,5 @@ def _pack_error(exc: Exception) -> None:
 
 
 # Listener builds the Connections defined above, so it comes last (and lives in _listen.py).
+from . import _handover  # noqa: E402  (fork and spawn: what an end does in another process)
 from ._listen import Listener, connect  # noqa: E402

@@ -536,10 +536,11 @@ class Receiver(Closeable, Generic[T]):
             for peer, ids in by_peer.items():
                 if peer not in self._peers:
                     continue  # its sender is gone: it took all its leases back
-                for i in range(0, len(ids), RELEASE_CHUNK):
+                # 9 bytes an id: a frame that fits a ring slot stays off the socket (Note [Rings])
+                chunk = min(RELEASE_CHUNK, (peer.conn.frame_room() - 16) // 9)
+                for i in range(0, len(ids), chunk):
                     try:  # never wait: a sender stuck on a full socket must not stall recv()
-                        peer.conn.send({KIND: RELEASE, LEASES: ids[i:i + RELEASE_CHUNK]},
-                                       timeout=0)
+                        peer.conn.send({KIND: RELEASE, LEASES: ids[i:i + chunk]}, timeout=0)
                     except ShmshareTimeout:  # first: it is an OSError too
                         q.extend((peer, x) for x in ids[i:])  # its socket is full: next time
                         stuck = True

@@ -436,8 +436,8 @@ class Sender(BlockBook, Closeable):
     def _drain(self) -> None:
         """Take in local views that died and every release frame already queued."""
         self._drain_local()
-        if self._peer_dead or self._conn._rings_of is not None:
-            return  # a fork's copy of a sender whose parent reads by ring: what comes is the parent's
+        if self._peer_dead:
+            return
         try:
             while (got := self._conn.recv_nowait()) is not None:
                 header, fds = got
@@ -549,6 +549,7 @@ class Sender(BlockBook, Closeable):
         if self._overflow is not None:
             _inherited.append(self._overflow.after_fork_in_child(in_use))
         self._new_pool()
+        self._owner = os.getppid()  # the parent made it: a child that never sends says no goodbye
 
     def _hand_over(self) -> None:
         """A child may use this sender now: this process says goodbye only if it sent."""
