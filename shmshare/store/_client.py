@@ -42,7 +42,7 @@ from .._typevars import V
 from ..channel._releases import WakePipe
 from ..channel._trust import check_fd
 from ._flusher import Queued, flush_loop
-from ._inherited import forget_store, reused_by_daemon, track_pool_mapping, track_store
+from ._inherited import copies_made, forget_store, reused_by_daemon, track_pool_mapping, track_store
 from ._packing import Plan, build, new_memfd, one_array_meta, reserve, write_memfd
 from ._protocol import (
     BUSY,
@@ -217,9 +217,8 @@ class Store(Generic[V]):
     def get(self, name: str, timeout: float | None = None) -> V:
         """The value stored under `name`, as read-only zero-copy views.
 
-        With `timeout` None it does not wait (KeyError if no sealed object
-        of that name is there); else it waits that many seconds for one to
-        be put or sealed (ShmshareTimeout after).
+        With `timeout` None it does not wait (KeyError if no sealed object of that name is
+        there); else it waits that many seconds for one to be put or sealed (ShmshareTimeout after).
         """
         check_name(name)
         if timeout is not None and not float(timeout) >= 0:  # NaN and negatives
@@ -458,6 +457,7 @@ class Store(Generic[V]):
             self._forget[:0] = fg
 
     def _take_released(self) -> builtins.list[int]:
+        copies_made()  # a child forked with views copies them before we give references back
         q, out = self._released, []
         while q:
             out.append(q.popleft())

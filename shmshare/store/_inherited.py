@@ -21,6 +21,13 @@ Note [Views across fork]
     go first (the Store itself is the parent's, unusable here), so a
     mapping that no view holds is let go of, not copied.
 
+    The copy is made when the child runs, which may be after the parent
+    went on: so the parent gives back none of its references until each
+    child forked while a view held a pool segment has said its copies are
+    made (a pipe made before the fork: a byte, or the child's end closing
+    when it exits), waiting for that at most COPY_WAIT when it has releases
+    to send (``copies_made()``).
+
     Cost: one copy of each pool segment (2 MiB) that a live view holds, at
     every fork, charged to the child's memory cgroup (checked first:
     Note [Shared memory and the memory cgroup] in ``_packing``).
@@ -39,6 +46,9 @@ from __future__ import annotations
 
 import fcntl
 import os
+import select
+import threading
+import time
 import weakref
 from typing import TYPE_CHECKING
 
@@ -49,11 +59,16 @@ from ._packing import check_cgroup, new_memfd
 if TYPE_CHECKING:
     from ._client import Store
 
-__all__ = ["track_store", "forget_store", "track_pool_mapping", "reused_by_daemon"]
+__all__ = ["track_store", "forget_store", "track_pool_mapping", "reused_by_daemon", "copies_made"]
+
+COPY_WAIT = 5.0  # s: the longest a parent's releases wait for a forked child to copy its views
 
 _WRITE_SEALS = fcntl.F_SEAL_WRITE | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 _stores: weakref.WeakSet[Store] = weakref.WeakSet()  # Stores of this process not shut down
 _pool_maps: weakref.WeakSet[_native.Lease] = weakref.WeakSet()  # mappings of pool segments
+_copying: list[int] = []  # read ends of children's "copied" pipes, in the parent
+_copying_lock = threading.Lock()
+_pipe: tuple[int, int] | None = None  # made before a fork while a view holds a pool mapping
 
 
 def track_store(store: Store) -> None:
@@ -76,13 +91,60 @@ def track_pool_mapping(root: _native.Lease) -> None:
     _pool_maps.add(root)
 
 
+def copies_made(wait: float = COPY_WAIT) -> None:
+    """Before the parent gives back references: wait (at most `wait` s in all) until every child
+    forked while a view held a pool segment has made its copies (Note [Views across fork])."""
+    if not _copying:
+        return
+    deadline = time.monotonic() + wait
+    with _copying_lock:
+        while _copying:
+            r = _copying[0]
+            poller = select.poll()
+            poller.register(r, select.POLLIN | select.POLLHUP)  # a byte, or EOF: the child is done
+            poller.poll(max(0, int((deadline - time.monotonic()) * 1000)))
+            _copying.pop(0)  # done, or waited for long enough
+            os.close(r)
+
+
+def _before_fork() -> None:
+    global _pipe
+    if _pool_maps and _pipe is None:
+        try:
+            _pipe = os.pipe2(os.O_CLOEXEC)
+        except OSError:  # no fd: the child's copy races the parent's releases, as it said
+            _pipe = None
+
+
+def _in_parent() -> None:
+    global _pipe
+    if _pipe is not None:
+        r, w = _pipe
+        _pipe = None
+        os.close(w)
+        _copying.append(r)
+
+
 def _in_child() -> None:
+    global _pipe
+    for r in _copying:  # the parent's waits, not ours
+        os.close(r)
+    _copying.clear()
     for store in list(_stores):
         store._after_fork()  # its cached mappings go: what is left is held by views
     _stores.clear()
     for root in list(_pool_maps):
         _copy_in_place(root)
     _pool_maps.clear()  # the copies are the child's own: a later fork need not copy them
+    if _pipe is not None:
+        r, w = _pipe
+        _pipe = None
+        os.close(r)
+        try:
+            os.write(w, b"c")
+        except OSError:
+            pass  # the parent closed its end: nobody waits
+        os.close(w)
 
 
 def _copy_in_place(root: _native.Lease) -> None:
@@ -120,3 +182,5 @@ def _say(text: str) -> None:
 
 
 _fork.on_fork_in_child(6, _in_child)
+_fork.on_fork_in_parent(_in_parent)
+os.register_at_fork(before=_before_fork)
