@@ -40,7 +40,9 @@ Note [Rings]
     then on, where any process of that end may read.
 
     Waiting: a reader that finds its ring empty spins for SPIN_NS (the
-    ``SHMSHARE_SPIN_US`` setting, microseconds, default 50), then *arms*
+    ``SHMSHARE_SPIN_US`` setting, microseconds, default 50; after four
+    spins in a row that found nothing, only one wait in 32 spins, until a
+    spin pays again: on a busy machine a spin takes the writer's core), then *arms*
     (a flag in the ring: "wake me") and sleeps in poll() on the socket. A
     writer that finds the flag set takes it and sends a two-byte WAKE frame
     on the socket, never waiting (MSG_DONTWAIT: a full socket is readable
@@ -94,6 +96,7 @@ COUNT = 256  # slots each way
 SLOT = 512  # bytes per slot: a frame of up to SLOT - 4 bytes travels in the ring
 MAX_CARRIED = 4  # carried frames read ahead of their markers, at most (they hold fds); 1 is honest
 CARRIED_EXTRA = 16  # bytes [CARRIED, [number, header]] takes beyond [MSG, header] (at most 10)
+SPIN_MISSES, SPIN_PROBE = 4, 32  # see RingLink._spin_worth_it
 ROOM_BACKOFF = (50e-6, 20e-3)  # s: a writer's first and longest sleep while its ring is full
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 _F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
@@ -188,6 +191,8 @@ class RingLink:
         self.armed_after_read = False  # a selector waits on the socket: arm whenever empty
         self.spin = spin_ns()
         self.pause = ROOM_BACKOFF[0]  # a writer's next sleep while its ring stays full
+        self.misses = 0  # spins in a row that found nothing: past SPIN_MISSES, spin rarely
+        self.waits = 0
 
     @classmethod
     def offer(cls, conn: Connection, timeout: float | None) -> RingLink:
@@ -445,14 +450,23 @@ class RingLink:
                 return None
             if not spun:
                 spun = True
-                if self.spin and ring.spin(self.spin):
-                    continue
+                if self.spin and self._spin_worth_it():
+                    if ring.spin(self.spin):
+                        self.misses = 0
+                        continue
+                    self.misses += 1
             if ring.arm():
                 continue
             if deadline is None and timeout is not None:
                 deadline = time.monotonic() + timeout
             if not conn._poll_until(conn._pollin, deadline, "recv()"):
                 return None
+
+    def _spin_worth_it(self) -> bool:
+        """Spin only while spinning pays: after SPIN_MISSES empty spins in a row (a slow or idle
+        writer, a busy machine), only one wait in SPIN_PROBE spins, to see whether it pays again."""
+        self.waits += 1
+        return self.misses < SPIN_MISSES or self.waits % SPIN_PROBE == 0
 
     def _ring_frame(self, buf: bytearray, n: int) -> tuple[int, Any, list[Fd]] | None:
         try:
