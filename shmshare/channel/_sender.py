@@ -541,15 +541,15 @@ class Sender(BlockBook, Closeable):
         _registry.register("senders", self, SenderReport())  # again in a fork child: its own notes
 
     def _after_fork_in_child(self) -> None:
-        # The child must never hand out or release the parent's blocks: give it a pool of its
-        # own. The provider forgets the parent's fds and keeps mapped only the segments an
-        # array from empty() may still point into (Note [Segments in a forked child]).
+        # The child must never hand out or release the parent's blocks: give it a pool of its own. The
+        # provider forgets the parent's fds and keeps mapped only the segments an array from empty()
+        # may still point into (Note [Segments in a forked child]).
         in_use = {h.seg.id for h in self._held.values() if h.local}
         _inherited.append(self._provider.after_fork_in_child(in_use))  # never reused
         if self._overflow is not None:
             _inherited.append(self._overflow.after_fork_in_child(in_use))
         self._new_pool()
-        self._owner = os.getppid()  # the parent made it: a child that never sends says no goodbye
+        self._owner = os.getppid()  # its parent made it: a child that never sends says no goodbye
 
     def _hand_over(self) -> None:
         """A child may use this sender now: this process says goodbye only if it sent."""

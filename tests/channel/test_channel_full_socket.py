@@ -113,10 +113,11 @@ def test_a_release_flush_never_waits_behind_another_threads_tell():
 
 
 def _until(cond, what: str) -> None:
-    """Wait (bounded by _WAIT) until `cond()` holds; AssertionError naming `what` if it never does."""
+    """Wait (bounded by _WAIT) until `cond()` holds; fail naming `what` if it never does."""
     deadline = time.monotonic() + _WAIT
     while not cond():
-        assert time.monotonic() < deadline, f"{what}: not within {_WAIT} s"
+        if time.monotonic() >= deadline:
+            pytest.fail(f"{what}: not within {_WAIT} s")
         time.sleep(0.01)
 
 
