@@ -541,9 +541,8 @@ class Sender(BlockBook, Closeable):
         _registry.register("senders", self, SenderReport())  # again in a fork child: its own notes
 
     def _after_fork_in_child(self) -> None:
-        # The child must never hand out or release the parent's blocks: give it a pool of its own. The
-        # provider forgets the parent's fds and keeps mapped only the segments an array from empty()
-        # may still point into (Note [Segments in a forked child]).
+        # Never the parent's blocks: a pool of its own. The provider forgets the parent's fds and keeps
+        # mapped only the segments an array from empty() may point into (Note [Segments in a forked child]).
         in_use = {h.seg.id for h in self._held.values() if h.local}
         _inherited.append(self._provider.after_fork_in_child(in_use))  # never reused
         if self._overflow is not None:
