@@ -16,6 +16,13 @@ Note [An end in another process]
     receiver) cannot receive: what its peer sends is in the parent's rings,
     so a recv() there raises ValueError saying so, rather than wait forever.
 
+    Both processes then read one socket, and either may take a frame meant
+    for the other, with rings or without: a parent whose peer's HELLO a
+    child took uses the peer's kernel credentials in its place; a carried
+    frame a child took is passed over by the parent's marker, lost as any
+    frame taken by the wrong process is. One process using an end at a
+    time (the documented way) meets none of this.
+
     Handing an end to a spawned (or forkserver) child pickles it the way
     ``multiprocessing.connection`` does: the socket's fd is dup'ed through
     the child's start machinery, never through a pickle stream of ours. An
@@ -32,11 +39,12 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from . import _fork
+from ._handshake import PROTOCOL_VERSION
 
 if TYPE_CHECKING:
     from .wire import Connection
 
-__all__ = ["reduce"]
+__all__ = ["reduce", "stand_in_hello"]
 
 
 def reduce(conn: Connection) -> Any:
@@ -77,4 +85,17 @@ def _after_fork_in_child() -> None:
             conn._rings = None
 
 
+def _after_fork_in_parent() -> None:
+    from .wire import _live
+
+    for conn in list(_live):
+        conn._shared = True
+
+
+def stand_in_hello(conn: Connection) -> dict[str, Any]:
+    """The peer's HELLO, read by a forked copy of this end: its kernel credentials stand in."""
+    return {"version": PROTOCOL_VERSION, "pid": conn.peer_cred.pid, "role": "?"}
+
+
 _fork.on_fork_in_child(2, _after_fork_in_child)
+_fork.on_fork_in_parent(_after_fork_in_parent)

@@ -84,7 +84,8 @@ import msgpack
 
 from . import _native
 from ._errors import FdLimitError, PeerDied, ProtocolError, ShmshareTimeout
-from ._handshake import PROTOCOL_VERSION, State
+from ._handover import stand_in_hello
+from ._handshake import State
 
 if TYPE_CHECKING:
     from ._fd import Fd
@@ -242,6 +243,8 @@ class RingLink:
 
     def control(self, kind: int, body: Any, fds: list[Fd]) -> None:
         """A socket frame about the rings: ACCEPT, SWITCH, a carried frame early, a stale WAKE."""
+        if kind in (KIND_CARRIED, KIND_WAKE) and self.offered and not self.reading:
+            self.start_reading()  # sent after ACCEPT, which a forked copy of ours must have taken
         if kind == KIND_CARRIED and self.reading:
             self.take_carried(body, fds)
             return
@@ -268,7 +271,7 @@ class RingLink:
             self.ring.arm()
         conn = self.conn
         if conn.peer_hello is None:  # a forked copy of ours read its HELLO: its credentials stand in
-            conn.peer_hello = {"version": PROTOCOL_VERSION, "pid": conn.peer_cred.pid, "role": "?"}
+            conn.peer_hello = stand_in_hello(conn)
             conn.state = State.READY
         if self.offered and not self.fell_back:
             self.switch_due = True
@@ -493,6 +496,9 @@ class RingLink:
         assert seq is not None
         while seq not in self.carried and seq not in self.lost:
             got = self._socket_frame()
+            if got is None and self.conn._shared:  # a forked copy of ours took it (as it could
+                self.lost.add(seq)  # any frame of this socket): passed over, as it would be lost
+                break
             if got is None:
                 raise ProtocolError(f"the ring names carried frame {seq}, which is not on the "
                                     "socket")

@@ -129,6 +129,7 @@ class Connection(Closeable):
         self._rings: _ring.RingLink | None = None  # Note [Rings] in _ring.py
         self._rings_of: int | None = None  # in a forked child: the parent pid whose rings these are
         self._forked = False  # a forked copy of an end that had rings: their frames are not ours
+        self._shared = False  # this process forked while it was open: a child may read its socket too
         self._selected = False  # fileno() was asked for: a ring offered later is declined
         self._armed_reader = False  # _poll_fd() was asked for: rings stay armed when empty
         self._counts = [0, 0, 0, 0, 0, 0]
@@ -288,6 +289,8 @@ class Connection(Closeable):
             if kind != _KIND_MSG:
                 self._control(kind, body, fds)
                 continue
+            if self.peer_hello is None and self._shared:  # a forked copy of ours read the HELLO
+                self.peer_hello, self.state = _handover.stand_in_hello(self), State.READY
             if self.peer_hello is None:
                 _close_all(fds)
                 raise ProtocolError("the peer sent a message before its HELLO; it does not "

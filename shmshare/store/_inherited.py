@@ -97,14 +97,15 @@ def copies_made(wait: float = COPY_WAIT) -> None:
     if not _copying:
         return
     deadline = time.monotonic() + wait
-    with _copying_lock:
-        while _copying:
-            r = _copying[0]
-            poller = select.poll()
-            poller.register(r, select.POLLIN | select.POLLHUP)  # a byte, or EOF: the child is done
-            poller.poll(max(0, int((deadline - time.monotonic()) * 1000)))
-            _copying.pop(0)  # done, or waited for long enough
-            os.close(r)
+    while True:
+        with _copying_lock:  # not held while waiting: a fork's parent hook takes it too
+            if not _copying:
+                return
+            r = _copying.pop(0)
+        poller = select.poll()
+        poller.register(r, select.POLLIN | select.POLLHUP)  # a byte, or EOF: the child is done
+        poller.poll(max(0, int((deadline - time.monotonic()) * 1000)))
+        os.close(r)  # done, or waited for long enough
 
 
 def _before_fork() -> None:
@@ -122,11 +123,24 @@ def _in_parent() -> None:
         r, w = _pipe
         _pipe = None
         os.close(w)
-        _copying.append(r)
+        with _copying_lock:
+            _copying[:] = [fd for fd in _copying if not _done(fd)]  # a parent forking often keeps few
+            _copying.append(r)
+
+
+def _done(fd: int) -> bool:
+    """Whether the child of this pipe said it copied (or exited); then the fd is closed."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLHUP)
+    if not poller.poll(0):
+        return False
+    os.close(fd)
+    return True
 
 
 def _in_child() -> None:
-    global _pipe
+    global _pipe, _copying_lock
+    _copying_lock = threading.Lock()  # another thread of the parent may have held it at fork
     for r in _copying:  # the parent's waits, not ours
         os.close(r)
     _copying.clear()
