@@ -390,7 +390,7 @@ class Connection(Closeable):
         self._take_send_lock(timeout)
         try:
             self._check_open()
-            if self._rings is None and self._rings_of is None and _ring.enabled():
+            if self._rings is None and not self._forked and _ring.enabled():  # a fork's copy: the socket
                 if not self._hello_sent:
                     self._say_hello(timeout)
                 self._rings = _ring.RingLink.offer(self, timeout)

@@ -555,3 +555,36 @@ def test_a_parent_and_its_forked_child_both_sending_get_their_releases_back():
         os.close(go_w)
         tx.close()
         rx.close()
+
+
+def test_a_forked_copy_of_a_ringed_sender_stays_on_the_socket():
+    # A forked copy of a sender whose parent has rings once offered rings of its own at its first
+    # send; a WAKE or carried frame of the parent's then made it start writing into that ring,
+    # which no one reads: its frames were lost. A fork's copy never offers now.
+    tx, rx = channel()
+    r, w = os.pipe()
+    pid = -1
+    try:
+        tx.send(np.arange(3))
+        rx.recv(timeout=WAIT)
+        gc.collect()
+        rx.flush_releases()
+        _until(lambda: tx.poll_releases() >= 0 and tx._conn._rings.writing, "the parent's rings are up")
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            try:
+                for i in range(50):
+                    tx.send({"child": i})
+                os.write(w, b"s" if tx._conn._rings is None else b"r")
+            finally:
+                os._exit(0)
+        got = [rx.recv(timeout=WAIT) for _ in range(50)]
+        assert got == [{"child": i} for i in range(50)]
+        assert os.read(r, 1) == b"s", "the forked copy set up rings of its own"
+    finally:
+        if pid > 0:
+            _kill(pid)
+        os.close(r)
+        os.close(w)
+        tx.close()
+        rx.close()
