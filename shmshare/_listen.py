@@ -25,6 +25,8 @@ from .wire import _CLOSE_CHECK, MAX_FDS, Connection
 
 __all__ = ["Listener", "connect", "AcceptGate", "refused"]
 
+_SUN_PATH_MAX = 107  # bytes of a Unix socket path (sockaddr_un.sun_path, less its final NUL)
+
 
 class Listener(Closeable):
     """Accept connections from unrelated processes on a Unix socket path.
@@ -64,6 +66,10 @@ class Listener(Closeable):
             self._sock.close()
             self._remove_dirs()
             hint = ""
+            if len(os.fsencode(self.path)) > _SUN_PATH_MAX:
+                raise OSError(errno.ENAMETOOLONG, f"cannot listen on {self.path!r}: a Unix socket path holds "
+                              f"at most {_SUN_PATH_MAX} bytes and this one has {len(os.fsencode(self.path))}: "
+                              "choose a shorter path") from exc
             if exc.errno == errno.EADDRINUSE:
                 hint = (" (a socket file is there: another listener, or a stale one to remove)"
                         if _is_socket_or_gone(self.path) else

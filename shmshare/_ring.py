@@ -91,7 +91,8 @@ if TYPE_CHECKING:
     from ._fd import Fd
     from .wire import Connection
 
-__all__ = ["COUNT", "SLOT", "MAX_CARRIED", "spin_ns", "enabled", "nbytes", "make_memfd", "check_memfd", "RingLink"]
+__all__ = ["COUNT", "SLOT", "MAX_CARRIED", "spin_ns", "enabled", "check_settings", "nbytes", "make_memfd",
+           "check_memfd", "RingLink"]
 
 COUNT = 256  # slots each way
 SLOT = 512  # bytes per slot: a frame of up to SLOT - 4 bytes travels in the ring
@@ -122,6 +123,13 @@ def enabled() -> bool:
     if raw not in ("0", "1"):
         raise ValueError(f"SHMSHARE_RINGS={raw!r} must be 1 (rings, the default) or 0 (the socket only)")
     return raw == "1"
+
+
+def check_settings() -> None:
+    """Check SHMSHARE_RINGS and SHMSHARE_SPIN_US now (a channel's construction), not at the
+    first send of whichever process sends: ValueError saying what is wrong."""
+    if enabled():
+        spin_ns()
 
 
 def nbytes() -> int:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import array
 import errno
+import os
 import socket
 import struct
 import time
@@ -154,6 +155,9 @@ def connect(sock: socket.socket, path: str, timeout: float | None) -> None:
             time.sleep(pause if left is None else min(pause, left))
             pause = min(2 * pause, _RETRY_MOST)
         except OSError as exc:
+            if len(os.fsencode(path)) > 107:  # sockaddr_un.sun_path, less its final NUL
+                raise OSError(errno.ENAMETOOLONG, f"cannot connect to {path!r}: a Unix socket path holds "
+                              f"at most 107 bytes and this one has {len(os.fsencode(path))}") from exc
             raise OSError(exc.errno, f"cannot connect to {path!r}: {exc.strerror} "
                           f"({_HINTS.get(exc.errno or 0, 'see errno')})") from exc
     sock.setblocking(True)

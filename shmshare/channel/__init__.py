@@ -25,10 +25,11 @@ Note [Hot path]
 
 from __future__ import annotations
 
+import operator
 import os
 from typing import Any
 
-from .. import wire
+from .. import _ring, wire
 from ._receiver import Receiver
 from ._sender import DEFAULT_LIMIT, Sender, SenderStatistics
 
@@ -58,6 +59,8 @@ def channel(*, limit: int = DEFAULT_LIMIT, config: str | None = None, backend: s
     With ``backend="posix"`` the receiver maps the sender's unsealed POSIX
     shm (``trust_unsealed``): both ends are made here, by one caller.
     """
+    _check_limit(limit)
+    _ring.check_settings()
     a, b = wire.pipe()
     a._role, b._role = "sender", "receiver"
     try:
@@ -87,6 +90,7 @@ def listen(path: str | os.PathLike[str] | None = None, *, writable: bool = False
     ``backend="posix"``: this receiver trusts them not to truncate their
     shared memory (Note [Trust no fd] in ``channel/_trust.py``).
     """
+    _ring.check_settings()
     listener = wire.Listener(path, role="receiver", **listener_kw)
     try:
         return Receiver(listener=listener, writable=writable, trust_unsealed=trust_unsealed,
@@ -101,5 +105,16 @@ def connect(path: str | os.PathLike[str], *, timeout: float | None = None,
             limit: int = DEFAULT_LIMIT, config: str | None = None, backend: str = "memfd",
             **conn_kw: Any) -> Sender:
     """Return a Sender connected to the receiver listening at `path`."""
+    _check_limit(limit)
+    _ring.check_settings()
     conn = wire.connect(path, timeout=timeout, role="sender", **conn_kw)
     return Sender(conn, limit=limit, config=config, backend=backend)
+
+
+def _check_limit(limit: object) -> None:
+    try:
+        n = operator.index(limit)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"limit must be an int of bytes (e.g. 256 << 20), got {limit!r}") from None
+    if n <= 0 or isinstance(limit, bool):
+        raise ValueError(f"limit must be a positive number of bytes (e.g. 256 << 20), got {limit!r}")

@@ -141,7 +141,7 @@ def main_serve(socket_path: str | None, limit: int | None, evict: bool, log_leve
 
     try:
         return serve(socket_path, limit, evict, ready, max_clients)
-    except StoreError as exc:
+    except (StoreError, OSError) as exc:  # OSError: the socket (a path too long, no permission, ...)
         print(f"shmshare serve: {exc}", file=sys.stderr)
         return 1
 

@@ -464,3 +464,32 @@ def test_lease_ids_are_unique_per_process(chan):
     (lease,) = tx._leases
     assert lease >> 32 == os.getpid()  # a forked child's ids never collide with its parent's
     del rx
+
+
+@pytest.mark.parametrize(("limit", "error", "match"), [
+    ("1G", TypeError, "limit must be an int of bytes"),
+    (1.5, TypeError, "limit must be an int of bytes"),
+    (0, ValueError, "limit must be a positive number of bytes"),
+    (True, ValueError, "limit must be a positive number of bytes"),
+])
+def test_a_limit_that_is_not_a_number_of_bytes_is_refused_at_once(limit, error, match):
+    with pytest.raises(error, match=match):
+        shmshare.channel(limit=limit)
+
+
+@pytest.mark.parametrize(("name", "value", "match"), [
+    ("SHMSHARE_RINGS", "2", "must be 1"),
+    ("SHMSHARE_SPIN_US", "abc", "is not a number of microseconds"),
+])
+def test_ring_settings_are_checked_when_the_channel_is_made(monkeypatch, name, value, match):
+    monkeypatch.setenv(name, value)  # not at the first send of a child, where only its stderr says so
+    with pytest.raises(ValueError, match=match):
+        shmshare.channel()
+
+
+def test_a_socket_path_too_long_says_so(tmp_path):
+    path = str(tmp_path / ("d" * 120) / "s.sock")
+    with pytest.raises(OSError, match="holds at most 107 bytes"):
+        shmshare.listen(path)
+    with pytest.raises(OSError, match="holds at most 107 bytes"):
+        shmshare.connect(str(tmp_path / ("e" * 120)))
