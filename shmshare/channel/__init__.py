@@ -9,8 +9,10 @@ memory comes back to the sender's pool when the receiver drops it.
 
 Note [Hot path]
     A small message costs Python bytecode, not bytes: at 4 KB the producer
-    and the consumer each spend ~10 us of CPU per message here, of which the
-    two syscalls (sendmsg, recvmsg) are ~2.5 us each. What keeps it there:
+    and the consumer each spend ~40-60 us of CPU per message on the shared
+    2-core machine this is developed on (``scripts/bench_peers.py``,
+    2026-12-05), the two syscalls no longer among it since frames go through
+    the rings (Note [Rings] in ``_ring.py``). What keeps it from more:
     - the batch is walked by msgpack's C packer and unpacker, with Python
       called only for the exts (``tensors.Encoder``, ``tensors.decode``);
     - an array's address and extent come from one buffer request in C
