@@ -5,10 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import socket
-import types
-from typing import Any
 
 import pytest
 
@@ -16,6 +13,7 @@ from shmshare import _sockets, _stat, _statask, _statsd, wire
 from shmshare.memory import CachingAllocator, SimulatedDevice
 from shmshare.store import _find
 
+from .clock_helpers import PollClock
 from .stats_helpers import stats_dir as _stats_dir
 
 
@@ -100,48 +98,12 @@ def test_a_forked_child_serves_from_its_first_pool_not_from_the_fork(home):
     assert said == b"ok"
 
 
-class _Clock:
-    """A monotonic clock that moves only while stat waits: a poll returns at once with what is
-    ready, and when nothing is, the clock jumps by the whole wait asked (as does a sleep). Stat's
-    total wait is then counted, not timed."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
-
-    def select(self) -> types.SimpleNamespace:
-        """A stand-in for the select module whose polls run on this clock."""
-        return types.SimpleNamespace(poll=self.poll, **{k: getattr(select, k) for k in dir(select)
-                                                        if k.startswith("POLL")})
-
-    def poll(self) -> Any:
-        real = select.poll()
-        clock = self
-
-        class Poller:
-            register, unregister, modify = real.register, real.unregister, real.modify
-
-            def poll(self, ms: float | None = None) -> list[tuple[int, int]]:
-                ready = real.poll(0)
-                if not ready:
-                    assert ms is not None, "a wait without a timeout"
-                    clock.now += ms / 1000
-                return ready
-
-        return Poller()
-
-
 def test_many_silent_and_one_full_backlog_cost_one_timeout(home, monkeypatch):
     """200 silent stats sockets (more than _AT_ONCE) and one whose backlog is full cost one
     timeout in all: on a clock that moves only while stat waits -- its poll loop, and whatever
     a connection or a connect waits -- ask_stats(timeout=0.3) waits 0.3 s, not a timeout per
     _AT_ONCE sockets or per full backlog."""
-    clock = _Clock()
+    clock = PollClock()
     for module in (_statask, wire):
         monkeypatch.setattr(module, "time", clock)
         monkeypatch.setattr(module, "select", clock.select())
@@ -166,7 +128,7 @@ def test_many_silent_and_one_full_backlog_cost_one_timeout(home, monkeypatch):
     finally:
         for s in socks:
             s.close()
-    waited = clock.now - 1000.0
+    waited = clock.waited
     assert waited <= 0.3 + 0.01, f"stat waited {waited:.2f} s for 200 silent stats sockets"
     mine = [u for u in unanswered if os.path.dirname(u["socket"]) == d]
     assert len(mine) == 200 and not [p for p in answers if p == os.getpid()]

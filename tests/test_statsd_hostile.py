@@ -9,14 +9,12 @@ from __future__ import annotations
 import array
 import os
 import random
-import select
 import socket
 import stat
 import subprocess
 import sys
 import threading
 import time
-import types
 import warnings
 from typing import Any
 
@@ -26,6 +24,7 @@ import pytest
 from shmshare import _registry, _stat, _statask, _statsd, wire
 from shmshare.memory import CachingAllocator, CachingHostAllocator, HostFallbackProvider, SimulatedDevice
 
+from .clock_helpers import PollClock
 from .stats_helpers import stats_dir as _stats_dir
 
 WAIT = 20.0
@@ -113,47 +112,15 @@ def _fds() -> int:
 # -- stat's time, and fakes that would hang or crash it ------------------------------------
 
 
-class _Clock:
-    """A monotonic clock that moves only when a poll waits: a poll returns at once with what is
-    ready, and when nothing is, the clock jumps by the whole wait asked. Stat's total wait is then
-    counted, not timed."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-        self.polls = 0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def poll(self) -> Any:
-        real = select.poll()
-        clock = self
-
-        class Poller:
-            register = real.register
-            unregister = real.unregister
-            modify = real.modify
-
-            def poll(self, ms: float | None = None) -> list[tuple[int, int]]:
-                clock.polls += 1
-                ready = real.poll(0)
-                if not ready and ms is not None:
-                    clock.now += ms / 1000
-                return ready
-
-        return Poller()
-
-
 def test_stat_with_50_unresponsive_stats_sockets_waits_one_timeout(home, monkeypatch):
     """Defect: ask_stats asked at most 16 sockets at a time, so 50 silent ones (listening, never
     accepting: a same-uid process makes them for free) cost 4 x 0.5 s, growing without bound
     with their number. A fix must ask every socket at once (or bound stat's total wait): on a
     clock that moves only while stat waits, 50 silent sockets cost one ASK_TIMEOUT in all."""
     d = _stats_dir()
-    clock = _Clock()
+    clock = PollClock()
     monkeypatch.setattr(_statask, "time", clock)
-    monkeypatch.setattr(_statask, "select", types.SimpleNamespace(poll=clock.poll, POLLIN=select.POLLIN,
-                                                                  POLLOUT=select.POLLOUT))
+    monkeypatch.setattr(_statask, "select", clock.select())
     socks = []
     try:
         for i in range(50):
@@ -168,7 +135,7 @@ def test_stat_with_50_unresponsive_stats_sockets_waits_one_timeout(home, monkeyp
     silent = [u for u in unanswered if os.path.basename(u["socket"]).startswith("4000000")]
     assert len(silent) == 50 and not answers, (answers, unanswered)
     assert all("no answer within" in u["why"] for u in silent), silent
-    waited = clock.now - 1000.0
+    waited = clock.waited
     assert waited <= _stat.ASK_TIMEOUT + 0.01, f"stat waited {waited:.2f} s for 50 silent stats sockets"
 
 

@@ -7,10 +7,8 @@ import fcntl
 import gc
 import math
 import os
-import select
 import signal
 import time
-import types
 from typing import Any
 
 import numpy as np
@@ -22,6 +20,7 @@ from shmshare.store import Daemon, Store, StoreError, _client
 from shmshare.store._packing import SEALS
 from shmshare.testing import procs
 
+from ..clock_helpers import PollClock
 from .helpers import until
 from .hostile_helpers import (
     MiB,
@@ -88,53 +87,20 @@ def test_a_get_interrupted_by_keyboardinterrupt_does_not_shift_later_replies(
         assert first == 2, f"get('b') returned {first}s: the interrupted get('a')'s object"
 
 
-class _Clock:
-    """A monotonic clock that moves only while a poll waits: a poll returns at once with what is
-    ready, and when nothing is, the clock jumps by the whole wait asked. A client's wait for a
-    daemon that does not answer is then counted, not timed."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-    def select(self) -> types.SimpleNamespace:
-        """A stand-in for the select module whose polls run on this clock."""
-        return types.SimpleNamespace(poll=self.poll, **{k: getattr(select, k) for k in dir(select)
-                                                        if k.startswith("POLL")})
-
-    def poll(self) -> Any:
-        real = select.poll()
-        clock = self
-
-        class Poller:
-            register, unregister, modify = real.register, real.unregister, real.modify
-
-            def poll(self, ms: float | None = None) -> list[tuple[int, int]]:
-                ready = real.poll(0)
-                if not ready:
-                    assert ms is not None, "a wait without a timeout"
-                    clock.now += ms / 1000
-                return ready
-
-        return Poller()
-
-
 def test_get_timeout_holds_when_the_daemon_does_not_answer(own_daemon: Daemon,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """get(name, timeout=0.2) on a Store made with timeout=3 takes 3 s when the daemon is
     stopped: the request itself waits Store.timeout whatever get's timeout says. A fix must
     bound the whole get by the smaller of the two: on a clock that moves only while the
     client waits (its connection's polls and get's own deadline), the get waits 0.2 s in all."""
-    clock = _Clock()
+    clock = PollClock()
     monkeypatch.setattr(wire, "time", clock)
     monkeypatch.setattr(wire, "select", clock.select())  # before the Store: its connection's polls
     monkeypatch.setattr(_client, "time", clock)
     with (Store(own_daemon.path, timeout=3) as s, _stopped(own_daemon.pid),
           pytest.raises((ShmshareTimeout, StoreError))):
         s.get("nothing", timeout=0.2)
-    waited = clock.now - 1000.0
+    waited = clock.waited
     assert waited <= 0.2 + 0.01, f"get(timeout=0.2) waited {waited:.1f} s for a stopped daemon"
 
 
