@@ -76,6 +76,7 @@ import os
 import select
 import socket
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -314,6 +315,68 @@ class RingLink:
             time.sleep(pause if left is None else min(pause, left))
             pause = self.pause = min(2 * pause, ROOM_BACKOFF[1])
             pending = self.ring.pending
+
+    # -- the fast lane (Note [Fast lane]) -------------------------------------------------------
+
+    def send_now(self, make: Callable[..., bytes], *args: Any) -> bool:
+        """Push the message frame ``make(*args)`` (``[MSG, header]`` packed, no fds), made only if
+        our frames go by ring, if a slot is free now; False: nothing sent, ``send()`` it."""
+        if not self.writing:
+            return False
+        frame = make(*args)
+        if len(frame) > SLOT - 4:
+            return False
+        conn = self.conn
+        if not conn._send_lock.acquire(blocking=False):
+            return False
+        try:
+            if not self.writing or conn.state is State.CLOSED:
+                return False
+            r = self.ring.push(frame)
+            if r == 0:
+                return False  # full: the usual send waits for room
+            if r == 3:
+                self.wake()
+            elif r < 0:
+                raise ProtocolError("the peer broke the ring: its read index is not within the "
+                                    "ring of what this end wrote")
+            c = conn._counts
+            c[0] += 1
+            c[4] += len(frame)
+            return True
+        finally:
+            conn._send_lock.release()
+
+    def recv_now(self) -> Any:
+        """The header of the message at the head of the ring, if one is there now; None: nothing
+        was taken, ``recv()`` the usual way (an empty ring, no HELLO read yet, a receive of
+        another thread). A marker is resolved as ``recv()`` would, its frame kept for it."""
+        conn = self.conn
+        if not self.reading or self.stash or self.resolving is not None or conn.peer_hello is None:
+            return None
+        if not conn._recv_lock.acquire(blocking=False):
+            return None
+        try:
+            if conn.state is State.CLOSED:
+                return None
+            buf = conn._buf
+            ring = self.ring
+            n = ring.pop_into(buf)
+            if n < 0:
+                return None  # empty, or broken: recv() pops again and says so
+            if self.armed_after_read and not ring.readable():
+                ring.arm()
+            got = self._ring_frame(buf, n)
+            if got is None:
+                return None
+            body, fds = got[1], got[2]
+            if fds or type(body) is not dict:  # a carried frame, or a bad header: recv()'s
+                self.stash.appendleft((body, fds))
+                return None
+            conn._counts[1] += 1
+            return body
+        finally:
+            conn._recv_lock.release()
 
     # -- reading ------------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +59,7 @@ __all__ = [
     "Listener",
     "pipe",
     "connect",
+    "message_frame",
 ]
 
 MAX_FRAME = 128 * 1024  # bytes in one frame; SEQPACKET messages must fit the socket buffer
@@ -408,6 +409,17 @@ class Connection(Closeable):
         rings = self._rings
         return rings is not None and rings.reading and rings.pending()
 
+    def send_now(self, make: Callable[..., bytes], *args: Any) -> bool:
+        """Put ``make(*args)``, a message as :func:`message_frame` packs it, in the ring if it has
+        room now; False: nothing sent, ``send()`` it (Note [Fast lane] in channel/_lane.py)."""
+        rings = self._rings
+        return rings is not None and rings.send_now(make, *args)
+
+    def recv_now(self) -> dict[Any, Any] | None:
+        """The next message's header if it is in the ring now (it has no fds); None: ``recv()``."""
+        rings = self._rings
+        return None if rings is None else rings.recv_now()
+
     # -- misc ---------------------------------------------------------------
 
     def poll(self, timeout: float | None = 0.0) -> bool:
@@ -557,6 +569,11 @@ def pipe(**conn_kw: Any) -> tuple[Connection, Connection]:
     """Return a connected pair of Connections, for a parent and its child."""
     a, b = making_fds("socketpair", socket.socketpair, socket.AF_UNIX, socket.SOCK_SEQPACKET)
     return Connection(a, **conn_kw), Connection(b, **conn_kw)
+
+
+def message_frame(header: dict[Any, Any]) -> bytes:
+    """The bytes ``send(header)`` puts on the wire or in a ring slot, for :meth:`Connection.send_now`."""
+    return _pack([_KIND_MSG, header])
 
 
 def _pack(obj: Any) -> bytes:
