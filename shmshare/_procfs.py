@@ -1,4 +1,4 @@
-"""Read what a process holds from /proc: fds, shared-memory mappings, /dev/shm names.
+"""Read what a process holds from /proc: fds, shared-memory mappings, /dev/shm names; whether it lives.
 
 Used by ``shmshare doctor``/``demo`` and by the leak checker in
 ``shmshare.testing``. Every reader tolerates a process that exits while it
@@ -10,7 +10,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-__all__ = ["Mapping", "fds", "mappings", "shm_mappings", "dev_of", "holders", "shm_names", "meminfo_kb", "SHM_MARKERS"]
+__all__ = ["Mapping", "fds", "mappings", "shm_mappings", "dev_of", "holders", "shm_names", "meminfo_kb", "SHM_MARKERS",
+           "pid_alive"]
 
 # What a shared-memory mapping's path looks like in /proc/<pid>/maps.
 SHM_MARKERS = ("/memfd:", "/dev/shm/", "/SYSV")
@@ -131,3 +132,22 @@ def meminfo_kb(field: str = "Shmem") -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise KeyError(f"/proc/meminfo has no field {field!r}")
+
+
+def pid_alive(pid: int) -> bool:
+    """Return whether process `pid` exists (in our pid namespace) and has not exited.
+
+    A zombie, exited but not reaped yet by its parent, has exited. A process of
+    another user (``EPERM``) exists.
+    """
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b") ")[2][:1] not in (b"Z", b"X")
+    except OSError:
+        return True  # no procfs to ask: it exists

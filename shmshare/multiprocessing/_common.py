@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 
 from .._errors import PeerDied, ShmshareError
+from .._procfs import pid_alive as alive  # the one test of a pid, for _client, _books and _storages
 
 __all__ = ["KIND", "TABLE", "SEGMENT", "ERROR", "RELEASE", "DROP", "LEND", "OwnerGone", "HandleError",
            "alive", "env_number"]
@@ -40,22 +41,6 @@ class OwnerGone(PeerDied):
 
 class HandleError(ShmshareError):
     """A handle that cannot be unpickled here: already unpickled once, stale, or malformed."""
-
-
-def alive(pid: int) -> bool:
-    """Whether a process `pid` exists (in our pid namespace) and has not exited (a zombie, not
-    reaped yet by its parent, has)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rpartition(b") ")[2][:1] not in (b"Z", b"X")
-    except OSError:
-        return True  # no procfs to ask: it exists
 
 
 def env_number(name: str, default: float, what: str) -> float:

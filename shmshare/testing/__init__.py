@@ -3,14 +3,18 @@
 ``shmshare.testing`` may import anything in shmshare; nothing in shmshare
 imports it. It holds the leak checker (fds, shared-memory mappings and
 ``/dev/shm`` names of a process, before and after), bounded child-process
-helpers, ``refs()`` (who holds one shared object, in which processes), the
-contract suites that every pool provider runs, and the pytest plugin
+helpers (start, wait for, kill by pid and reap, is a pid alive), a bounded
+``wait_until``, ``pattern()`` (contents derived from an id, to check on the
+other side), ``refs()`` (who holds one shared object, in which processes),
+the contract suites that every pool provider runs, and the pytest plugin
 (``pytest --leaks``, in ``pytest_plugin``; pytest loads it, nothing imports it).
 """
 
 from .leaks import LeakError, Leaks, ResourceSnapshot, assert_no_leaks, check_leaks
-from .procs import Child, start_child
+from .patterns import pattern
+from .procs import Child, kill, pid_alive, start_child, wait_exit
 from .refs import Refs, refs
+from .waits import wait_until
 
 __all__ = [
     "ResourceSnapshot",
@@ -20,6 +24,11 @@ __all__ = [
     "check_leaks",
     "Child",
     "start_child",
+    "kill",
+    "wait_exit",
+    "pid_alive",
+    "wait_until",
+    "pattern",
     "refs",
     "Refs",
 ]

@@ -1,14 +1,25 @@
-"""Bounded child processes for tests: every wait has a timeout, every child is killed by pid."""
+"""Bounded child processes for tests: every wait has a timeout, every child is killed by pid.
+
+``Child``/``start_child`` for a target run by multiprocessing; ``kill``, ``wait_exit``
+and ``pid_alive`` for any process a test started (a pid of ``os.fork``, a
+``multiprocessing`` Process, a ``subprocess.Popen``) or only knows the pid of.
+"""
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Child", "start_child"]
+from .._procfs import pid_alive
+
+__all__ = ["Child", "start_child", "kill", "wait_exit", "pid_alive"]
+
+_Proc = int | mp.process.BaseProcess | subprocess.Popen[Any]  # what kill and wait_exit take
 
 
 class Child:
@@ -38,12 +49,7 @@ class Child:
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send `sig` to the child by pid and reap it (bounded)."""
-        if self._proc.exitcode is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-            self._proc.join(10)
+        kill(self._proc, sig=sig)
 
     def stop(self) -> None:
         """Kill the child if it is alive and release the Process object."""
@@ -64,3 +70,85 @@ def start_child(target: Callable[..., Any], *args: Any, method: str = "fork") ->
     proc = mp.get_context(method).Process(target=target, args=args, daemon=True)  # type: ignore[attr-defined]
     proc.start()
     return Child(proc)
+
+
+def kill(*procs: _Proc | None, sig: int = signal.SIGKILL, timeout: float = 10.0, reap: bool = True) -> None:
+    """Send `sig` to each process by pid and reap it, waiting at most `timeout` s for them all.
+
+    Each of `procs` is a pid, a ``multiprocessing`` Process (joined, so that it learns its
+    exit code) or a ``subprocess.Popen`` (waited for); None and processes that have already
+    ended are passed over. A pid that is a child of this process is reaped with
+    ``waitpid``, unless `reap` is false: pass ``reap=False`` for a child that something
+    else reaps (multiprocessing, a DataLoader), whose exit code a ``waitpid`` here would
+    steal. Any other pid is waited for until it has exited (a zombie has). A process still
+    there after `timeout` is left as it is: this is cleanup, and raises nothing.
+    """
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        if proc is None:
+            continue
+        if isinstance(proc, int):
+            _signal(proc, sig)
+            _reap_pid(proc, deadline, reap)
+        elif isinstance(proc, subprocess.Popen):
+            if proc.poll() is None:
+                _signal(proc.pid, sig)
+                try:
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        elif proc.pid is not None and proc.exitcode is None:
+            _signal(proc.pid, sig)
+            proc.join(max(0.0, deadline - time.monotonic()))
+
+
+def wait_exit(proc: _Proc, timeout: float = 30.0) -> int:
+    """Wait up to `timeout` s for a process to exit and return its exit code (negative: the
+    signal that killed it); kill it and raise AssertionError if it is still running.
+
+    `proc` is a pid of this process's child (reaped here), a ``multiprocessing`` Process
+    (joined) or a ``subprocess.Popen`` (waited for).
+    """
+    code: int | None = None
+    if isinstance(proc, int):
+        deadline = time.monotonic() + timeout
+        while (done := os.waitpid(proc, os.WNOHANG))[0] == 0 and time.monotonic() <= deadline:
+            time.sleep(0.005)  # ChildProcessError above: not our child, or reaped already
+        code = os.waitstatus_to_exitcode(done[1]) if done[0] else None
+        pid = proc
+    elif isinstance(proc, subprocess.Popen):
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        pid = proc.pid
+    else:
+        proc.join(timeout)
+        code = proc.exitcode
+        pid = proc.pid if proc.pid is not None else -1
+    if code is None:
+        kill(proc)
+        raise AssertionError(f"pid {pid} did not exit within {timeout:g} s (killed it)")
+    return code
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass  # reaped already (a zombie still takes signals)
+
+
+def _reap_pid(pid: int, deadline: float, reap: bool) -> None:
+    """Wait until `pid` has ended or `deadline` has passed; reap it with waitpid if it is our
+    child and `reap`."""
+    while time.monotonic() <= deadline:
+        if reap:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    return
+            except ChildProcessError:
+                reap = False  # not our child, or reaped already: watch it instead
+        if not reap and not pid_alive(pid):
+            return
+        time.sleep(0.005)
