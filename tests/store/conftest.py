@@ -19,8 +19,7 @@ from collections.abc import Iterator
 import pytest
 
 from shmshare.store import Daemon, Store
-
-from .helpers import until
+from shmshare.testing import wait_until
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +66,8 @@ def _empty(path: str) -> None:
         def nothing_held() -> bool:
             st = s.stats()
             return st["objects"] == 0 and st["deleted_viewed"] == 0 and st["memfd_bytes"] == 0
-        until(nothing_held, "the daemon holds nothing once every object is deleted and every "
-              "view is gone", timeout=10)
+        wait_until(nothing_held, "the daemon holds nothing once every object is deleted and every "
+                   "view is gone", timeout=10)
 
 
 @pytest.fixture

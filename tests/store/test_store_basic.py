@@ -13,8 +13,7 @@ import shmshare
 from shmshare import ShmshareTimeout
 from shmshare.store import ObjectExists, Store, StoreError
 from shmshare.store._protocol import LARGE
-
-from .helpers import pattern, until
+from shmshare.testing import pattern, wait_until
 
 SIZES = {"small": 1000, "large": LARGE // 4 + 1000}  # items of 4 bytes: one below LARGE, one above
 
@@ -73,7 +72,7 @@ def test_a_value_without_arrays_and_an_empty_array(store: Store) -> None:
     assert got.shape == (0,) and got.dtype == np.int64
     assert store.info("none").kind == "empty"
     gc.collect()
-    until(lambda: store.info("plain").refs == 0, "the references of arrayless gets come back")
+    wait_until(lambda: store.info("plain").refs == 0, "the references of arrayless gets come back")
 
 
 def test_names_are_checked(store: Store) -> None:
@@ -164,7 +163,7 @@ def test_create_fill_seal(store: Store, daemon, n: int) -> None:
         assert store.info("c").write_seal == "future"  # `arr` still maps it writable
         del arr
         gc.collect()
-        until(lambda: store.info("c").write_seal == "full", "the full write seal")
+        wait_until(lambda: store.info("c").write_seal == "full", "the full write seal")
     with pytest.raises(KeyError, match="not created through this Store"):
         store.seal("c")
 

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from shmshare.store import Daemon, Store, StoreFull
+from shmshare.testing import wait_until
 
-from .helpers import WAIT, memory_cgroup, until
+from .helpers import WAIT, memory_cgroup
 from .hostile_helpers import _fresh_daemon
 
 MiB = 1 << 20
@@ -76,7 +77,7 @@ def test_a_putter_in_a_full_memory_cgroup_gets_a_segment_error_not_an_oom_kill(
         finally:
             for o in store.list():  # the child's pages leave its cgroup with the objects
                 store.delete(o.name)
-            until(lambda: store.stats()["memfd_bytes"] == 0, "the objects' memfds are closed")
+            wait_until(lambda: store.stats()["memfd_bytes"] == 0, "the objects' memfds are closed")
 
 
 @pytest.mark.parametrize("limit", [None, 1 << 30], ids=["no-limit", "limit-above-cgroup"])

@@ -13,25 +13,14 @@ import sys
 import pytest
 
 from shmshare.store import Daemon, Store, StoreError
+from shmshare.testing import pid_alive, wait_until
 
-from .helpers import WAIT, until
+from .helpers import WAIT
 
 
 def _serve(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "shmshare", "serve", *args], capture_output=True,
                           text=True, timeout=WAIT, env=env, stdin=subprocess.DEVNULL)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_detach_prints_the_socket_and_runs_until_sigterm(sockdir: str) -> None:
@@ -51,7 +40,7 @@ def test_detach_prints_the_socket_and_runs_until_sigterm(sockdir: str) -> None:
             assert s.get("x") == 1 and s.daemon_pid == pid
     finally:
         os.kill(pid, signal.SIGTERM)
-    until(lambda: not _alive(pid), "the detached daemon exits on SIGTERM")
+    wait_until(lambda: not pid_alive(pid), "the detached daemon exits on SIGTERM")
     assert not os.path.exists(path)
 
 

@@ -18,10 +18,9 @@ from shmshare import _native, tensors, wire
 from shmshare._errors import ShmshareTimeout
 from shmshare.store import Daemon, Store, StoreError, _client
 from shmshare.store._packing import SEALS
-from shmshare.testing import procs
+from shmshare.testing import procs, wait_until
 
 from ..clock_helpers import PollClock
-from .helpers import until
 from .hostile_helpers import (
     MiB,
     _ask,
@@ -53,8 +52,8 @@ def test_a_get_that_timed_out_leaves_the_connection_usable_and_its_reference_giv
         del got
         gc.collect()
         writer.delete("x")
-        until(lambda: writer.stats()["deleted_viewed"] == 0,
-              "the timed-out get's reference is given back", timeout=3)
+        wait_until(lambda: writer.stats()["deleted_viewed"] == 0,
+                   "the timed-out get's reference is given back", timeout=3)
 
 
 def test_a_get_interrupted_by_keyboardinterrupt_does_not_shift_later_replies(
@@ -149,7 +148,7 @@ def test_fds_attached_to_requests_that_take_none_are_closed(store: Store, daemon
     finally:
         for fd in extra:
             os.close(fd)
-    until(lambda: _nfds(daemon.pid) <= base, "the daemon holds none of the fds sent", timeout=5)
+    wait_until(lambda: _nfds(daemon.pid) <= base, "the daemon holds none of the fds sent", timeout=5)
 
 
 @pytest.mark.parametrize("kind", ["unsealed", "no-write-seal", "holes", "short", "regular",
@@ -221,7 +220,7 @@ def test_releases_of_references_not_held_change_nothing(store: Store, daemon: Da
                timeout=5)
         assert _ask(c, {"k": "stats"})["k"] == "stats"
         assert store.info("mine").refs == 1  # ours stays; theirs went once
-    until(lambda: store.info("mine").refs == 1, "the raw peer's reference goes with it")
+    wait_until(lambda: store.info("mine").refs == 1, "the raw peer's reference goes with it")
     del view
 
 

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from shmshare.store import Daemon, Store, StoreBusy, StoreError, StoreGone
+from shmshare.testing import wait_until
 
-from .helpers import WAIT, until
+from .helpers import WAIT
 from .hostile_helpers import _raw, _stopped
 
 
@@ -35,7 +36,7 @@ def test_a_client_past_the_cap_is_told_the_daemon_is_full(own_daemon: Daemon) ->
         a.put("kept", np.arange(100))
         b.stats()  # both accepted
         with Store(path) as c:
-            until(lambda: c._conn.poll(0), "the daemon answers the third client at accept")
+            wait_until(lambda: c._conn.poll(0), "the daemon answers the third client at accept")
             for _ in range(2):  # and says so again, rather than StoreGone, on every request
                 with pytest.raises(StoreError) as info:
                     c.stats()
@@ -43,7 +44,7 @@ def test_a_client_past_the_cap_is_told_the_daemon_is_full(own_daemon: Daemon) ->
         assert [int(x) for x in a.get("kept")[:3]] == [0, 1, 2]
         assert b.stats()["connected"] == 2
     with Store(path) as d:
-        until(lambda: d.stats()["connected"] == 1, "the first two gone, a newcomer is served")
+        wait_until(lambda: d.stats()["connected"] == 1, "the first two gone, a newcomer is served")
         d.delete("kept")
 
 
@@ -58,8 +59,8 @@ def test_a_refusal_read_after_the_request_was_sent_is_told_as_full(own_daemon: D
             c = Store(own_daemon.path)  # connected in the backlog, not accepted yet
             t = threading.Thread(target=lambda: got.append(_call(c)), daemon=True)
             t.start()
-            until(lambda: c._conn.statistics().frames_sent == 1 or not t.is_alive(),
-                  "the request is sent while the daemon is stopped")
+            wait_until(lambda: c._conn.statistics().frames_sent == 1 or not t.is_alive(),
+                       "the request is sent while the daemon is stopped")
         t.join(WAIT)
         assert not t.is_alive(), "the refused client's request did not end"
         c.close()

@@ -15,9 +15,10 @@ import pytest
 
 from shmshare import ShmshareTimeout
 from shmshare.store import Daemon, Store, StoreError
+from shmshare.testing import pattern
 
 from ..socket_helpers import fill_backlog
-from .helpers import WAIT, pattern
+from .helpers import WAIT
 
 
 @contextmanager

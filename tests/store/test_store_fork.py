@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from shmshare.store import Daemon, Store
-from shmshare.testing import procs
+from shmshare.testing import pattern, procs, wait_until
 
-from .helpers import WAIT, pattern, until
+from .helpers import WAIT
 
 
 def _check_after_go(view: np.ndarray, r: int, w: int, want: np.ndarray) -> None:
@@ -40,7 +40,7 @@ def test_a_forked_childs_view_keeps_its_bytes_after_the_parent_lets_go(own_daemo
                 r = -1
                 s.delete("first")
                 del view
-                until(lambda: s.stats()["deleted_viewed"] == 0, "the parent's reference is back")
+                wait_until(lambda: s.stats()["deleted_viewed"] == 0, "the parent's reference is back")
                 s.put("second", pattern(2, n))  # best fit: the block "first" had
                 os.write(w, b"g")
                 rc = child.join(WAIT)

@@ -5,38 +5,18 @@ thread held at fork does not hang the child."""
 from __future__ import annotations
 
 import os
-import signal
 import threading
-import time
 import warnings
 
 import shmshare.multiprocessing  # noqa: F401 - its fork handlers are registered after the store's
 from shmshare import _cgroup
 from shmshare.multiprocessing import _client as mp_client
 from shmshare.store import Daemon, Store
+from shmshare.testing import kill, pattern, wait_exit
 
-from .helpers import WAIT, memory_cgroup, pattern
+from .helpers import WAIT, memory_cgroup
 
 _LIMIT = 5 << 20 | 512 << 10  # bytes: room for the child itself, not for a 2 MiB copy + slack
-
-
-def _reap(pid: int, timeout: float = WAIT) -> int | None:
-    """Exit status of `pid` within `timeout` (None: still running)."""
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        got, status = os.waitpid(pid, os.WNOHANG)
-        if got:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    return None
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    except (ProcessLookupError, ChildProcessError):
-        pass
 
 
 def _own_cgroup_procs() -> str:
@@ -85,14 +65,14 @@ def test_a_failed_copy_under_warnings_as_errors_does_not_skip_the_other_layers_h
             os.close(w)
             w = -1
             got = os.read(r, 1)
-            assert _reap(pid) == 0
+            assert wait_exit(pid) == 0
             pid = -1
             assert got == b"1", ("the multiprocessing client's fork handler did not run in the "
                                  "child: the store's handler raised its warning first")
         finally:
             del view  # not held by the traceback (the leak check)
             if pid > 0:
-                _kill(pid)
+                kill(pid)
             for fd in (r, w):
                 if fd >= 0:
                     os.close(fd)
@@ -125,13 +105,13 @@ def test_fork_while_another_thread_holds_the_cgroup_cache_lock(own_daemon: Daemo
             if pid == 0:
                 os._exit(0)
             release.set()
-            rc = _reap(pid, 10.0)
+            rc = wait_exit(pid, 10.0)
             assert rc == 0, "the forked child hangs in the store's fork handler (_cgroup._lock)"
             pid = -1
         finally:
             del view
             release.set()
             if pid > 0:
-                _kill(pid)
+                kill(pid)
             t.join(WAIT)
         s.delete("small")

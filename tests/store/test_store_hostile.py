@@ -29,8 +29,9 @@ from shmshare import wire
 from shmshare._errors import PeerDied, ShmshareTimeout
 from shmshare.store import Daemon, Store, StoreError, StoreFull, StoreGone, _launch
 from shmshare.store._packing import SEALS
+from shmshare.testing import wait_until
 
-from .helpers import WAIT, until
+from .helpers import WAIT
 from .hostile_helpers import (
     _FALLOC_FL_KEEP_SIZE,
     _FALLOC_FL_PUNCH_HOLE,
@@ -210,7 +211,7 @@ def test_a_full_fd_table_does_not_drop_existing_clients(sockdir: str) -> None:
             for _ in range(80):
                 conns.append(wire.connect(path, timeout=5))
             # it stops accepting with a request's worth of fds still free (check_fd_room)
-            until(lambda: _nfds(d.pid) >= 48, "the daemon's fd table fills", timeout=10)
+            wait_until(lambda: _nfds(d.pid) >= 48, "the daemon's fd table fills", timeout=10)
             dropped = None
             try:
                 s.put("big", np.zeros(MiB, np.uint8))
@@ -331,8 +332,8 @@ def test_peers_that_do_not_read_their_replies_do_not_stall_other_clients(
                             for _ in range(100):
                                 f.send({"k": "list"}, timeout=5)
                     other.stats()
-                    until(lambda: all(_hung_up(f) for f in floods),
-                          "the daemon drops the peers whose sockets its replies filled")
+                    wait_until(lambda: all(_hung_up(f) for f in floods),
+                               "the daemon drops the peers whose sockets its replies filled")
                     other.stats()
             finally:
                 for f in floods:

@@ -19,9 +19,9 @@ import pytest
 from shmshare import wire
 from shmshare.store import Daemon, Store, StoreFull, StoreGone
 from shmshare.store._protocol import LARGE
-from shmshare.testing import procs
+from shmshare.testing import pattern, procs, wait_until
 
-from .helpers import WAIT, dev_shm, memfds, pattern, until
+from .helpers import WAIT, dev_shm, memfds
 
 SMALL, BIG = 2000, LARGE // 4 + 4096  # items of 4 bytes
 
@@ -78,7 +78,7 @@ def test_a_creator_killed_before_seal_aborts_its_object(store: Store, daemon: Da
     assert "c" not in store
     with pytest.raises(KeyError):
         store.info("c")
-    until(lambda: memfds(daemon.pid) <= base, "the aborted object's memfd is closed")
+    wait_until(lambda: memfds(daemon.pid) <= base, "the aborted object's memfd is closed")
 
 
 def _getter(path: str) -> None:
@@ -98,8 +98,8 @@ def test_a_getter_killed_holding_views_gives_its_references_back(store: Store,
         assert store.info("big").refs == 2 and store.info("small").refs == 1
         assert store.info("big").holders == 1
         child.kill()
-    until(lambda: store.info("big").refs == 0 and store.info("small").refs == 0,
-          "a killed getter's references are given back")
+    wait_until(lambda: store.info("big").refs == 0 and store.info("small").refs == 0,
+               "a killed getter's references are given back")
     before = store.stats()["freed"]
     store.delete("big")
     store.delete("small")
@@ -124,8 +124,8 @@ def test_delete_while_views_are_held_keeps_them_valid_until_they_go(store: Store
         held = st["held_bytes"]
         del small, big
         gc.collect()
-        until(lambda: store.stats()["deleted_viewed"] == 0, "deleted objects are freed once "
-              "their last view is gone")
+        wait_until(lambda: store.stats()["deleted_viewed"] == 0, "deleted objects are freed once "
+                   "their last view is gone")
         assert store.stats()["held_bytes"] <= held - BIG * 4  # the big memfd's bytes came back
 
 
@@ -203,7 +203,7 @@ def test_a_created_object_is_sealed_against_new_writers_while_its_creator_maps_i
         os.close(fd)
     del arr
     gc.collect()
-    until(lambda: store.info("c").write_seal == "full", "the full seal once the creator unmapped")
+    wait_until(lambda: store.info("c").write_seal == "full", "the full seal once the creator unmapped")
 
 
 @pytest.mark.daemon_args(limit=8 << 20)
@@ -231,7 +231,7 @@ def test_eviction_takes_unreferenced_objects_least_recently_used_first(own_daemo
         s.put("mid", np.zeros(3 << 20, np.uint8))
         s.get("old")  # used: now "mid" is the least recently used (the view is dropped at once)
         gc.collect()
-        until(lambda: s.info("old").refs == 0, "the reference comes back")
+        wait_until(lambda: s.info("old").refs == 0, "the reference comes back")
         s.put("new", np.zeros(3 << 20, np.uint8))
         assert "mid" not in s and "old" in s and "new" in s
         held = s.get("old")

@@ -19,8 +19,9 @@ import pytest
 from shmshare._errors import ShmshareError, ShmshareTimeout
 from shmshare.store import Daemon, Store, StoreError, StoreFull
 from shmshare.store._protocol import LARGE
+from shmshare.testing import pattern, wait_until
 
-from .helpers import mapped_memfds, pattern, until
+from .helpers import mapped_memfds
 from .hostile_helpers import MiB, _nfds, _no_free_fds, _start_with_nofile, fill_with_memfd_puts
 
 # -- owed replies and fd-starved frames -------------------------------------------------------
@@ -62,7 +63,7 @@ def test_an_owed_reply_whose_fd_does_not_fit_does_not_wedge_the_connection(
             errors.append(f"get: {exc!r}")
         gc.collect()
         assert not errors, f"after an owed reply lost its fd, the Store is wedged: {errors}"
-        until(lambda: writer.info("big").refs == 0, "every reference is given back", timeout=3)
+        wait_until(lambda: writer.info("big").refs == 0, "every reference is given back", timeout=3)
 
 
 def test_releases_carried_by_a_request_whose_fd_the_daemon_could_not_take_are_kept(
@@ -192,10 +193,11 @@ import gc, random, sys, time
 import numpy as np
 from shmshare.store import Store
 from shmshare.store._protocol import LARGE
+from shmshare.testing import pattern
 path, me = sys.argv[1], int(sys.argv[2])
 SIZES = [250, LARGE // 4 - 16, LARGE // 4 - 1, LARGE // 4, LARGE // 4 + 1, 3 * LARGE // 4 + 7]
 def value(seed, n):
-    a = np.random.default_rng(seed).integers(0, 1 << 31, n).astype("<u4")
+    a = pattern(seed, n, "<u4")
     a[0] = seed
     return a
 def check(v):
@@ -256,13 +258,13 @@ def test_replaces_deletes_and_gets_from_many_processes_never_mix_objects(
     with Store(own_daemon.path) as s:
         for o in s.list():
             s.delete(o.name)
-        until(lambda: s.stats()["objects"] == 0 and s.stats()["deleted_viewed"] == 0,
-              "every object freed", timeout=5)
+        wait_until(lambda: s.stats()["objects"] == 0 and s.stats()["deleted_viewed"] == 0,
+                   "every object freed", timeout=5)
         st = s.stats()
     assert st["memfd_bytes"] == 0 and st["meta_bytes"] == 0, st
     cached = 2 * (st["arena_reserved_bytes"] // (2 * MiB))  # a fd and a read-only fd each
-    until(lambda: _nfds(own_daemon.pid) <= base + 1 + cached,
-          "the daemon's fds back to baseline (the pool's cached segments aside)", 5)
+    wait_until(lambda: _nfds(own_daemon.pid) <= base + 1 + cached,
+               "the daemon's fds back to baseline (the pool's cached segments aside)", 5)
 
 
 def test_an_empty_store_gives_its_pool_back(own_daemon: Daemon) -> None:
@@ -281,11 +283,11 @@ def test_an_empty_store_gives_its_pool_back(own_daemon: Daemon) -> None:
             assert int(g.get(f"p{i}")[0]) == 0  # g maps the segment; the view goes
         for i in range(8):
             s.delete(f"p{i}")
-        until(lambda: s.stats()["objects"] == 0 and s.stats()["deleted_viewed"] == 0,
-              "every object freed", timeout=5)
+        wait_until(lambda: s.stats()["objects"] == 0 and s.stats()["deleted_viewed"] == 0,
+                   "every object freed", timeout=5)
         # the fix gives an empty pool's segments back once it has stayed empty IDLE_TRIM s
-        until(lambda: s.stats()["held_bytes"] == 0, "the empty pool's segments come back",
-              timeout=5)
+        wait_until(lambda: s.stats()["held_bytes"] == 0, "the empty pool's segments come back",
+                   timeout=5)
         time.sleep(0.1)
         st, fds, mapped = s.stats(), _nfds(own_daemon.pid), mapped_memfds(os.getpid())
     assert st["held_bytes"] == 0 and fds <= base, (

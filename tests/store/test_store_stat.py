@@ -12,9 +12,9 @@ import numpy as np
 
 from shmshare.store import Daemon, Store
 from shmshare.store._protocol import LARGE
-from shmshare.testing import procs
+from shmshare.testing import pattern, procs
 
-from .helpers import WAIT, pattern
+from .helpers import WAIT
 
 
 def _holder(path: str) -> None:

@@ -23,8 +23,8 @@ from shmshare.channel._trust import check_fd
 from shmshare.store import Daemon, Store, StoreError, StoreFull, StoreGone
 from shmshare.store._packing import Plan
 from shmshare.store._protocol import LARGE
+from shmshare.testing import pid_alive, wait_until
 
-from .helpers import until
 from .hostile_helpers import (
     MiB,
     _ask,
@@ -60,8 +60,8 @@ def test_an_owed_get_reply_read_by_the_idle_flusher_is_not_thrown_away(
         assert err is None, f"a get after the flusher read an owed reply failed: {err!r}"
         gc.collect()
         writer.delete("x")
-        until(lambda: writer.stats()["deleted_viewed"] == 0,
-              "the timed-out get's reference is given back", timeout=3)
+        wait_until(lambda: writer.stats()["deleted_viewed"] == 0,
+                   "the timed-out get's reference is given back", timeout=3)
 
 
 def test_threads_getting_objects_of_one_segment_at_once_all_succeed(
@@ -129,8 +129,8 @@ def test_close_from_another_thread_during_a_get_keeps_the_views_memory(
         t.join(10)
         refs = None
         if "view" in out:
-            until(lambda: not s._conn.closed or other.info("x").refs == 0,
-                  "the connection settles", timeout=2)
+            wait_until(lambda: not s._conn.closed or other.info("x").refs == 0,
+                       "the connection settles", timeout=2)
             refs = other.info("x").refs
             other.delete("x")
             other.put("y", np.full(1000, 9))  # the freed block again
@@ -202,8 +202,8 @@ def test_a_full_fd_table_at_a_get_leaves_the_store_usable(daemon: Daemon) -> Non
             errors.append(f"get: {exc!r}")
         assert not errors, f"after a get lost its fd to a full fd table: {errors}"
         gc.collect()
-        until(lambda: s.info("big").refs == 0, "the lost get's reference is given back",
-              timeout=3)
+        wait_until(lambda: s.info("big").refs == 0, "the lost get's reference is given back",
+                   timeout=3)
         s.delete("big")
 
 
@@ -322,14 +322,6 @@ def test_a_replacing_put_refused_keeps_the_old_object(own_daemon: Daemon) -> Non
 # -- the command line -------------------------------------------------------------------------
 
 
-def _exited(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except OSError:
-        return True
-
-
 def test_serve_detach_with_a_relative_socket_listens_where_it_says(sockdir: str) -> None:
     """`shmshare serve --detach --socket rel.sock` chdirs to / before it binds, so it listens
     on /rel.sock while printing "rel.sock": clients in the caller's directory find nothing.
@@ -342,8 +334,8 @@ def test_serve_detach_with_a_relative_socket_listens_where_it_says(sockdir: str)
     try:
         assert got.returncode == 0, got.stderr
         wanted = os.path.join(sockdir, name)
-        until(lambda: os.path.exists(wanted) or os.path.exists("/" + name),
-              "the detached daemon binds", timeout=5)
+        wait_until(lambda: os.path.exists(wanted) or os.path.exists("/" + name),
+                   "the detached daemon binds", timeout=5)
         assert os.path.exists(wanted), (f"the detached daemon listens on "
                                         f"{'/' + name if os.path.exists('/' + name) else '?'}"
                                         f", not on {wanted} (it printed {got.stdout.strip()!r})")
@@ -351,7 +343,7 @@ def test_serve_detach_with_a_relative_socket_listens_where_it_says(sockdir: str)
         if pid is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-            until(lambda: _exited(pid), "the detached daemon exits", timeout=10)
+            wait_until(lambda: not pid_alive(pid), "the detached daemon exits", timeout=10)
         for p in ("/" + name, os.path.join(sockdir, name)):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p)
@@ -400,7 +392,7 @@ def test_a_thousand_held_torch_gets_hold_no_fd_and_their_mappings_go(store: Stor
     assert int(held[1][0]) == 0
     del held
     gc.collect()
-    until(lambda: maps() == base and store.info("t").refs == 0, "the mappings go", timeout=5)
+    wait_until(lambda: maps() == base and store.info("t").refs == 0, "the mappings go", timeout=5)
 
 
 def test_sigterm_while_a_client_creates_is_a_clean_exit(own_daemon: Daemon) -> None:
