@@ -497,7 +497,7 @@ class Receiver(Closeable, Generic[T]):
         lease = _native.Lease(rec.root, rec.address + start, nbytes, not self._writable,
                               (Release if self._fences is None else FencedRelease)(self, peer, block, nbytes))
         if lay.dense:
-            arr = np.ndarray(lay.shape, dt, buffer=lease)  # type: ignore[arg-type]  # numpy types Buffer from 3.12
+            arr = np.ndarray(lay.shape, dt, lease)  # type: ignore[arg-type]  # positional: keywords cost
         else:
             arr = np.ndarray(lay.shape, dt, buffer=lease, offset=-lay.lo,  # type: ignore[arg-type]
                              strides=lay.strides)

@@ -181,8 +181,8 @@ class Sender(BlockBook, Closeable):
         # positional: keyword parsing costs more than the rest of the call
         lease = _native.Lease(self._alloc if held.free_to is None else held.free_to.alloc,
                               held.block.address, nbytes, False, ViewDied(self._local_done, self, held))
-        arr = np.ndarray(shp, np_dtype, buffer=lease)  # type: ignore[arg-type]  # numpy types Buffer from 3.12
-        return tensors.allocated(arr, torch_dtype)
+        arr = np.ndarray(shp, np_dtype, lease)  # type: ignore[arg-type]  # positional: keywords cost
+        return arr if torch_dtype is None else tensors.allocated(arr, torch_dtype)
 
     def zeros(self, shape: Any, dtype: Any = np.float64, timeout: float | None = None) -> Any:
         """Return a zero-filled array in the pool (a reused block is not zero by itself)."""
@@ -372,7 +372,9 @@ class Sender(BlockBook, Closeable):
                 self._drain_local()
             dt = _DTYPE_BYTES.get(arr.dtype)
             ptr, lo, span = _native.extent(arr)
-            held = self._find(ptr + lo, span) if span and dt is not None else None
+            held = self._held.get(ptr + lo)  # the whole block, as empty() gave it: no search
+            if held is None or held.spare or span > held.block.size or not span or dt is None:
+                held = self._find(ptr + lo, span) if span and dt is not None else None
             ann = self._ann
             if held is None or held.seg.id not in ann.announced or ann.to_announce or ann.grow \
                     or ann.drop:
