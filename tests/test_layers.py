@@ -15,7 +15,9 @@ LAYERS = {
     "_typevars": 0,  # the type variables of the generic public classes
     "segment": 1,
     "wire": 2, "_sockets": 2, "_listen": 2,  # _sockets.py: wire's kernel side (SCM_RIGHTS, SO_PEERCRED)
-    "_handshake": 2, "_ring": 2, "_ringmem": 2, "_handover": 2,  # the HELLO and peer checks; frames in shared memory beside the socket
+    # the HELLO and peer checks; frames in shared memory beside the socket
+    "_handshake": 2, "_ring": 2, "_ringmem": 2, "_handover": 2,
+    "_pollserver": 2,  # the one accept/serve loop of the services that listen (Note [One poll server])
     "_statsd": 2,  # the opt-in stats socket: wire frames answering from _registry
     "memory": 3, "cuda": 3,
     "tensors": 4,
