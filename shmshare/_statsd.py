@@ -10,10 +10,11 @@ Note [The stats socket]
     ``$XDG_RUNTIME_DIR/shmshare/stats/<pid>.sock``, else
     ``/tmp/shmshare-<uid>/stats/<pid>.sock``; the file 0600, the
     directories 0700 and ours (checked, not assumed: ``/tmp`` is shared).
-    One daemon thread serves it with ``wire`` frames; a peer of another uid
-    (root excepted) is refused by ``wire.Connection``. A client sends one
-    request and gets one reply (what ``_registry.reports()`` gives, with
-    totals per pool kind), then the connection is closed.
+    One daemon thread serves it with ``wire`` frames, over a ``PollServer``
+    (Note [One poll server]; out of fds, Note [Out of fds]); a peer of
+    another uid (root excepted) is refused by ``wire.Connection``. A client
+    sends one request and gets one reply (what ``_registry.reports()``
+    gives, with totals per pool kind), then the connection is closed.
 
     It must never block or break the process. Reporters take no lock of
     the pools (Note [Reporters]). The reply is sent with ``timeout=0`` on a
@@ -47,7 +48,6 @@ import errno
 import os
 import re
 import secrets
-import select
 import stat
 import threading
 import time
@@ -58,7 +58,8 @@ import msgpack
 
 from . import _fork, _registry, wire
 from ._errors import ProtocolError
-from ._listen import AcceptGate, refused
+from ._listen import refused
+from ._pollserver import PollServer
 
 __all__ = ["serve_stats", "stop_stats", "stats_socket", "stats_dirs", "stats_sockets", "ask",
            "ENV_VAR", "VERSION", "TICK"]
@@ -69,7 +70,6 @@ TICK = 0.5  # s between the reporters' notes (Note [The age of a lease, for noth
 REQUEST, REPLY = "stats", "stats"
 _CLIENT_WAIT = 1.0  # s a client has, from accept, to send its request
 _MAX_CLIENTS = 8
-_ACCEPT_PAUSE = 1.0  # s accepting pauses while no fd is free (AcceptGate)
 _REPLY_BUDGET = wire.MAX_FRAME - 4096  # the reply's frame, with room for the wire's own bytes
 _YOUNG = 5.0  # s: a socket this new may be a server between its bind and its listen: not swept
 _NAME = re.compile(r"[0-9]{1,10}(-[0-9a-f]{1,16})?\.sock\Z", re.ASCII)
@@ -170,25 +170,21 @@ def ask(path: str, timeout: float = 0.5, allow_uids: tuple[int, ...] = ()) -> tu
 
 
 class _Server:
-    """The socket and its thread (one per process at most)."""
+    """The socket and its thread (one per process at most), over a PollServer."""
 
     def __init__(self, path: str | None, sweep: bool) -> None:
         self.dir = None if path is not None else _make_dir()
         if self.dir is not None and sweep:
             _sweep(self.dir)
-        self._listener = _listen(self.dir, path)
-        self.path = self._listener.path
+        listener = _listen(self.dir, path)
+        self.path = listener.path
         self._pid = os.getpid()
         self._born = time.monotonic()
-        self._stop = False
         self._closed = False
-        self._clients: dict[int, tuple[wire.Connection, float]] = {}  # fd -> (conn, deadline)
+        self._next_tick = 0.0
+        self._clients: dict[int, wire.Connection] = {}  # fd -> conn
         self._close_lock = threading.Lock()
-        try:
-            self._r, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)  # wakes the thread to stop
-        except OSError:
-            self._listener.close()
-            raise
+        self._poll = PollServer(listener, self._took, max_clients=_MAX_CLIENTS, tick=self._tick)
         self._thread = threading.Thread(target=self._main, name="shmshare-stats", daemon=True)
         self._thread.start()
 
@@ -197,15 +193,13 @@ class _Server:
 
     def close(self) -> None:
         """Stop the thread (from any other thread) and remove the socket and empty directories."""
-        self._stop = True
-        with contextlib.suppress(OSError):
-            os.write(self._w, b"x")
+        self._poll.stop()
         if threading.current_thread() is not self._thread:
             self._thread.join(2.0)
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             # Stuck in a reporter: its fds are its own to close when it ends (a number closed
             # under it could be someone else's by then); the file goes now, and only now.
-            self._listener._pid = -1  # its late close() must not unlink a newer server's file
+            self._poll.listener.disown()  # its late close() must not unlink a newer server's file
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
             return
@@ -213,83 +207,55 @@ class _Server:
 
     def forget_in_child(self) -> None:
         """In a forked child: close this process's copies; the parent keeps serving."""
-        self._stop = self._closed = True
-        for conn, _ in self._clients.values():
+        self._closed = True
+        for conn in self._clients.values():
             conn.close()
         self._clients = {}
-        self._listener.close()  # the creator's pid only removes the file
-        for fd in (self._r, self._w):
-            os.close(fd)
+        self._poll.close()  # the creator's pid only removes the file
 
     def _shut(self) -> None:
         with self._close_lock:
             if self._closed:
                 return
             self._closed = True
-        for conn, _ in list(self._clients.values()):
+        for conn in list(self._clients.values()):
             conn.close()
         self._clients = {}
-        self._listener.close()
+        self._poll.close()
         if self.dir is not None and os.getpid() == self._pid:
             for d in (self.dir, os.path.dirname(self.dir)):
                 try:
                     os.rmdir(d)
                 except OSError:  # others' sockets there, or gone already: theirs to remove
                     break
-        for fd in (self._r, self._w):
-            os.close(fd)
 
     # -- the thread -----------------------------------------------------------
 
     def _main(self) -> None:
         try:
-            self._loop()
+            self._poll.run()
         except BaseException:  # noqa: BLE001, S110 -- never the process's trouble: the socket goes
             pass
         finally:
             self._shut()  # stopped, or broken: no socket left that nobody answers
 
-    def _loop(self) -> None:
-        poller = select.poll()
-        gate = AcceptGate(self._listener, poller, _ACCEPT_PAUSE)  # no fd free: look again later
-        poller.register(self._r, select.POLLIN)
-        next_tick = 0.0
-        while not self._stop:
-            now = time.monotonic()
-            if now >= next_tick:
-                _registry.tick(now)
-                next_tick = now + TICK
-            gate.resume_if_due(now)
-            wake = min([next_tick, *(d for _, d in self._clients.values())])
-            for fd, _ in poller.poll(gate.wait_ms(now, max(1, int((wake - now) * 1000) + 1))):
-                if self._stop:
-                    return
-                if fd == self._r:
-                    with contextlib.suppress(OSError):
-                        os.read(self._r, 64)
-                elif fd == gate.fd:
-                    conn = gate.accept()
-                    if conn is not None:
-                        self._took(poller, conn)
-                elif fd in self._clients:
-                    self._serve(poller, fd)
-            now = time.monotonic()
-            for fd in [fd for fd, (_, d) in self._clients.items() if d <= now]:
-                self._drop(poller, fd)  # it never asked
+    def _tick(self, now: float) -> float:
+        if now >= self._next_tick:
+            _registry.tick(now)
+            self._next_tick = now + TICK
+        return self._next_tick
 
-    def _took(self, poller: Any, conn: wire.Connection) -> None:
-        if len(self._clients) >= _MAX_CLIENTS:
-            conn.close()  # too many at once: it sees the end at once, and may try again
-            return
-        self._clients[conn.fileno()] = (conn, time.monotonic() + _CLIENT_WAIT)
-        poller.register(conn.fileno(), select.POLLIN)
+    def _took(self, conn: wire.Connection) -> None:
+        fd = conn.fileno()
+        self._clients[fd] = conn
+        self._poll.add(fd, lambda: self._serve(fd), wait=_CLIENT_WAIT, late=lambda: self._drop(fd))
 
-    def _serve(self, poller: Any, fd: int) -> None:
-        conn, _ = self._clients[fd]
+    def _serve(self, fd: int) -> bool:
+        conn = self._clients[fd]
         try:
             got = conn.recv_nowait()
             if got is None:
-                return  # its HELLO alone, so far
+                return False  # its HELLO alone, so far
             header, fds = got
             for f in fds:
                 f.close()
@@ -299,12 +265,12 @@ class _Server:
                 conn.send({"k": "error", "w": f"unknown request {header.get('k')!r:.40}"}, timeout=0)
         except Exception:  # noqa: BLE001, S110 -- broken, gone, or not reading: dropped below
             pass
-        self._drop(poller, fd)
+        self._drop(fd)
+        return False
 
-    def _drop(self, poller: Any, fd: int) -> None:
-        conn, _ = self._clients.pop(fd)
-        with contextlib.suppress(KeyError, ValueError):
-            poller.unregister(fd)
+    def _drop(self, fd: int) -> None:
+        conn = self._clients.pop(fd)
+        self._poll.remove(fd)
         conn.close()
 
     def _reply(self) -> dict[str, Any]:
