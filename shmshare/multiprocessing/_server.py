@@ -12,15 +12,15 @@ Note [The fd server]
     process exits (Note [The owner's record of claims]). Replies wait at
     most ``_REPLY_WAIT`` for room, so a peer that stops reading cannot
     stall the others. A process that exits with handles unclaimed hands
-    this server's sockets to a keeper (Note [A keeper after exit]).
+    this server's sockets to a keeper (Note [A keeper after exit]). The
+    loop is a ``PollServer``'s (Note [One poll server] in ``_pollserver``),
+    out of fds too (Note [Out of fds]).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
-import select
 import stat
 import threading
 import time
@@ -29,9 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from .. import wire
 from .._errors import PeerDied, ProtocolError, ShmshareError
-from .._listen import AcceptGate, refused
-from ..channel._releases import WakePipe
-from ..channel._trust import check_fd_room
+from .._listen import refused
+from .._pollserver import PollServer
 from ._claims import ClaimMap
 from ._common import DROP, ERROR, KIND, LEND, RELEASE, SEGMENT, TABLE
 
@@ -82,7 +81,6 @@ def sweep_stale(base: str) -> int:
 
 
 _REPLY_WAIT = 1.0  # s a reply waits for room on a peer's socket before the peer is dropped
-_ACCEPT_PAUSE = 0.2  # s accepting pauses while our fd table is full (the backlog waits)
 
 
 class _Peer:
@@ -101,14 +99,11 @@ class Server:
 
     def __init__(self, owner: Owner, path: str) -> None:
         self._owner = owner
-        self._listener = wire.Listener(path, role="mp-owner")
         self.path = path
         self._peers: dict[int, _Peer] = {}  # fd -> peer
         self._exits: dict[int, ClaimMap] = {}  # pidfd -> the map of the process it watches
-        self._poller: Any = None  # the thread's poll object
         self._lock = threading.Lock()  # _peers, against dropped() from other threads
-        self._wake = WakePipe()
-        self._stop = False
+        self._poll = PollServer(wire.Listener(path, role="mp-owner"), self._accept, tick=self._tick)
         self._thread = threading.Thread(target=self._main, name="shmshare-mp-server", daemon=True)
         self._thread.start()
 
@@ -129,133 +124,96 @@ class Server:
 
     def close(self) -> None:
         """Stop the thread, close every connection and the socket (removing its directory)."""
-        self._stop = True
-        self._wake.poke()
+        self._poll.stop()
         if threading.current_thread() is not self._thread:
             self._thread.join(10.0)
         with self._lock:
             peers, self._peers = list(self._peers.values()), {}
         for p in peers:
             p.conn.close()
-        self._listener.close()
-        self._wake.close()
+        self._poll.close()
 
     def forget_in_child(self) -> None:
         """In a forked child: close this process's copies; the parent keeps serving."""
-        self._stop = True
         for p in self._peers.values():
             p.conn.close()
         self._peers = {}
-        self._listener.close()  # only the process that made it removes the socket file
-        self._wake.close()
+        self._poll.close()  # only the process that made it removes the socket file
 
     # -- the thread ------------------------------------------------------------
 
     def serve_here(self, done: Callable[[], bool], deadline: float) -> None:
         """In a keeper (Note [A keeper after exit]): serve from this thread, the only one, until
         ``done()`` or `deadline`; then the caller closes the owner."""
-        self._stop = False
-        self._listener.adopt()  # this process removes the socket file now
-        self._loop(done, deadline)
+        self._poll.listener.adopt()  # this process removes the socket file now
+        self._poll.run(done, deadline)
 
     def fds(self) -> set[int]:
         """Every fd the server uses (a keeper closes the rest)."""
-        return {self._listener.fileno(), self._wake.r, self._wake.w, *self._peers, *self._exits}
+        return self._poll.fds()
 
     def stop_thread(self) -> None:
         """Stop the thread and nothing else (a keeper is about to serve these sockets)."""
-        self._stop = True
-        self._wake.poke()
+        if self._thread.is_alive():  # a stop ends one run: none left for the keeper's
+            self._poll.stop()
         if threading.current_thread() is not self._thread:
             self._thread.join(10.0)
 
     def start_thread(self) -> None:
         """Serve from a thread again (no keeper could be made)."""
-        self._stop = False
         self._thread = threading.Thread(target=self._main, name="shmshare-mp-server", daemon=True)
         self._thread.start()
 
     def remove_socket(self) -> None:
         """In a keeper that is done: remove the socket file and its directory (nothing else is
         closed: the process ends now)."""
-        self._listener.close()
+        self._poll.listener.close()
 
     def disown(self) -> None:
         """A keeper serves the socket now: our copy's close (at exit) leaves its file there."""
-        self._listener.disown()
+        self._poll.listener.disown()
 
     def _main(self) -> None:
-        self._loop(lambda: False, math.inf)
+        self._poll.run()
 
-    def _loop(self, done: Callable[[], bool], deadline: float) -> None:
-        poller = self._poller = select.poll()
-        # a peer costs us its connection, its claim map, its pidfd and a segment's dup at a time
-        gate = AcceptGate(self._listener, poller, _ACCEPT_PAUSE, room=lambda: check_fd_room(0))
-        poller.register(self._wake.r, select.POLLIN)
-        for fd in (*self._peers, *self._exits):  # a keeper's: what the thread was serving
-            poller.register(fd, select.POLLIN)
-        listen_fd, wake_fd = self._listener.fileno(), self._wake.r
-        while not self._stop:
-            now = time.monotonic()
-            if now >= deadline or done():
-                return
-            gate.resume_if_due(now)
-            ready = poller.poll(gate.wait_ms(now, 1000 if deadline == math.inf else
-                                             min(1000, int((deadline - now) * 1000) + 1)))
-            if not ready:
-                self._owner.recheck()  # idle: releases that found their slot still marked
-            for fd, _ in ready:
-                if self._stop:
-                    return
-                if fd == wake_fd:
-                    try:
-                        os.read(wake_fd, 4096)
-                    except BlockingIOError:
-                        pass
-                elif fd == listen_fd:
-                    conn = gate.accept()
-                    if conn is not None:
-                        self._accept(poller, conn)
-                elif fd in self._exits:
-                    self._exited(poller, self._exits[fd])
-                else:
-                    peer = self._peers.get(fd)
-                    if peer is not None:
-                        self._serve(poller, fd, peer)
+    def _tick(self, now: float) -> None:
+        self._owner.recheck()  # each round: releases that found their slot still marked
 
-    def _accept(self, poller: Any, conn: wire.Connection) -> None:
+    def _accept(self, conn: wire.Connection) -> None:
         peer = _Peer(conn)
+        fd = conn.fileno()
         with self._lock:
-            self._peers[conn.fileno()] = peer
-        poller.register(conn.fileno(), select.POLLIN)
+            self._peers[fd] = peer
+        self._poll.add(fd, lambda: self._serve(fd, peer))
 
     def _claim_map(self, peer: _Peer) -> ClaimMap:
         """The claim map of the peer's process, made at its first table request."""
         claims, stale = self._owner.join(peer.pid)  # ShmshareError, OSError: said to the peer
         if stale is not None:  # that pid's process exited and the pid came back before we saw it
-            self._exited(self._poller, stale)
+            self._exited(stale)
         if claims.pidfd is not None and claims.pidfd not in self._exits:
             self._exits[claims.pidfd] = claims
-            self._poller.register(claims.pidfd, select.POLLIN)
+            self._poll.add(claims.pidfd, lambda: self._exited(claims), client=False)
         peer.claims = claims
         return claims
 
-    def _exited(self, poller: Any, claims: ClaimMap) -> None:
+    def _exited(self, claims: ClaimMap) -> bool:
         """A process with a claim map is gone: take back what it held, and drop what is left of
         its connections (a child it forked may hold one: its claims would not be its own)."""
         if claims.pidfd is not None and self._exits.pop(claims.pidfd, None) is not None:
-            poller.unregister(claims.pidfd)
+            self._poll.remove(claims.pidfd)
         self._owner.left(claims, exited=True)
         for fd, peer in list(self._peers.items()):
             if peer.claims is claims:
-                self._drop(poller, fd, peer)
+                self._drop(fd, peer)
+        return False
 
-    def _serve(self, poller: Any, fd: int, peer: _Peer) -> None:
+    def _serve(self, fd: int, peer: _Peer) -> bool:
         try:
             while True:
                 got = peer.conn.recv_nowait()
                 if got is None:
-                    return
+                    return False
                 header, fds = got
                 for f in fds:
                     f.close()  # a peer sends none
@@ -266,10 +224,11 @@ class Server:
             pass  # broken, or not reading its answers: dropped below
         except Exception:  # noqa: BLE001, S110 -- a bug of ours drops that peer, never the server
             pass
-        self._drop(poller, fd, peer)
+        self._drop(fd, peer)
+        return False
 
-    def _drop(self, poller: Any, fd: int, peer: _Peer) -> None:
-        poller.unregister(fd)
+    def _drop(self, fd: int, peer: _Peer) -> None:
+        self._poll.remove(fd)
         with self._lock:
             self._peers.pop(fd, None)
         peer.conn.close()
