@@ -5,7 +5,8 @@ Note [One thread]
     most one copy of less than ``LARGE`` bytes (a small object's bytes read
     from the client's staging memfd into a pool block): large objects'
     bytes never pass through the daemon, which only holds their memfds.
-    So one thread serves every client, and no lock guards the table. A
+    So one thread serves every client (a ``PollServer``: Note [One poll
+    server]), and no lock guards the table. A
     reply never waits for room on a client's socket: a client reads each
     reply before it sends its next request, so a full socket means one that
     does not read, and it is dropped (its references go with it) rather
@@ -30,7 +31,6 @@ import bisect
 import heapq
 import logging
 import os
-import select
 import signal
 import socket
 import stat
@@ -40,9 +40,8 @@ from typing import Any
 from .. import wire
 from .._errors import FdLimitError, PeerDied, ProtocolError, ShmshareError, ShmshareTimeout
 from .._fd import Fd
-from .._listen import AcceptGate
-from ..channel._releases import WakePipe
-from ..channel._trust import check_fd, check_fd_room
+from .._pollserver import ACCEPT_PAUSE, PollServer
+from ..channel._trust import check_fd
 from ..memory._shm import ShmSegment
 from . import _making as making
 from ._making import Bad, name_of
@@ -69,11 +68,9 @@ _REPLY_WAIT = 0.0  # s a reply waits for room on a client's socket (Note [One th
 _MAX_WAITS = 256  # waits one connection may have pending
 _MAX_PUSHED = 16  # drop frames sent to a client unasked between two of its requests
 _DROPS_PER_REPLY = 4096  # segment ids a reply carries at most (a frame is 128 KiB)
-_FD_ROOM = 16  # fds kept free before another client is accepted (a request brings at most one)
 MAX_CLIENTS = 4096  # clients connected at once, by default (a get's wait is one more)
 _LIST_PAGE = 256  # entries per list reply, at most ...
 _LIST_BYTES = 64 * 1024  # ... and about this many bytes of them
-_ACCEPT_PAUSE = 0.2  # s accepting pauses after EMFILE (AcceptGate)
 
 
 class _Client:
@@ -111,49 +108,23 @@ class Server:
             check_dir(self.path)
         _remove_stale(self.path)
         self.table = Table(limit, evict, self._dropped)
-        self._listener = wire.Listener(self.path, role="store", backlog=256)
         self._clients: dict[int, _Client] = {}  # socket fd -> client
         self._waits: dict[str, list[tuple[_Client, float]]] = {}  # name -> (client, deadline)
         self._deadlines: list[tuple[float, str]] = []  # a heap of the waits' (deadline, name)
-        self._wake = WakePipe()
-        self._stop = False
-        self._poller = select.poll()
-        self._gate = AcceptGate(self._listener, self._poller, _ACCEPT_PAUSE,
-                                room=lambda: check_fd_room(_FD_ROOM), on_pause=_said_out_of_fds)
+        self._poll = PollServer(wire.Listener(self.path, role="store", backlog=256), self._accept,
+                                max_clients=max_clients, refuse=self._refuse, tick=self._timers,
+                                on_pause=_said_out_of_fds)
         self._started = time.time()
         self.counts = {"put": 0, "get": 0, "create": 0, "delete": 0, "clients": 0, "refused": 0}
-        self._again: list[_Client] = []  # served next round without waiting: frames in their rings
 
     def stop(self) -> None:
         """Ask the loop to end (from a signal handler or another thread)."""
-        self._stop = True
-        self._wake.poke()
+        self._poll.stop()
 
     def run(self) -> None:
         """Serve until :meth:`stop`; then close every client and free every object."""
-        poller, gate = self._poller, self._gate
-        poller.register(self._wake.r, select.POLLIN)
-        wake_fd = self._wake.r
         try:
-            while not self._stop:
-                again, self._again = self._again, []  # clients with requests in their rings
-                for waiting in again:
-                    if self._clients.get(waiting.fd) is waiting:
-                        self._serve(waiting)
-                for fd, _ in poller.poll(0 if self._again else gate.wait_ms(time.monotonic(), self._poll_ms())):
-                    if fd == wake_fd:
-                        _drain(wake_fd)
-                    elif fd == gate.fd:
-                        conn = gate.accept()
-                        if conn is not None:
-                            self._accept(conn)
-                    else:
-                        client = self._clients.get(fd)
-                        if client is not None:
-                            self._serve(client)
-                self._expire_waits()
-                self.table.trim_if_idle(time.monotonic())
-                gate.resume_if_due(time.monotonic())
+            self._poll.run()
         finally:
             self.close()
 
@@ -161,31 +132,24 @@ class Server:
         for client in list(self._clients.values()):
             self._drop(client, hung_up=False)
         self.table.close()
-        self._listener.close()
-        self._wake.close()
+        self._poll.close()
 
     # -- connections ---------------------------------------------------------------
 
-    def _poll_ms(self) -> int:
+    def _timers(self, now: float) -> float | None:
+        """Each round: answer the waits that ran out and trim an idle pool; when to look next."""
+        self._expire_waits()
         heap = self._deadlines
         while heap and heap[0][1] not in self._waits:
             heapq.heappop(heap)  # woken or dropped since
-        soonest = heap[0][0] if heap else None
-        trim = self.table.trim_if_idle(time.monotonic())
-        if trim is not None:
-            soonest = trim if soonest is None else min(soonest, trim)
-        if soonest is None:
-            return 1000
-        return max(0, min(1000, int((soonest - time.monotonic()) * 1000) + 1))
+        trim = self.table.trim_if_idle(now)
+        return min([t for t in (heap[0][0] if heap else None, trim) if t is not None], default=None)
 
     def _accept(self, conn: wire.Connection) -> None:
-        if len(self._clients) >= self.max_clients:
-            self._refuse(conn)
-            return
         self.counts["clients"] += 1
         client = _Client(self.counts["clients"], conn)
         self._clients[client.fd] = client
-        self._poller.register(client.fd, select.POLLIN)
+        self._poll.add(client.fd, lambda: self._serve(client))
         log.debug("client %d (pid %s) connected", client.id, client.pid)
 
     def _refuse(self, conn: wire.Connection) -> None:
@@ -204,21 +168,21 @@ class Server:
             pass  # it left already, or its socket is full: it reads the close alone
         conn.close()
 
-    def _serve(self, client: _Client) -> None:
+    def _serve(self, client: _Client) -> bool:
         # One frame per readiness: poll is level-triggered, so a client with more queued is
-        # served again on the next round, after the others (and no recvmsg is spent on EAGAIN)
+        # served again on the next round, after the others (and no recvmsg is spent on EAGAIN);
+        # True: its ring holds more, which a poll would not see (served again without waiting)
         try:
             got = client.conn.recv_nowait()
             if got is None:
-                return
+                return False
             header, fds = got
             try:
                 self._answer(client, header, fds)
             finally:
                 for f in fds:
                     f.close()
-            if client.conn.pending():  # a poll would not see what waits in its ring
-                self._again.append(client)
+            return client.conn.pending()
         except PeerDied:
             self._drop(client, hung_up=True)
         except FdLimitError as exc:
@@ -242,12 +206,13 @@ class Server:
             log.exception("client %d (pid %s) dropped after an error in the daemon", client.id,
                           client.pid)
             self._drop(client, hung_up=False)
+        return False
 
     def _drop(self, client: _Client, hung_up: bool) -> None:
         """The client is gone: its references go, its unsealed objects are aborted."""
         if self._clients.get(client.fd) is client:
             del self._clients[client.fd]
-            self._poller.unregister(client.fd)
+            self._poll.remove(client.fd)
         client.conn.close()
         table = self.table
         for oid, n in client.refs.items():
@@ -529,14 +494,6 @@ _HANDLERS: dict[str, Any] = {
 }
 
 
-def _drain(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except BlockingIOError:
-        pass
-
-
 def _remove_stale(path: str) -> None:
     """Remove a socket file nobody listens on (a killed daemon's); refuse a live one."""
     try:
@@ -584,4 +541,4 @@ def serve(path: str | None = None, limit: int | None = None, evict: bool = False
 
 
 def _said_out_of_fds(exc: BaseException) -> None:
-    log.warning("out of fds, not accepting clients for %.1f s: %s", _ACCEPT_PAUSE, exc)
+    log.warning("out of fds, not accepting clients for %.1f s: %s", ACCEPT_PAUSE, exc)
