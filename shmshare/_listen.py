@@ -14,16 +14,16 @@ import socket
 import stat
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
-from ._errors import FD_EXHAUSTED, FdLimitError, ShmshareError, ShmshareTimeout, making_fds
+from ._errors import FD_EXHAUSTED, FdLimitError, ShmshareTimeout, making_fds
 from ._lifetime import Closeable
 from ._sockets import connect as _connect
 from ._sockets import ms as _ms
 from .wire import _CLOSE_CHECK, MAX_FDS, Connection
 
-__all__ = ["Listener", "connect", "AcceptGate", "refused"]
+__all__ = ["Listener", "connect", "refused"]
 
 _SUN_PATH_MAX = 107  # bytes of a Unix socket path (sockaddr_un.sun_path, less its final NUL)
 
@@ -177,65 +177,6 @@ def refused(path: str) -> bool:
     finally:
         s.close()
     return False
-
-
-class AcceptGate:
-    """One out-of-fds policy for every poll server: the stats socket, the multiprocessing fd
-    server and the store daemon.
-
-    Its listener is in the server's poll set while connections can be taken. When one cannot
-    (EMFILE or ENFILE at ``accept``, or `room` raising FdLimitError: too few fds free for what a
-    client may bring), the listener leaves the poll set for `pause` seconds while the connected
-    peers are served; the peers waiting in the backlog stay queued. Polled level-triggered, a
-    listener whose backlog holds a connection that cannot be taken is readable at once, again
-    and again: without the pause a server spins at 100 % CPU until a fd frees up.
-    """
-
-    def __init__(self, listener: Listener, poller: Any, pause: float,
-                 room: Callable[[], None] | None = None,
-                 on_pause: Callable[[BaseException], None] | None = None) -> None:
-        self.listener = listener
-        self.fd = listener.fileno()
-        self._poller = poller
-        self._pause = pause
-        self._room = room
-        self._on_pause = on_pause
-        self.resume_at = 0.0  # monotonic time to poll the listener again; 0: it is polled
-        self.pauses = 0  # how often accepting paused (for tests and reports)
-        poller.register(self.fd, select.POLLIN)
-
-    def accept(self) -> Connection | None:
-        """The next peer's Connection; None if there is none now, it was refused (another
-        uid), or accepting paused."""
-        try:
-            if self._room is not None:
-                self._room()
-            return self.listener.accept(timeout=0)
-        except ShmshareTimeout:
-            return None  # it gave up, or another process took it
-        except OSError as exc:  # FdLimitError too
-            if exc.errno not in FD_EXHAUSTED:
-                return None  # that peer's trouble (it hung up half-way): the next one may do
-            self._poller.unregister(self.fd)
-            self.resume_at = time.monotonic() + self._pause
-            self.pauses += 1
-            if self._on_pause is not None:
-                self._on_pause(exc)
-            return None
-        except ShmshareError:
-            return None  # a peer of another uid: refused, it sees its socket close
-
-    def resume_if_due(self, now: float) -> None:
-        """Poll the listener again once its pause is over."""
-        if self.resume_at and now >= self.resume_at:
-            self.resume_at = 0.0
-            self._poller.register(self.fd, select.POLLIN)
-
-    def wait_ms(self, now: float, longest: int) -> int:
-        """How long the server's poll may wait, at most `longest` ms, to resume in time."""
-        if not self.resume_at:
-            return longest
-        return max(0, min(longest, int((self.resume_at - now) * 1000) + 1))
 
 
 def connect(path: str | os.PathLike[str], timeout: float | None = None, **conn_kw: Any) -> Connection:

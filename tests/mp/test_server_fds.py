@@ -1,6 +1,6 @@
-"""The fd server under a full fd table: it stops accepting for a moment (AcceptGate, the one
-out-of-fds policy of every poll server) instead of spinning on a readable listener, and serves
-the waiting peer once fds are free again."""
+"""The fd server under a full fd table: it stops accepting for a moment (its PollServer's, the
+one out-of-fds policy of every poll server: Note [Out of fds]) instead of spinning on a readable
+listener, and serves the waiting peer once fds are free again."""
 
 from __future__ import annotations
 
