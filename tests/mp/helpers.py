@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import signal
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -226,13 +225,7 @@ def torch_spawn_target(rank: int, arr: Any, expect: Any, outq: Any) -> None:
 
 def kill_children() -> None:
     """Kill every child multiprocessing still knows of, by pid, and reap it (bounded)."""
-    for p in multiprocessing.active_children():
-        if p.pid is not None:
-            try:
-                os.kill(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        p.join(10)
+    procs.kill(*multiprocessing.active_children())
 
 
 def close_queue(q: Any) -> None:
@@ -276,9 +269,7 @@ class EchoChild:
                 _tag, self.child_stats = self.outq.get(timeout=WAIT)
                 self.proc.join(WAIT)
         finally:
-            if self.proc.exitcode is None:
-                os.kill(self.proc.pid, signal.SIGKILL)
-                self.proc.join(10)
+            procs.kill(self.proc)
             close_queue(self.inq)
             close_queue(self.outq)
             # a fixture's value outlives its teardown (pytest drops it after the leak check):
@@ -303,15 +294,3 @@ def add_one_to_parameters(model: Any, outq: Any) -> None:
             p.add_(1)
     outq.put([p.is_shared() for p in model.parameters()])
     del model
-
-
-def wait_until(condition: Any, timeout: float) -> bool:
-    """Poll `condition()` every 20 ms until it is true (True) or `timeout` s pass (False)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True

@@ -4,6 +4,7 @@ table and however a receiver's connections come and go."""
 
 from __future__ import annotations
 
+import gc
 import mmap
 import os
 import signal
@@ -22,9 +23,9 @@ import shmshare.multiprocessing as smp
 from shmshare import ShmshareError, ShmshareTimeout, wire
 from shmshare.multiprocessing import _client, _owner, _reduce
 from shmshare.multiprocessing._table import CLAIMED, word
+from shmshare.testing import kill, wait_until
 
 from .helpers import WAIT
-from .test_mp_hostile import _kill, _wait_for
 
 N = 1 << 14  # elements of each small array: 128 KiB, many to a segment
 
@@ -37,7 +38,7 @@ def _owner_behind_a_pause(conn) -> None:
     conn.send(np.full(8 << 20, 2.0))  # 64 MiB: a segment the receiver has not mapped yet
     assert conn.recv() == "go"
     conn.send(np.full(N, 3.0))
-    _wait_for(lambda: smp.statistics().peers <= 1, WAIT, "the old connection to end")
+    wait_until(lambda: smp.statistics().peers <= 1, "the old connection to end", WAIT, between=gc.collect)
     for i in range(8):
         conn.send(np.full(N, 10.0 + i))
     conn.send(("reclaimed", smp.statistics().reclaimed))
@@ -70,7 +71,7 @@ def test_a_receiver_that_reconnects_to_a_paused_owner_keeps_its_arrays(monkeypat
         os.kill(p.pid, signal.SIGSTOP)
         # a group stop reaches the fd server thread only once another thread took the signal:
         # under load, it answers for a few ms more
-        _wait_for(lambda: _all_threads_stopped(p.pid), WAIT, "the owner's threads to stop")
+        wait_until(lambda: _all_threads_stopped(p.pid), "the owner's threads to stop", WAIT, between=gc.collect)
         try:
             with pytest.raises(ShmshareTimeout):
                 ForkingPickler.loads(raw_b)  # the segment's fd does not come: the link is given up
@@ -89,7 +90,7 @@ def test_a_receiver_that_reconnects_to_a_paused_owner_keeps_its_arrays(monkeypat
         p.join(WAIT)
         assert p.exitcode == 0
     finally:
-        _kill(p)
+        kill(p)
         here.close()
 
 
@@ -126,18 +127,18 @@ def test_a_peer_that_rewrites_a_claim_cannot_free_another_processs_block(how):
         assert out.get(timeout=WAIT) == "done"
         p.join(WAIT)
         assert p.exitcode == 0
-        _wait_for(lambda: smp.statistics().peers == 1, WAIT, "the forger's connection to end")
+        wait_until(lambda: smp.statistics().peers == 1, "the forger's connection to end", WAIT, between=gc.collect)
         # anything the owner freed would be the first fit for arrays of the same size
         later = [ForkingPickler.loads(ForkingPickler.dumps(np.full(N, 9.0))) for _ in range(4)]
         assert float(got.min()) == float(got.max()) == 5.0, "the victim's block was reused"
         assert smp.statistics().handles_claimed == 5
         del later
     finally:
-        _kill(p)
+        kill(p)
         out.close()
         out.join_thread()
     del got
-    _wait_for(lambda: smp.statistics().handles_claimed == 0, WAIT, "every release")
+    wait_until(lambda: smp.statistics().handles_claimed == 0, "every release", WAIT, between=gc.collect)
 
 
 def _handle_of(arr: np.ndarray) -> list:
@@ -178,7 +179,7 @@ def _outcome_in_a_child(args: list, first: list | None = None) -> tuple[str, obj
             return "died", p.exitcode
         return out.get(timeout=WAIT)
     finally:
-        _kill(p)
+        kill(p)
         out.close()
         out.join_thread()
 
@@ -234,9 +235,7 @@ def _python(code: str, *args: str, **kw) -> subprocess.Popen:
 
 
 def _end(p: subprocess.Popen) -> None:
-    if p.poll() is None:
-        os.kill(p.pid, signal.SIGKILL)
-        p.wait(WAIT)
+    kill(p, timeout=WAIT)
     for f in (p.stdin, p.stdout, p.stderr):
         if f is not None:
             f.close()
@@ -251,7 +250,7 @@ def test_a_connection_that_outlives_its_process_does_not_stop_the_fd_server():
     assert ow is not None
     p = _python(_HOLDER_OF_A_DEAD_PROCESSS_CONNECTION, ow.path)
     try:
-        _wait_for(lambda: p.poll() is not None, WAIT, "the connecting process to exit")
+        wait_until(lambda: p.poll() is not None, "the connecting process to exit", WAIT, between=gc.collect)
         # its child has sent its request once it printed; read that from the shared stdout
         out = p.stdout.readline()
         assert out.startswith(("reply", "no reply")), (out, p.stderr.read()[-500:])
@@ -301,7 +300,7 @@ def test_a_failed_second_unpickle_racing_the_views_death_does_not_pin_the_block(
     for t in threads:
         t.join(WAIT)
     assert not errors, errors
-    _wait_for(lambda: smp.statistics().handles_claimed == 0, WAIT, "every block to come back")
+    wait_until(lambda: smp.statistics().handles_claimed == 0, "every block to come back", WAIT, between=gc.collect)
 
 
 _OWNER_WITHOUT_MEMORY_FOR_A_CLAIM_MAP = textwrap.dedent("""

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
-import os
-import signal
 
 import numpy as np
 import pytest
 
 import shmshare.multiprocessing as smp
+from shmshare.testing import kill
 from tests.mp import helpers
 from tests.mp.helpers import WAIT, _mp_shutdown, close_queue, fingerprint  # noqa: F401
 
@@ -77,10 +76,7 @@ def test_torch_spawn_carries_handles():
                 break
         assert all(p.exitcode == 0 for p in ctx.processes)
     finally:
-        for p in ctx.processes:
-            if p.exitcode is None:
-                os.kill(p.pid, signal.SIGKILL)
-                p.join(10)
+        kill(*ctx.processes)
         close_queue(q)
 
 

@@ -12,10 +12,10 @@ import numpy as np
 
 import shmshare.multiprocessing as smp
 from shmshare.multiprocessing import _owner
+from shmshare.testing import kill
 
 from ..socket_helpers import fill_backlog
 from .helpers import WAIT
-from .test_mp_hostile import _kill
 
 
 def _owner_sends(q, ready, inq) -> None:
@@ -52,7 +52,7 @@ def test_a_handle_unpickled_while_its_owners_backlog_is_full_arrives():
     finally:
         for s in queued:
             s.close()
-        _kill(p)
+        kill(p)
         for sq in (q, ready, inq):
             sq.close()
 

@@ -5,6 +5,7 @@ sent an array nobody received exited 10 s late."""
 
 from __future__ import annotations
 
+import gc
 import glob
 import os
 import subprocess
@@ -18,9 +19,9 @@ import numpy as np
 import psutil
 
 import shmshare.multiprocessing as smp
+from shmshare.testing import kill, wait_until
 
 from .helpers import WAIT
-from .test_mp_hostile import _kill, _wait_for
 
 
 def _socket_dirs(pid: int) -> list[str]:
@@ -45,10 +46,10 @@ def test_join_the_child_then_read_its_result():
         got = q.get(timeout=WAIT)
         assert got.shape == (1 << 16,) and float(got.min()) == float(got.max()) == 8.0
         # all claimed: the keeper leaves at once, removing the socket (well before its 20 s)
-        _wait_for(lambda: not _socket_dirs(p.pid), WAIT, "the keeper to leave")
+        wait_until(lambda: not _socket_dirs(p.pid), "the keeper to leave", WAIT, between=gc.collect)
         assert float(got.sum()) == 8.0 * (1 << 16)  # the data outlives owner and keeper
     finally:
-        _kill(p)
+        kill(p)
         q.close()
         q.join_thread()
 
@@ -73,7 +74,8 @@ def test_a_script_whose_array_is_not_received_yet_exits_at_once():
     pid, raw = done.stdout.split()
     got = ForkingPickler.loads(bytes.fromhex(raw))  # served by the keeper
     assert float(got.min()) == float(got.max()) == 9.0
-    _wait_for(lambda: not _socket_dirs(int(pid)), WAIT, "the keeper to leave once all is claimed")
+    wait_until(lambda: not _socket_dirs(int(pid)), "the keeper to leave once all is claimed", WAIT,
+               between=gc.collect)
     del got
 
 

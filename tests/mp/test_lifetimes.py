@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import shmshare.multiprocessing as smp
+from shmshare.testing import kill, wait_exit, wait_until
 
 WAIT = 30.0
 
@@ -32,15 +33,6 @@ def _put_then(q, how: str) -> None:
         os._exit(0)
 
 
-def _join(p, timeout: float = WAIT) -> int | None:
-    p.join(timeout)
-    if p.exitcode is None:
-        os.kill(p.pid, signal.SIGKILL)
-        p.join(5)
-        pytest.fail(f"child pid {p.pid} did not exit within {timeout} s")
-    return p.exitcode
-
-
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_put_and_return_works_after_the_owner_exits(method):
     """The child puts its result and returns at once; the parent joins it first, then gets."""
@@ -53,11 +45,10 @@ def test_put_and_return_works_after_the_owner_exits(method):
         # stdlib's Queue flushes at exit the same way
         got = q.get(timeout=WAIT)
         assert got.shape == (1 << 18,) and float(got[0]) == 3.0 and float(got[-1]) == 3.0
-        assert _join(p) == 0
+        assert wait_exit(p) == 0
         assert float(got.sum()) == 3.0 * (1 << 18)  # still valid: the owner is gone
     finally:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
+        kill(p)
         q.close()
         q.join_thread()
 
@@ -72,10 +63,9 @@ def test_join_before_get_works_within_the_linger():
         time.sleep(0.5)  # the child is in its exit linger by now, serving the handle
         got = q.get(timeout=WAIT)
         assert float(got[0]) == 5.0
-        assert _join(p) == 0
+        assert wait_exit(p) == 0
     finally:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
+        kill(p)
 
 
 @pytest.mark.parametrize("how", ["kill", "_exit"])
@@ -85,13 +75,12 @@ def test_data_received_stays_valid_and_late_handles_name_the_dead_owner(how):
     p = ctx.Process(target=_put_then, args=(q, how))
     p.start()
     try:
-        code = _join(p)
+        code = wait_exit(p)
         assert code == (-signal.SIGKILL if how == "kill" else 0)
         with pytest.raises(smp.OwnerGone, match=f"pid {p.pid}"):
             q.get(timeout=WAIT)
     finally:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
+        kill(p)
 
 
 def _two_then_die(q, ready) -> None:
@@ -111,15 +100,14 @@ def test_an_array_received_before_the_owner_was_killed_stays_valid():
     try:
         first = q.get(timeout=WAIT)
         ready.put(None)
-        assert _join(p) == -signal.SIGKILL
+        assert wait_exit(p) == -signal.SIGKILL
         assert float(first.sum()) == float(1 << 16)
         first[:] = 5.0  # writable, and ours alone now
         assert float(first[-1]) == 5.0
         with pytest.raises(smp.OwnerGone, match=f"pid {p.pid}"):
             q.get(timeout=WAIT)
     finally:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
+        kill(p)
 
 
 def test_past_the_linger_a_handle_names_its_owner(monkeypatch):
@@ -129,15 +117,15 @@ def test_past_the_linger_a_handle_names_its_owner(monkeypatch):
     p = ctx.Process(target=_put_and_return, args=(q, 1 << 16, 1.0))
     p.start()
     try:
-        code = _join(p)  # at once: its keeper serves the handle for 0.3 s (Note [A keeper after exit])
+        code = wait_exit(p)  # at once: its keeper serves the handle for 0.3 s (Note [A keeper after exit])
         assert code == 0
         # the keeper removes the socket's directory as it leaves, nobody having claimed the handle
-        _wait_for(lambda: not glob.glob(os.path.join(tempfile.gettempdir(), f"shmshare-mp-{p.pid}-*")))
+        wait_until(lambda: not glob.glob(os.path.join(tempfile.gettempdir(), f"shmshare-mp-{p.pid}-*")),
+                   "the keeper to remove the socket's directory", between=gc.collect)
         with pytest.raises(smp.OwnerGone, match=f"pid {p.pid}"):
             q.get(timeout=WAIT)
     finally:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
+        kill(p)
 
 
 def test_a_handle_pickled_but_never_unpickled_pins_its_block_and_is_counted():
@@ -151,17 +139,8 @@ def test_a_handle_pickled_but_never_unpickled_pins_its_block_and_is_counted():
     assert (s.handles_unclaimed, s.handles_claimed) == (0, 1)
     assert np.array_equal(got, a)
     del got
-    _wait_for(lambda: smp.statistics().handles_claimed == 0)
+    wait_until(lambda: smp.statistics().handles_claimed == 0, "every handle released", between=gc.collect)
     assert smp.statistics().bytes_leased == 0
-
-
-def _wait_for(cond, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail("condition not met within the bound")
-        gc.collect()
-        time.sleep(0.01)
 
 
 def test_the_same_pickle_unpickled_twice_is_a_clear_error_here():
@@ -192,10 +171,9 @@ def test_the_same_pickle_unpickled_in_another_process_too_is_a_clear_error():
     try:
         kind, msg = out.get(timeout=WAIT)
         assert kind == "HandleError" and f"already unpickled by pid {os.getpid()}" in msg
-        assert _join(p) == 0
+        assert wait_exit(p) == 0
     finally:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
+        kill(p)
     del first
 
 
@@ -203,7 +181,7 @@ def test_a_released_handle_unpickled_again_is_stale():
     data = ForkingPickler.dumps(np.ones(1 << 12))
     got = ForkingPickler.loads(data)
     del got
-    _wait_for(lambda: smp.statistics().handles_claimed == 0)
+    wait_until(lambda: smp.statistics().handles_claimed == 0, "every handle released", between=gc.collect)
     with pytest.raises(smp.HandleError, match="stale"):
         ForkingPickler.loads(data)
 
@@ -234,10 +212,9 @@ def test_fork_children_never_reuse_the_parents_blocks():
         got = ForkingPickler.loads(data)
         assert float(got[0]) == 1.0
         del got
-        assert _join(p) == 0
+        assert wait_exit(p) == 0
     finally:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
+        kill(p)
     after = smp.statistics()
     assert after.handles_pickled == before.handles_pickled and after.handles_unclaimed == 1
     ForkingPickler.loads(pending)
@@ -276,7 +253,7 @@ def test_a_forked_child_never_releases_its_parents_received_arrays():
         child = ctx.Process(target=_hold_inherited_then_drop, args=(out,))
         child.start()
         assert out.get(timeout=WAIT) == "dropped"
-        assert _join(child) == 0
+        assert wait_exit(child) == 0
         cmd.put("stats")
         assert stats.get(timeout=WAIT).handles_claimed == 1  # still ours: the child sent nothing
         assert float(_inherited[0]) == 9.0
@@ -286,13 +263,12 @@ def test_a_forked_child_never_releases_its_parents_received_arrays():
             cmd.put("stats")
             return stats.get(timeout=WAIT).handles_claimed == 0
 
-        _wait_for(released)  # the parent's own release does reach the owner
+        wait_until(released, "the parent's release to reach the owner", between=gc.collect)
         cmd.put("stop")
-        assert _join(owner) == 0
+        assert wait_exit(owner) == 0
     finally:
         _inherited = None
-        if owner.is_alive():
-            os.kill(owner.pid, signal.SIGKILL)
+        kill(owner)
 
 
 def _claim_and_die(q, ready) -> None:
@@ -311,13 +287,12 @@ def test_a_receiver_killed_holding_arrays_gives_them_back():
         assert ready.get(timeout=WAIT) == 4.0
         assert smp.statistics().handles_claimed == 1
         os.kill(p.pid, signal.SIGKILL)
-        _join(p)
-        _wait_for(lambda: smp.statistics().handles_claimed == 0)
+        wait_exit(p)
+        wait_until(lambda: smp.statistics().handles_claimed == 0, "every handle released", between=gc.collect)
         s = smp.statistics()
         assert s.reclaimed == 1 and s.bytes_leased == 0
     finally:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
+        kill(p)
 
 
 def test_blocks_come_back_and_are_reused():
@@ -326,7 +301,8 @@ def test_blocks_come_back_and_are_reused():
         got = ForkingPickler.loads(ForkingPickler.dumps(a))
         assert got[-1] == a[-1]
         del got
-        _wait_for(lambda: smp.statistics().handles_claimed == 0)  # released: its block is free
+        wait_until(lambda: smp.statistics().handles_claimed == 0, "every handle released",
+                   between=gc.collect)  # released: its block is free
     s = smp.statistics()
     assert s.handles_pickled == 12 and s.segments_sent == 1  # one segment, its blocks reused
     assert s.reserved_bytes <= 4 << 20
@@ -366,4 +342,5 @@ def test_the_flushers_sweep_of_gone_owners_runs_beside_unpickles():
         stop.set()
         t.join(WAIT)
     assert not errors, f"the sweep beside unpickles raised {errors[0]!r}"
-    _wait_for(lambda: smp.statistics().handles_claimed == 0)  # and every release came back
+    wait_until(lambda: smp.statistics().handles_claimed == 0, "every release back",
+               between=gc.collect)

@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 
 import shmshare.multiprocessing as smp
-
-from .test_mp_hostile import _kill, _wait_for
+from shmshare.testing import kill, wait_until
 
 WAIT = 30.0
 
@@ -56,7 +55,7 @@ def test_ping_pong_of_thousands_of_arrays_stays_bounded_in_both_processes():
         theirs, their_fds_early, their_fds_late = outq.get(timeout=WAIT)
         assert _join_ok(p)
     finally:
-        _kill(p)
+        kill(p)
         inq.close()
         outq.close()
     assert theirs.handles_claimed == 0 and theirs.handles_unclaimed == 0
@@ -64,7 +63,7 @@ def test_ping_pong_of_thousands_of_arrays_stays_bounded_in_both_processes():
     # the most fds open at once late on against early on, not one sample: a fd open for an
     # instant (a flush's socket, a listdir) is no growth; a leak per message is thousands
     assert their_fds_late <= their_fds_early and max(mine[-500:]) <= max(mine[250:1000])
-    _wait_for(lambda: smp.statistics().handles_claimed == 0)
+    wait_until(lambda: smp.statistics().handles_claimed == 0, "every handle released", between=gc.collect)
     s = smp.statistics()
     assert s.handles_pickled == 3000 and s.segments_sent <= 2 and s.reserved_bytes <= 4 << 20
 
@@ -102,12 +101,13 @@ def test_threads_pickling_and_unpickling_at_once_each_get_their_own_data():
         t.join(WAIT)
     assert not any(t.is_alive() for t in threads)
     assert not errors, errors[:5]
-    _wait_for(lambda: smp.statistics().handles_claimed == len(kept))
+    wait_until(lambda: smp.statistics().handles_claimed == len(kept), "only the kept handles claimed",
+               between=gc.collect)
     wrong = [(want, float(g.min()), float(g.max())) for want, g in kept
              if not float(g.min()) == float(g.max()) == want]
     kept.clear()
     assert not wrong, wrong[:5]
-    _wait_for(lambda: smp.statistics().handles_claimed == 0)
+    wait_until(lambda: smp.statistics().handles_claimed == 0, "every handle released", between=gc.collect)
 
 
 _IMPORT_ORDER = """

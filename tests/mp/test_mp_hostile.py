@@ -25,23 +25,9 @@ import numpy as np
 import pytest
 
 import shmshare.multiprocessing as smp
+from shmshare.testing import kill, pid_alive, wait_until
 
 WAIT = 30.0
-
-
-def _kill(p) -> None:
-    if p is not None and p.is_alive():
-        os.kill(p.pid, signal.SIGKILL)
-        p.join(5)
-
-
-def _wait_for(cond, timeout: float = WAIT, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} not met within {timeout} s")
-        gc.collect()
-        time.sleep(0.01)
 
 
 def _socket_dirs(pid: int) -> list[str]:
@@ -84,7 +70,7 @@ def _receive_shared_tensors(count: int) -> list[float]:
         return [float(t[0]) for t in got]
     finally:
         got.clear()
-        _kill(p)
+        kill(p)
         r.close()
         w.close()
 
@@ -170,7 +156,7 @@ def _fd_trouble() -> dict:
     finally:
         del held
         cmd.put("stop")
-        _kill(p)
+        kill(p)
         r.close()
         w.close()
         cmd.close()
@@ -274,7 +260,7 @@ def _paused_owner() -> dict:
         if stopped:
             os.kill(p.pid, signal.SIGCONT)
         cmd.put("stop")
-        _kill(p)
+        kill(p)
 
 
 def test_an_owner_paused_a_few_seconds_still_gets_every_release_and_serves_after():
@@ -317,9 +303,9 @@ def _pool_leftovers(busy) -> list[str]:
             del got
             for _ in range(2):  # still busy when the block ends (an exception, an early break)
                 pool.apply_async(_busy, (str(busy),))
-            _wait_for(lambda: len(os.listdir(busy)) == 2, WAIT, "both workers busy")
+            wait_until(lambda: len(os.listdir(busy)) == 2, "both workers busy", WAIT, between=gc.collect)
         for pid in pids:
-            _wait_for(lambda pid=pid: not os.path.exists(f"/proc/{pid}"), 10, f"worker {pid} gone")
+            wait_until(lambda pid=pid: not pid_alive(pid), f"worker {pid} gone", 10, between=gc.collect)
         # a SIGTERM runs no finalizer: the next owner of this user to start sweeps what the dead
         # left (here this process's, on its first handle), and never a live process's directory
         ForkingPickler.dumps(np.ones(1 << 12))
@@ -384,7 +370,7 @@ def test_a_daemon_thread_pickling_at_exit_leaves_no_socket_directory():
         pid = int(done.stdout.split()[-1])
         # a keeper serves what is unclaimed for the 0.5 s linger (Note [A keeper after exit]),
         # then removes the directory as it leaves
-        _wait_for(lambda: not _socket_dirs(pid), WAIT, "the keeper to leave")
+        wait_until(lambda: not _socket_dirs(pid), "the keeper to leave", WAIT, between=gc.collect)
         left = _socket_dirs(pid)
     finally:
         if pid is not None:
@@ -399,7 +385,8 @@ def _padded_roundtrip() -> tuple[bytes, bytes, bool]:
     secret = np.full(8192, 0x5A5A5A5A5A5A5A5A, np.uint64)
     got = ForkingPickler.loads(ForkingPickler.dumps(secret))
     del got
-    _wait_for(lambda: smp.statistics().handles_claimed == 0)  # its block is a spare now
+    wait_until(lambda: smp.statistics().handles_claimed == 0, "every handle released",
+               between=gc.collect)  # its block is a spare now
     dt = np.dtype({"names": ["x"], "formats": ["<i4"], "offsets": [0], "itemsize": 8})
     sent = np.zeros(8192, dt)
     sent["x"] = np.arange(8192)
@@ -486,7 +473,7 @@ def _report_inherited(out, cmd) -> None:
 def _fork_after_growing() -> tuple[list[str], list[str]]:
     got = ForkingPickler.loads(ForkingPickler.dumps(np.ones(1 << 22)))  # a 32 MiB block
     del got
-    _wait_for(lambda: smp.statistics().handles_claimed == 0)
+    wait_until(lambda: smp.statistics().handles_claimed == 0, "every handle released", between=gc.collect)
     ctx = smp.get_context("fork")
     out, cmd = ctx.Queue(), ctx.Queue()
     p = ctx.Process(target=_report_inherited, args=(out, cmd))
@@ -498,7 +485,7 @@ def _fork_after_growing() -> tuple[list[str], list[str]]:
         p.join(WAIT)
         return got
     finally:
-        _kill(p)
+        kill(p)
 
 
 def test_a_forked_child_does_not_pin_the_parents_pool_after_the_parent_gives_it_back():

@@ -11,6 +11,7 @@ and every child is killed by pid in a ``finally``.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import os
@@ -28,27 +29,9 @@ import pytest
 
 import shmshare.multiprocessing as smp
 from shmshare.multiprocessing import _client, _owner, _reduce
+from shmshare.testing import kill, wait_until
 
 WAIT = 30.0
-
-
-def _kill(p) -> None:
-    if p is not None and p.pid is not None and p.exitcode is None:
-        try:
-            os.kill(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        p.join(10)
-
-
-def _wait_for(cond, timeout: float = WAIT) -> bool:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            return False
-        gc.collect()
-        time.sleep(0.01)
-    return True
 
 
 def _fds_and_maps() -> tuple[int, int]:
@@ -81,7 +64,7 @@ def _consume_short_lived_producers(n: int) -> dict:
                 p.join(WAIT)
                 assert p.exitcode == 0
             finally:
-                _kill(p)
+                kill(p)
                 p.close()
             if i == 1:  # the client's own pieces (its flusher's wake pipe, ...) exist by now
                 gc.collect()
@@ -165,8 +148,8 @@ def _two_owners_one_stopped() -> dict:
         c = _client.client()
         # the first get is making its link to the stopped owner (connected, waiting for the
         # table) once the client has a per-owner making lock for it
-        assert _wait_for(lambda: any(k[0] == a.pid for k in c._making) or "a" in got, 10), \
-            "the first get never began"
+        wait_until(lambda: any(k[0] == a.pid for k in c._making) or "a" in got, "the first get to begin", 10,
+                   between=gc.collect)
         time.sleep(0.2)  # and is inside the wait
         tb = threading.Thread(target=_get_into, args=(qb, got, "b"), daemon=True)
         tb.start()
@@ -179,8 +162,8 @@ def _two_owners_one_stopped() -> dict:
             os.kill(a.pid, signal.SIGCONT)
         for t in threads:
             t.join(WAIT + 5)
-        _kill(a)
-        _kill(b)
+        kill(a)
+        kill(b)
         for q in (qa, qb, ra, rb):
             q.close()
             q.join_thread()
@@ -262,7 +245,7 @@ def _run_in_new_pid_namespace(what: str, payload: bytes = b"") -> list:
         p.join(WAIT)
         return got
     finally:
-        _kill(p)
+        kill(p)
         r.close()
         w.close()
 
@@ -313,8 +296,10 @@ def test_a_process_in_another_pid_namespace_does_not_sweep_a_live_owners_directo
 def _claimed_from_another_namespace() -> tuple[list, int]:
     payload = ForkingPickler.dumps(np.full(4096, 1.0))
     got = _run_in_new_pid_namespace("receive", payload)
-    # the receiver dropped the array and exited: its release came, or its connection ended
-    _wait_for(lambda: smp.statistics().handles_claimed == 0, 5.0)
+    # the receiver dropped the array and exited: its release came, or its connection ended (the
+    # test asserts on the count, after its skip)
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: smp.statistics().handles_claimed == 0, "every handle released", 5.0, between=gc.collect)
     return got, smp.statistics().handles_claimed
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import os
 import resource
-import signal
 import socket
 import stat
 import time
@@ -17,6 +16,7 @@ import pytest
 import shmshare.multiprocessing as smp
 from shmshare import wire
 from shmshare.multiprocessing import _client, _owner, _table
+from shmshare.testing import kill
 
 WAIT = 30.0
 
@@ -79,8 +79,7 @@ def test_another_uid_cannot_reach_the_socket_nor_be_served(tmp_path):
         assert float(got[0]) == 2.0
     finally:
         p.join(WAIT)
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
+        kill(p)
 
 
 @pytest.mark.parametrize("frame", [b"\xc1garbage", b"\x80\x04\x95" + b"cos\nsystem\n", b""])
@@ -136,8 +135,7 @@ def test_a_release_from_another_process_than_the_claimer_is_ignored():
         time.sleep(0.1)
         assert smp.statistics().handles_claimed == 1 and float(got[0]) == 1.0
     finally:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
+        kill(p)
     del got
 
 
@@ -191,8 +189,7 @@ def test_an_owner_out_of_fds_sends_by_value_and_loses_nothing():
         p.join(WAIT)
         assert p.exitcode == 0
     finally:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
+        kill(p)
 
 
 def _unpickle_with_few_fds(q, out) -> None:
@@ -217,6 +214,5 @@ def test_a_receiver_out_of_fds_gets_a_clear_error():
         assert kind == "FdLimitError" and "fd" in msg, (kind, msg)
         p.join(WAIT)
     finally:
-        if p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
+        kill(p)
     gc.collect()

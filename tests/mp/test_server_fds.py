@@ -15,9 +15,9 @@ import numpy as np
 import shmshare.multiprocessing as smp
 from shmshare import wire
 from shmshare.multiprocessing import _owner
+from shmshare.testing import kill
 
 from .helpers import WAIT
-from .test_mp_hostile import _kill
 
 
 def _owner_out_of_fds(inq, out) -> None:
@@ -80,7 +80,7 @@ def test_an_owner_out_of_fds_pauses_accepting_and_serves_the_peer_after():
     finally:
         if raw is not None:
             raw.close()
-        _kill(p)
+        kill(p)
         for q in (inq, out):
             q.close()
             q.join_thread()

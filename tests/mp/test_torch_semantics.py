@@ -15,6 +15,7 @@ import torch
 
 import shmshare.multiprocessing as smp
 from shmshare.multiprocessing import _reduce
+from shmshare.testing import wait_until
 from tests.mp import helpers
 from tests.mp.helpers import WAIT
 
@@ -460,7 +461,8 @@ def test_the_lends_of_a_process_that_died_are_given_back():
             inq.put(x)
     finally:
         helpers.close_queue(inq)
-    assert helpers.wait_until(lambda: smp.statistics().handles_unclaimed == 0, WAIT), smp.statistics()
+    wait_until(lambda: smp.statistics().handles_unclaimed == 0,
+               lambda: f"every handle claimed (statistics: {smp.statistics()})", WAIT)
 
 
 def _exit_quickly():
