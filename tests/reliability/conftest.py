@@ -8,17 +8,9 @@ import os
 
 import pytest
 
+from shmshare.testing import pid_alive
+
 from .helpers import shm_left
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @pytest.fixture(autouse=True)
@@ -30,7 +22,7 @@ def remove_names_of_killed_children():
             pid = int(name.split("_")[1])
         except (IndexError, ValueError):
             continue
-        if pid != os.getpid() and not _pid_alive(pid):
+        if pid != os.getpid() and not pid_alive(pid):
             try:
                 os.unlink(f"/dev/shm/{name}")
             except FileNotFoundError:

@@ -1,4 +1,5 @@
-"""Shared pieces of the reliability suite: bounded children, patterns, host counters.
+"""Shared pieces of the reliability suite: bounded children, host counters (patterns and bounded
+waits: shmshare.testing's pattern and wait_until).
 
 Every child here is forked by :func:`shmshare.testing.start_child`, talks to
 the test over a ``wire.pipe`` control connection (msgpack dicts, never
@@ -35,11 +36,6 @@ from shmshare.testing import Child, start_child
 
 MiB = 1 << 20
 CHILD_DEADLINE = 90.0  # s: no child outlives this, whatever the test does
-
-
-def pattern(seed: int, n: int, dtype: Any = np.uint32) -> np.ndarray:
-    """Return n values derived from `seed` (a block's id): different for every block."""
-    return ((np.arange(n, dtype=np.uint64) * 2654435761 + (seed % 100_003) * 40503) % (2**31)).astype(dtype)
 
 
 def shmem_bytes() -> int:
@@ -207,13 +203,3 @@ def remove_private_dir(path: str | None) -> None:
     """Remove the directory a crashed child's ``listen()`` left (``/tmp/shmshare-*``)."""
     if path and os.path.basename(os.path.dirname(path)).startswith("shmshare-"):
         shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> bool:
-    """Return whether `cond()` became true within `timeout` s (polled)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.02)
-    return True

@@ -22,6 +22,7 @@ import numpy as np
 
 import shmshare
 from shmshare import ShmshareTimeout
+from shmshare.testing import pattern
 
 from .helpers import (
     CHILD_DEADLINE,
@@ -29,7 +30,6 @@ from .helpers import (
     error_report,
     exit_status,
     fd_count,
-    pattern,
     remove_private_dir,
     set_nofile,
     touch_all,

@@ -22,9 +22,10 @@ import msgpack
 import pytest
 
 from shmshare import wire
+from shmshare.testing import wait_until
 
 from . import forge
-from .helpers import fd_count, wait_for
+from .helpers import fd_count
 from .rxchild import ReceiverChild, receiver_child
 
 SHORT_SEEDS = [1]
@@ -169,9 +170,9 @@ def run_fuzz(category: str, seed: int, cases: int) -> None:
             except AssertionError as exc:
                 raise AssertionError(str(exc) if at in str(exc) else f"{at}: {exc}") from None
         rc.marker(cases)
-        assert wait_for(lambda: fd_count(rc.pid) <= base_fds), (
+        wait_until(lambda: fd_count(rc.pid) <= base_fds, lambda: (
             f"{where}: the receiver holds {fd_count(rc.pid) - base_fds} fds more than before "
-            f"the hostile peers (fds of refused frames leaked)")
+            f"the hostile peers (fds of refused frames leaked)"), 10)
         bye = rc.finish()
         _check_kinds(rc.errors, where)
         assert bye["raised"] >= 1 or category == "descriptors", f"{where}: nothing was refused"

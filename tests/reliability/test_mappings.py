@@ -15,8 +15,9 @@ import pytest
 
 import shmshare
 from shmshare._procfs import fds, shm_mappings
+from shmshare.testing import pattern
 
-from .helpers import Kid, pattern, shmshare_maps
+from .helpers import Kid, shmshare_maps
 
 N = 1 << 18  # uint32: 1 MiB
 

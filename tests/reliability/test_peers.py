@@ -12,9 +12,10 @@ import pytest
 
 import shmshare
 from shmshare import PeerDied, ProtocolError
+from shmshare.testing import pattern
 
 from . import forge
-from .helpers import Kid, pattern
+from .helpers import Kid
 from .rxchild import receiver_child
 
 
