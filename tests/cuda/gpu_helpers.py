@@ -13,6 +13,7 @@ import pytest
 
 from shmshare import cuda, wire
 from shmshare.cuda import _driver
+from shmshare.testing import pattern
 
 _PORTABLE_DEVICEMAP = 1 | 2  # CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP
 _WAIT_GEQ = 0  # CU_STREAM_WAIT_VALUE_GEQ
@@ -70,10 +71,6 @@ class BusyStream:
             _driver.call("cuMemFreeHost", word)
 
 
-def pattern(nbytes: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
-
-
 def read_device(address: int, nbytes: int) -> np.ndarray:
     out = np.empty(nbytes, np.uint8)
     cuda.copy_device_to_host(out, address, nbytes)
@@ -92,7 +89,7 @@ def send_pattern_then_exit(conn: wire.Connection, nbytes: int, seed: int, config
     allocator = CachingAllocator(provider, config)
     stream = cuda.Stream(provider.context)
     block = allocator.malloc(nbytes, stream=stream)
-    data = pattern(nbytes, seed)
+    data = pattern(seed, nbytes, np.uint8)
     cuda.copy_host_to_device(block.address, data, nbytes, stream=stream)
     cuda.send_device_memory(conn, provider, block, nbytes, stream=stream, meta={"seed": seed}, timeout=60)
     reply: Any = conn.recv(timeout=120)[0]

@@ -94,22 +94,3 @@ def end_capture(model: DriverModel, stream: Any) -> int:
     """End the capture on a shmshare Stream; return the CUresult (901: it was invalidated)."""
     stream.context.make_current()
     return int(model.cuStreamEndCapture(stream.handle)[0])
-
-
-def wait_forked(pid: int, limit: float = 30.0) -> int:
-    """Wait at most ``limit`` s for a forked child; return its exit code, or kill it by pid and fail."""
-    import os
-    import signal
-    import time
-
-    import pytest
-
-    deadline = time.monotonic() + limit
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    pytest.fail(f"the forked child {pid} did not exit within {limit:g} s")

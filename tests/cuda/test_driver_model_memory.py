@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from shmshare.testing import wait_exit
+
 from .driver_model import DriverModel
 from .driver_model_memory import PAGE
 from .model_calls import (
@@ -40,7 +42,6 @@ from .model_calls import (
     pinned,
     stream,
     unmap,
-    wait_forked,
 )
 
 TWO = pytest.mark.parametrize("driver_model", [{"devices": 2}], indirect=True)
@@ -226,7 +227,7 @@ def test_a_forked_child_gets_not_initialized(driver_model: DriverModel) -> None:
             os._exit(10 if code(driver_model.cuDeviceGetCount()) == NOT_INITIALIZED else 11)
         finally:
             os._exit(12)
-    assert wait_forked(pid) == 10
+    assert wait_exit(pid) == 10
     ok(driver_model.cuDeviceGetCount())  # the parent still may
 
 

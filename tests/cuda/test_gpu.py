@@ -17,9 +17,9 @@ import pytest
 from shmshare import Segment, cuda, wire
 from shmshare.memory import CachingAllocator
 from shmshare.memory._host import CachingHostAllocator
-from shmshare.testing import start_child
+from shmshare.testing import pattern, start_child
 
-from .gpu_helpers import BusyStream, pattern, read_device, send_pattern_then_exit, warm_torch
+from .gpu_helpers import BusyStream, read_device, send_pattern_then_exit, warm_torch
 
 pytestmark = pytest.mark.cuda
 MiB = 1 << 20
@@ -64,7 +64,7 @@ def test_pinned_blocks_are_reused_only_after_their_copy(ctx: cuda.Context, busy:
     pool = CachingHostAllocator(provider, config)
     nbytes = 8 * MiB
     target, handle = device.allocate(nbytes)
-    data = pattern(nbytes, 1)
+    data = pattern(1, nbytes, np.uint8)
     block = pool.allocate(nbytes)
     np.frombuffer(block.view(), np.uint8)[:] = data
     cuda.copy_host_to_device(target, block.address, nbytes, stream=busy.handle)  # queued behind the wait
@@ -120,7 +120,7 @@ def test_pinned_reserve_segment_is_carved(ctx: cuda.Context) -> None:
 def test_a_registered_shm_segment_feeds_an_async_copy(ctx: cuda.Context, device: cuda.CudaDeviceProvider) -> None:
     nbytes = 64 * MiB
     seg = Segment.create(nbytes)
-    data = pattern(nbytes, 2)
+    data = pattern(2, nbytes, np.uint8)
     seg.view(np.uint8, nbytes)[:] = data
     reg = cuda.register_segment(seg, ctx)
     assert cuda.register_segment(seg, ctx) is reg
@@ -193,7 +193,7 @@ def test_device_memory_reaches_another_process_by_fd_and_outlives_it(ctx: cuda.C
             mine.send({"imported": True})
             assert child.join(120) == 0  # the sender is gone...
         assert imported.meta == {"seed": 3} and imported.nbytes == nbytes
-        assert (read_device(imported.address, nbytes) == pattern(nbytes, 3)).all()  # ...its memory is not
+        assert (read_device(imported.address, nbytes) == pattern(3, nbytes, np.uint8)).all()  # ...its memory is not
         imported.close()
         gc.collect()
     finally:

@@ -6,8 +6,7 @@ import gc
 import itertools
 import random
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -15,6 +14,7 @@ import pytest
 from shmshare.memory import OutOfMemoryError, SimulatedStream
 from shmshare.memory._host import CachingHostAllocator, HostBlock
 from shmshare.memory._host_fallback import AnonymousMemory, HostFallbackProvider
+from shmshare.testing import wait_until
 
 MiB = 1 << 20
 WAIT = 10.0  # seconds any bounded wait may take before the test fails
@@ -35,15 +35,6 @@ def busy(provider: HostFallbackProvider) -> SimulatedStream:
     stream = provider.new_stream()
     stream.enqueue()
     return stream
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    """Poll ``condition`` until it holds; fail (never assert a time) after WAIT seconds."""
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what} did not happen within {WAIT} s")
-        time.sleep(0.01)
 
 
 # --- size classes --------------------------------------------------------------------------
@@ -204,7 +195,7 @@ def test_the_background_thread_returns_blocks_without_allocations(provider: Host
         pool.free(block)
         assert pool._thread is not None and pool._thread.is_alive()
         stream.run()
-        wait_until(lambda: block.event_count == 0, "the background thread returning the block")
+        wait_until(lambda: block.event_count == 0, "the background thread returning the block", WAIT)
         pool.check_invariants()
         pool.free(warm)
     assert pool._thread is None
@@ -240,7 +231,7 @@ def test_a_background_error_reaches_the_next_allocate(provider: HostFallbackProv
             raise RuntimeError("driver went away")
 
         monkeypatch.setattr(provider, "event_done", broken)
-        wait_until(lambda: pool._background_error is not None, "the thread catching the error")
+        wait_until(lambda: pool._background_error is not None, "the thread catching the error", WAIT)
         with pytest.raises(RuntimeError, match="driver went away"):
             pool.allocate(64)
         monkeypatch.undo()

@@ -20,10 +20,11 @@ import pytest
 from shmshare import Segment, cuda
 from shmshare.cuda import _deferred
 from shmshare.memory._host import CachingHostAllocator
+from shmshare.testing import wait_exit
 
 from . import driver_model as driver_model_module
 from .driver_model import DriverModel
-from .model_calls import begin_global_capture, end_capture, wait_forked
+from .model_calls import begin_global_capture, end_capture
 
 MiB = 1 << 20
 ROOT = Path(__file__).resolve().parents[2]
@@ -388,7 +389,7 @@ def test_a_registered_segment_dropped_in_a_forked_child_leaves_no_mapping_there(
             code = 2 if mapped else 3 if _deferred.pending() else 0
         finally:
             os._exit(code)
-    code = wait_forked(pid, 10)
+    code = wait_exit(pid, 10)
     cuda.unregister_segment(segment)
     segment.close()
     assert code == 0, {1: "the child failed", 2: "the child still maps the dropped segment",

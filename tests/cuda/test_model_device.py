@@ -18,10 +18,10 @@ import pytest
 from shmshare import ProtocolError, cuda, wire
 from shmshare.cuda import _driver
 from shmshare.memory import CachingAllocator, OutOfMemoryError
+from shmshare.testing import pattern
 from shmshare.testing.pool_contract import PoolContract
 
 from .driver_model import DriverModel
-from .gpu_helpers import pattern as _pattern
 from .gpu_helpers import read_device as _read
 
 MiB = 1 << 20
@@ -197,7 +197,7 @@ def test_device_memory_crosses_a_wire_by_fd_and_outlives_its_sender(
     allocator = CachingAllocator(provider, config)
     keep = allocator.malloc(1000)  # so the block does not start at its segment's first byte
     block = allocator.malloc(nbytes)
-    data = _pattern(nbytes, nbytes)
+    data = pattern(nbytes, nbytes, np.uint8)
     _fill(block.address, data)
     cuda.send_device_memory(sender_side, provider, block, nbytes, meta={"dtype": "uint8"})
     imported = cuda.recv_device_memory(receiver_side, timeout=10)

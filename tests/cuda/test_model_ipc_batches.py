@@ -15,14 +15,14 @@ import resource
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import pytest
 
 from shmshare import FdLimitError, PeerDied, ProtocolError, ShmshareTimeout, cuda, wire
 from shmshare.cuda import _driver, _ipc
-from shmshare.testing import start_child
+from shmshare.testing import pattern, start_child
 
 from .driver_model import DriverModel
-from .gpu_helpers import pattern as _pattern
 from .gpu_helpers import read_device as _read
 
 CHUNK = 64 << 10  # the model's granularity in these tests
@@ -44,7 +44,7 @@ def _filled_block(provider: cuda.CudaDeviceProvider, seed: int) -> tuple[int, An
     """Return (address, handle, offset, nbytes) of a filled block of MANY chunks, starting and ending mid-chunk."""
     address, handle = provider.allocate(MANY * CHUNK)
     offset, nbytes = 1000, MANY * CHUNK - 1000 - 123
-    cuda.copy_host_to_device(address + offset, _pattern(nbytes, seed), nbytes)
+    cuda.copy_host_to_device(address + offset, pattern(seed, nbytes, np.uint8), nbytes)
     return address, handle, offset, nbytes
 
 
@@ -68,7 +68,8 @@ def _receive_with_few_fds(conn: wire.Connection, nbytes: int, seed: int) -> None
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (_room_limit(ROOM), resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
         imported = cuda.recv_device_memory(conn, timeout=30)
-        same = imported.nbytes == nbytes and bool((_read(imported.address, nbytes) == _pattern(nbytes, seed)).all())
+        same = imported.nbytes == nbytes and bool(
+            (_read(imported.address, nbytes) == pattern(seed, nbytes, np.uint8)).all())
         reply: dict[str, Any] = {"ok": same}
     except BaseException as exc:  # noqa: BLE001 - sent to the parent, which fails on it
         reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
@@ -120,7 +121,7 @@ def test_the_receiver_holds_one_batch_of_fds_at_a_time_and_maps_every_chunk(
     assert imported.meta == {"seed": 9} and imported.nbytes == nbytes
     provider.free(handle)  # the sender lets go: the imported chunks keep the memory
     provider.close()
-    assert len(model.mappings) == MANY and (_read(imported.address, nbytes) == _pattern(nbytes, 9)).all()
+    assert len(model.mappings) == MANY and (_read(imported.address, nbytes) == pattern(9, nbytes, np.uint8)).all()
     imported.close()
     gc.collect()
     cuda.finish_releases()  # the finalizer only queued the release (Note [Deferred releases])

@@ -17,9 +17,10 @@ from shmshare import Segment, cuda, wire
 from shmshare.cuda import _vmm
 from shmshare.memory._host import CachingHostAllocator
 from shmshare.segment import Flags
+from shmshare.testing import wait_exit
 
 from .driver_model import CUresult, DriverModel
-from .model_calls import begin_global_capture, end_capture, wait_forked
+from .model_calls import begin_global_capture, end_capture
 
 MiB = 1 << 20
 
@@ -56,7 +57,7 @@ def test_the_register_path_keeps_its_pages_out_of_forked_children(driver_model: 
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         os._exit(0 if ctypes.string_at(address, 4096) == bytes(4096) else 1)
-    assert wait_forked(pid) == 0, "the child shares the parent's registered pages"
+    assert wait_exit(pid) == 0, "the child shares the parent's registered pages"
     assert ctypes.string_at(address, 4) == b"\xab" * 4
     provider.free(handle)
     provider.close()
