@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 
 from shmshare import Flags, PeerDied, Segment, wire
-from shmshare._procfs import meminfo_kb, shm_mappings, shm_names
-from shmshare.testing import start_child
+from shmshare._procfs import shm_mappings, shm_names
+from shmshare.testing import pattern, start_child
+
+from .reliability.helpers import shmem_bytes, wait_shmem_below
 
 BACKENDS = ["memfd", "posix"]
 MiB = 1 << 20
@@ -34,21 +36,6 @@ def refs(pid: int | str, dev_ino: tuple[int, int]) -> tuple[int, int]:
         nfd += (st.st_dev, st.st_ino) == dev_ino
     nmap = sum(m.inode == dev_ino[1] for m in shm_mappings(pid))
     return nfd, nmap
-
-
-def pattern(size: int, seed: int) -> np.ndarray:
-    return (np.arange(size // 8, dtype=np.uint64) * 2654435761 + seed)
-
-
-def shmem_bytes() -> int:
-    return meminfo_kb("Shmem") * 1024
-
-
-def wait_shmem_below(limit: int, timeout: float = 5.0) -> int:
-    deadline = time.monotonic() + timeout
-    while (now := shmem_bytes()) > limit and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return now
 
 
 def agent(conn: wire.Connection, other_end: wire.Connection) -> None:
@@ -68,13 +55,13 @@ def agent(conn: wire.Connection, other_end: wire.Connection) -> None:
                 held.pop().close()
             elif op == "check":
                 got = seg.view(np.uint64, seg.size // 8)
-                reply["match"] = bool(np.array_equal(got, pattern(seg.size, cmd["seed"])))
+                reply["match"] = bool(np.array_equal(got, pattern(cmd["seed"], seg.size // 8, np.uint64)))
                 del got
             elif op == "close":
                 seg.close()
             elif op == "produce":
                 seg = Segment.create(cmd["size"], backend=cmd["backend"])
-                seg.view(np.uint64, cmd["size"] // 8)[:] = pattern(cmd["size"], cmd["seed"])
+                seg.view(np.uint64, cmd["size"] // 8)[:] = pattern(cmd["seed"], cmd["size"] // 8, np.uint64)
                 conn.send({"ok": True}, fds=[seg])
                 continue
             elif op == "hang":
@@ -127,7 +114,7 @@ def test_seed_walkthrough(walk, backend, size):
     seg = Segment.create(size, flags, backend=backend)
     st = os.fstat(seg.fd)
     obj = (st.st_dev, st.st_ino)
-    seg.view(np.uint64, size // 8)[:] = pattern(size, 7)
+    seg.view(np.uint64, size // 8)[:] = pattern(7, size // 8, np.uint64)
     assert refs(me, obj) == (1, 1) and refs(kid, obj) == (0, 0)
     if backend == "posix":
         assert seg.name[1:] in shm_names() and st.st_nlink == 1
@@ -159,7 +146,7 @@ def test_seed_walkthrough(walk, backend, size):
     assert refs(kid, obj) == (0, 0) and refs(me, obj) == (0, 0)
     assert not shm_names("shmshare_")
     if size >= 256 * MiB:
-        assert wait_shmem_below(shmem0 + size // 10) <= shmem0 + size // 10
+        assert wait_shmem_below(shmem0 + size // 10, timeout=5.0) <= shmem0 + size // 10
     walk.do("exit")
     assert walk.child.join(10) == 0
 
@@ -174,7 +161,7 @@ def test_producer_sigkilled_after_sending(walk, backend):
     assert walk.child.exitcode == -9
     assert not shm_names("shmshare_")  # UNLINK at creation: nothing named survives a crash
     arr = rx.view(np.uint64, size // 8)
-    assert np.array_equal(arr, pattern(size, 3))  # the mapping, not the producer, keeps the pages
+    assert np.array_equal(arr, pattern(3, size // 8, np.uint64))  # the mapping, not the producer, keeps the pages
     arr[:] = 0  # and it is still ours to write
     del arr
     with pytest.raises(PeerDied):
@@ -187,13 +174,13 @@ def test_consumer_sigkilled_leaves_producer_unaffected(walk, backend):
     size = 8 * MiB
     seg = Segment.create(size, backend=backend)
     obj = (os.fstat(seg.fd).st_dev, os.fstat(seg.fd).st_ino)
-    seg.view(np.uint64, size // 8)[:] = pattern(size, 5)
+    seg.view(np.uint64, size // 8)[:] = pattern(5, size // 8, np.uint64)
     walk.do("take_fd", fds=[seg])
     walk.do("map")
     walk.child.kill()
     assert refs(os.getpid(), obj) == (1, 1)
     view = seg.view(np.uint64, size // 8)
-    assert np.array_equal(view, pattern(size, 5))
+    assert np.array_equal(view, pattern(5, size // 8, np.uint64))
     view[:] = 1
     del view
     with pytest.raises(PeerDied):
@@ -215,7 +202,7 @@ def test_fds_never_received_die_with_the_socket(backend):
     assert shmem_bytes() - shmem0 >= 0.9 * size
     a.close()
     b.close()
-    assert wait_shmem_below(shmem0 + size // 4) <= shmem0 + size // 4
+    assert wait_shmem_below(shmem0 + size // 4, timeout=5.0) <= shmem0 + size // 4
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -228,4 +215,4 @@ def test_fds_sent_to_a_child_that_dies_before_receiving(walk, backend):
     walk.child.kill()  # ...until its receiver dies
     seg.close()
     walk.conn.close()
-    assert wait_shmem_below(shmem0 + size // 4) <= shmem0 + size // 4
+    assert wait_shmem_below(shmem0 + size // 4, timeout=5.0) <= shmem0 + size // 4

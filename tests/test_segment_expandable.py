@@ -6,8 +6,6 @@ import dataclasses
 import errno
 import fcntl
 import os
-import signal
-import time
 
 import numpy as np
 import pytest
@@ -17,6 +15,7 @@ from shmshare._fd import Fd
 from shmshare._procfs import fds, shm_mappings
 from shmshare.memory import ShmProvider
 from shmshare.memory._shm import ShmSegment
+from shmshare.testing import wait_exit
 
 PAGE = _native.PAGE_SIZE
 MiB = 1 << 20
@@ -148,16 +147,7 @@ def test_a_forked_child_forgets_every_fd_and_keeps_only_the_mappings_in_use():
             code = 0 if all(ok) else 10 + ok.index(False)
         finally:
             os._exit(code)
-    try:
-        deadline = time.monotonic() + 30
-        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert done[0] == pid, "the forked child did not finish in 30 s"
-        assert os.waitstatus_to_exitcode(done[1]) == 0
-    finally:
-        if done[0] == 0:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
+    assert wait_exit(pid, 30) == 0  # killed and failed past the bound
     assert all(os.fstat(fd) for fd in parent_fds)  # the parent's own fds are untouched
     for rec in (used, idle):
         prov.free(rec)

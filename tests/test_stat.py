@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from shmshare import Segment, _stat, wire
+from shmshare.testing import kill
 
 WAIT = 30.0
 SIZE = 4 << 20
@@ -35,13 +36,6 @@ def _map_only(seg_fd: int, touch: bool, ready) -> None:
 
 
 _seg: Segment | None = None
-
-
-def _kill(*procs) -> None:
-    for p in procs:
-        if p is not None and p.is_alive():
-            os.kill(p.pid, signal.SIGKILL)
-            p.join(5)
 
 
 def test_stat_sees_who_maps_and_who_holds_a_segment_and_what_is_resident():
@@ -81,7 +75,7 @@ def test_stat_sees_who_maps_and_who_holds_a_segment_and_what_is_resident():
     finally:
         if mapper is not None and mapper.pid:
             os.kill(mapper.pid, signal.SIGCONT)
-        _kill(holder, mapper)
+        kill(holder, mapper)
         a.close()
         b.close()
         done.close()

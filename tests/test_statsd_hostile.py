@@ -23,6 +23,7 @@ import pytest
 
 from shmshare import _registry, _stat, _statask, _statsd, wire
 from shmshare.memory import CachingAllocator, CachingHostAllocator, HostFallbackProvider, SimulatedDevice
+from shmshare.testing import kill
 
 from .clock_helpers import PollClock
 from .stats_helpers import stats_dir as _stats_dir
@@ -99,8 +100,7 @@ def _fake_daemon(tmp_path, mode: str, n: int = 1) -> subprocess.Popen[str]:
 
 
 def _kill(child: subprocess.Popen[str]) -> None:
-    child.kill()
-    child.wait(10)
+    kill(child)
     if child.stdout is not None:
         child.stdout.close()
 

@@ -8,7 +8,6 @@ is bounded.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -16,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from shmshare.testing import kill
 
 pytest_plugins = ["pytester"]
 
@@ -29,13 +30,6 @@ ROOT = Path(__file__).resolve().parents[2]
 def run(pytester: pytest.Pytester, body: str, *args: str) -> pytest.RunResult:
     pytester.makepyfile(test_sample=textwrap.dedent(body))
     return pytester.runpytest_subprocess(*PLUGIN, "--leaks", *args, timeout=TIMEOUT)
-
-
-def kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 # --- false positives ---------------------------------------------------------------------------
@@ -90,8 +84,7 @@ def test_fp_another_workers_shm_name_held_by_a_mapping_is_not_ours(pytester: pyt
         result = run(pytester, body)
         result.assert_outcomes(passed=1)
     finally:
-        kill(helper.pid)
-        helper.wait(10)
+        kill(helper)
         if os.path.exists(f"/dev/shm/{name}"):
             os.unlink(f"/dev/shm/{name}")
 
