@@ -21,6 +21,7 @@ LAYERS = {
     "_statsd": 2,  # the opt-in stats socket: wire frames answering from _registry
     "memory": 3, "cuda": 3,
     "tensors": 4,
+    "_plane": 4,  # the data plane's core under the services: the lending pool and its books
     "channel": 5,
     "loader": 6, "server": 6, "multiprocessing": 6, "store": 6,
     "cli": 7, "_doctor": 7, "_demo": 7, "_stat": 7, "_statask": 7, "_termtable": 7, "__main__": 7,

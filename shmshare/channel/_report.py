@@ -71,7 +71,7 @@ class SenderReport:
             "leases_out": len(held),
             "bytes_leased": sum(h.block.size for h in {id(h): h for h in held}.values()),
             "oldest_lease_s": self.age(oldest, time.monotonic()),
-            "spare_bytes": sender._spare_bytes,
+            "spare_bytes": sender._pool.spare_bytes,
         }
 
     def age(self, oldest: int | None, now: float) -> float | None:

@@ -36,10 +36,11 @@ import numpy as np
 from .. import _fork, _native, _registry, tensors, wire
 from .._errors import PeerDied, PeerRefused, PoolExhausted, ProtocolError, ShmshareError, ShmshareTimeout
 from .._lifetime import Closeable
+from .._plane import SPARE_BYTES, Held, LendingPool, host_cause
 from ..memory import CachingAllocator, OutOfMemoryError, ShmProvider, ShmSegment
 from . import _lane
-from ._announce import SegmentBook
-from ._blocks import SPARE_BYTES, BlockBook, SenderStatistics, ViewDied, _Held, exhausted, host_cause
+from ._announce import announce
+from ._blocks import SenderStatistics, ViewDied, exhausted
 from ._overflow import Overflow
 from ._protocol import BATCH, BYE, KIND, LEASES, MAX_NOTES, NOTE, REFUSE, RELEASE, TREE, VALUE, WHY
 from ._report import SenderReport
@@ -54,7 +55,7 @@ _DRAIN_EVERY = 0.0005
 _BYE_WAIT = 30.0  # s close() waits for room for its goodbye behind batches still queued
 
 
-class Sender(BlockBook, Closeable):
+class Sender(Closeable):
     """Send numpy arrays, torch CPU tensors and nested batches of them, without copies.
 
     Made by :func:`shmshare.channel` or :func:`shmshare.connect`. One process
@@ -78,6 +79,9 @@ class Sender(BlockBook, Closeable):
 
     LIMIT = "limit="  # the setting to name in errors (the loader's workers: pool_limit=)
     _lock: threading.RLock
+    _pool: LendingPool  # the blocks lent, their segments and spares (_plane/pool.py)
+    _alloc: CachingAllocator  # _pool's, and its provider's
+    _provider: ShmProvider
     _in_send: bool  # this thread is inside send(): a nested send() is refused
     _offered: bool  # rings offered on the connection (at the first send of this process)
     _last_drain: float
@@ -118,8 +122,8 @@ class Sender(BlockBook, Closeable):
                 self._drain()
                 if self._peer_dead:
                     self._check_usable()
-            elif self._local_done:
-                self._drain_local()
+            elif self._pool.local_done:
+                self._pool.drain_local()
             if not self._offered:  # at the first send of the process that sends (Note [Rings])
                 self._offered = True
                 with contextlib.suppress(ShmshareTimeout, OSError):  # a full socket or fd table
@@ -131,7 +135,7 @@ class Sender(BlockBook, Closeable):
                 tree = self._encoder.encode(obj)  # calls _place for each array
                 ann = self._ann
                 if ann.to_announce or ann.grow or ann.drop:
-                    header, fds = ann.header({KIND: BATCH, TREE: tree})
+                    header, fds = announce(ann, {KIND: BATCH, TREE: tree})
                 else:  # the usual message: nothing to announce
                     header, fds = {KIND: BATCH, TREE: tree}, _NO_FDS
                 self._send_draining(header, fds, deadline)
@@ -170,17 +174,17 @@ class Sender(BlockBook, Closeable):
         with self._lock:
             if self._closed or self._peer_dead:
                 self._check_usable()
-            if self._local_done:
-                self._drain_local()  # releases from the receiver are taken in by send()
-            held = self._spare(want)
+            if self._pool.local_done:
+                self._pool.drain_local()  # releases from the receiver are taken in by send()
+            held = self._pool.spare(want, self._sent, self._drain_for_room())
             if held is None:
                 deadline = None if timeout is None else time.monotonic() + timeout
-                held = self._new_held(want, deadline, local=True)
+                held = self._pool.hold(self._malloc(want, deadline), want, local=True)
             else:
                 held.local = True
         # positional: keyword parsing costs more than the rest of the call
         lease = _native.Lease(self._alloc if held.free_to is None else held.free_to.alloc,
-                              held.block.address, nbytes, False, ViewDied(self._local_done, self, held))
+                              held.block.address, nbytes, False, ViewDied(self._pool.local_done, self, held))
         arr = np.ndarray(shp, np_dtype, lease)  # type: ignore[arg-type]  # positional: keywords cost
         return arr if torch_dtype is None else tensors.allocated(arr, torch_dtype)
 
@@ -227,7 +231,7 @@ class Sender(BlockBook, Closeable):
                 self._sent, self._copied, self._in_place, len(self._leases),
                 sum(h.block.size for h in set(self._leases.values())), self._ann.count,
                 stats["reserved_bytes.all.current"], stats["allocated_bytes.all.current"],
-                self._spare_bytes, sum(h.block.size for h in self._retired))
+                self._pool.spare_bytes, sum(h.block.size for h in self._retired))
 
     def memory_stats(self) -> dict[str, int]:
         """Return the pool's statistics with PyTorch's key names."""
@@ -237,10 +241,10 @@ class Sender(BlockBook, Closeable):
         """Give cached, unused segments back to the host."""
         with self._lock:
             self._drain()
-            self._free_spares()
+            self._pool.free_spares()
             self._alloc.empty_cache()
-            if self._overflow is not None:
-                self._overflow.empty_cache()
+            if self._pool.overflow is not None:
+                self._pool.overflow.empty_cache()
 
     @property
     def allocator(self) -> CachingAllocator:
@@ -291,10 +295,10 @@ class Sender(BlockBook, Closeable):
         self._on_peer_death()
         for held in self._retired:
             held.leases = 0
-            self._maybe_free(held)
+            self._pool.maybe_free(held)
         self._retired.clear()
-        self._drain_local()
-        self._free_spares()
+        self._pool.drain_local()
+        self._pool.free_spares()
         self._alloc.empty_cache()
         self._reap = True  # from now on a dying local view gives its block back at once
 
@@ -306,11 +310,11 @@ class Sender(BlockBook, Closeable):
         thread that fails leaves the work to the holder, who looks again
         after letting go (Note [Callbacks from the garbage collector]).
         """
-        while self._local_done:
+        while self._pool.local_done:
             if not self._reap_lock.acquire(blocking=False):
                 return
             try:
-                self._drain_local()
+                self._pool.drain_local()
                 self._alloc.empty_cache()
             finally:
                 self._reap_lock.release()
@@ -338,9 +342,10 @@ class Sender(BlockBook, Closeable):
         ptr, lo, span = _native.extent(arr)
         if span == 0:
             return tensors.pack_desc(0, 0, 0, dt, arr.shape, arr.strides, tdt)
-        held = self._find(ptr + lo, span)
+        held = self._pool.find(ptr + lo, span)
         if held is None:
-            held, strides = self._copy_in(arr)
+            held = self._pool.copy_in(arr, ptr, span, self._sent, self._malloc_now, self._drain_for_room())
+            strides = tensors.c_strides(arr.dtype.itemsize, arr.shape)
             ptr = held.block.address
             self._copied += 1
         else:
@@ -368,13 +373,13 @@ class Sender(BlockBook, Closeable):
                 self._drain()
                 if self._peer_dead:
                     return False
-            elif self._local_done:
-                self._drain_local()
+            elif self._pool.local_done:
+                self._pool.drain_local()
             dt = _DTYPE_BYTES.get(arr.dtype)
             ptr, lo, span = _native.extent(arr)
-            held = self._held.get(ptr + lo)  # the whole block, as empty() gave it: no search
+            held = self._pool.held.get(ptr + lo)  # the whole block, as empty() gave it: no search
             if held is None or held.spare or span > held.block.size or not span or dt is None:
-                held = self._find(ptr + lo, span) if span and dt is not None else None
+                held = self._pool.find(ptr + lo, span) if span and dt is not None else None
             ann = self._ann
             if held is None or held.seg.id not in ann.announced or ann.to_announce or ann.grow \
                     or ann.drop:
@@ -391,20 +396,12 @@ class Sender(BlockBook, Closeable):
             self._sent += 1
             return True
 
-    def _copy_in(self, arr: np.ndarray) -> tuple[_Held, tuple[int, ...]]:
-        """Copy an array that is not in the pool into a new block (C order)."""
-        want = arr.nbytes
-        held = self._spare(want)
-        if held is None:
-            held = self._new_held(want, self._deadline, local=False)
-        try:
-            raw = _native.Lease(None, held.block.address, want)
-            dst = np.ndarray(arr.shape, arr.dtype, buffer=raw)  # type: ignore[arg-type]
-            np.copyto(dst, arr, casting="no")
-        except BaseException:
-            self._maybe_free(held)
-            raise
-        return held, dst.strides
+    def _drain_for_room(self) -> Callable[[], None] | None:
+        """What the pool runs for want of a spare: take in the releases queued (if any can come)."""
+        return self._drain if self._leases and not self._peer_dead else None
+
+    def _malloc_now(self, nbytes: int) -> Any:
+        return self._malloc(nbytes, self._deadline)  # the deadline of the send in progress
 
     def _send_draining(self, header: dict[str, Any], fds: list[int], deadline: float | None,
                        closing: bool = False) -> None:
@@ -438,13 +435,13 @@ class Sender(BlockBook, Closeable):
             try:
                 return self._alloc.malloc(nbytes)
             except OutOfMemoryError as exc:
-                if self._spare_bytes:
-                    self._free_spares()  # blocks kept for other sizes: give them back first
+                if self._pool.spare_bytes:
+                    self._pool.free_spares()  # blocks kept for other sizes: give them back first
                     continue
                 host = host_cause(exc)
-                if self._overflow is not None and host is None:  # full of what the receiver holds
-                    return self._overflow.malloc(nbytes, self._drain, self._alloc)
-                if not self._held and not self._local_done:
+                if self._pool.overflow is not None and host is None:  # full of what the receiver holds
+                    return self._pool.overflow.malloc(nbytes, self._drain, self._alloc)
+                if not self._pool.held and not self._pool.local_done:
                     if host is not None:
                         raise PoolExhausted(f"no shared memory for an array of {nbytes} bytes "
                                             f"(the pool is empty): {host}") from host
@@ -467,13 +464,13 @@ class Sender(BlockBook, Closeable):
                 self._drain()
 
     def _exhausted(self, nbytes: int, host: Exception | None) -> PoolExhausted:
-        return exhausted(nbytes, self._limit, self._leases, self._held, host, self.LIMIT)
+        return exhausted(nbytes, self._limit, self._leases, self._pool.held, host, self.LIMIT)
 
     # -- leases and releases ----------------------------------------------------
 
     def _drain(self) -> None:
         """Take in local views that died and every release frame already queued."""
-        self._drain_local()
+        self._pool.drain_local()
         if self._peer_dead:
             return
         try:
@@ -527,7 +524,7 @@ class Sender(BlockBook, Closeable):
             if held is not None:  # unknown ids (a confused peer) change nothing
                 held.leases -= 1
                 if not held.leases and not held.local:
-                    self._maybe_free(held)
+                    self._pool.maybe_free(held)
 
     def _on_peer_death(self) -> None:
         """The receiver is gone: every lease is back (its mapping, not us, keeps its arrays).
@@ -537,7 +534,8 @@ class Sender(BlockBook, Closeable):
         its mapping keeps them for as long as it needs them.
         """
         self._peer_dead = True
-        self._free_spares()  # nothing more will be sent
+        self._pool.keep_spares = False  # nothing more will be lent
+        self._pool.free_spares()  # nothing more will be sent
         for seg in self._provider.segments.values():
             if self._ann.knows(seg):
                 seg.keep_pages = True
@@ -555,16 +553,14 @@ class Sender(BlockBook, Closeable):
         self._refused = None  # why the connection ended on purpose
         self._owner = os.getpid()
         self._handed = False  # a child may use it too (forked or spawned): see close()
-        self._provider = ShmProvider(self._limit, self._backend)
-        self._ann = SegmentBook()
-        self._provider.listeners.append(self._ann.on_segment_event)
-        self._alloc = CachingAllocator(self._provider, self._config)
-        self._leases: dict[int, _Held] = {}  # lease id -> held block
-        self._retired: set[_Held] = set()  # leased when the receiver went: kept until close()
+        pool = self._pool = LendingPool(self._limit, self._backend, self._config,
+                                        min(self._limit // 8, SPARE_BYTES))
+        self._provider, self._ann, self._alloc = pool.provider, pool.segments, pool.alloc
+        self._leases: dict[int, Held] = {}  # lease id -> held block
+        self._retired: set[Held] = set()  # leased when the receiver went: kept until close()
         # Unique per process, like segment ids: a forked child sharing this socket must never
         # take a release of its parent's lease 1 for its own lease 1.
         self._lease_ids = itertools.count((os.getpid() << 32) + 1)
-        self._local_done: collections.deque[_Held] = collections.deque()
         self._notes: collections.deque[Any] = collections.deque()  # Receiver.tell's, unread
         self._sent = self._copied = self._in_place = 0
         self._last_drain = 0.0
@@ -573,18 +569,17 @@ class Sender(BlockBook, Closeable):
         self._deadline = None  # the send in progress's deadline
         self._in_send = False  # this thread is inside send(): a nested send() is refused
         self._offered = False
-        self._new_book(min(self._limit // 8, SPARE_BYTES))
-        self._overflow = None if self._on_overflow is None else Overflow(
+        pool.overflow = None if self._on_overflow is None else Overflow(
             self._backend, self._config, self._ann.on_segment_event, self._on_overflow)
         _registry.register("senders", self, SenderReport())  # again in a fork child: its own notes
 
     def _after_fork_in_child(self) -> None:
         # Never the parent's blocks: a pool of its own. The provider forgets the parent's fds and keeps
         # mapped only the segments an array from empty() may point into (Note [Segments in a forked child]).
-        in_use = {h.seg.id for h in self._held.values() if h.local}
+        in_use = {h.seg.id for h in self._pool.held.values() if h.local}
         _inherited.append(self._provider.after_fork_in_child(in_use))  # never reused
-        if self._overflow is not None:
-            _inherited.append(self._overflow.after_fork_in_child(in_use))
+        if self._pool.overflow is not None:
+            _inherited.append(self._pool.overflow.after_fork_in_child(in_use))
         self._new_pool()
         self._owner = os.getppid()  # its parent made it: a child that never sends says no goodbye
 

@@ -3,8 +3,8 @@
 Note [One owner per process]
     Every process that pickles an array for multiprocessing has one owner,
     made on first use: a caching allocator over sealed memfds (the channel's
-    pool, ``memory.ShmProvider``), the books of its blocks (the channel's
-    ``BlockBook``: held blocks, spares), a lease table (``_table.py``) and a
+    pool, ``memory.ShmProvider``), the books of its blocks (a
+    ``_plane.LendingPool``, as a channel's sender has: held blocks, spares), a lease table (``_table.py``) and a
     small fd server (``_server.py``) on a socket of its own. A handle names
     a block of this pool by segment id and offset, and a slot of the table.
     A block is reused only when every handle on it has come back released,
@@ -29,10 +29,8 @@ Note [Exit linger]
 
 from __future__ import annotations
 
-import bisect
 import collections
 import contextlib
-import ctypes
 import math
 import os
 import secrets
@@ -45,9 +43,8 @@ import numpy as np
 
 from .. import _fork, _native, _registry, tensors
 from .._errors import PoolExhausted, ShmshareError
-from ..channel._announce import SegmentBook
-from ..channel._blocks import SPARE_BYTES, BlockBook, _Held, host_cause
-from ..memory import CachingAllocator, OutOfMemoryError, ShmProvider, ShmSegment
+from .._plane import SPARE_BYTES, Held, LendingPool, host_cause
+from ..memory import OutOfMemoryError, ShmSegment
 from ._books import ForkBook, LendBook
 from ._claims import ClaimBook, ClaimMap
 from ._external import External, TorchSegments
@@ -60,10 +57,6 @@ __all__ = ["Owner", "owner", "current_owner", "exit_linger", "set_exit_linger"]
 
 _RECHECK = 0.1  # s between two looks at slots released while still marked
 
-# A foreign call: the GIL is released while it copies. One thread: a copy split over two was
-# slower end to end at 64 MiB on 2 cores (23-24 against 27-28 messages/s, scripts/bench_mp.py),
-# the other core being the consumer's.
-_memmove = ctypes.memmove
 
 
 class _LocalDied:
@@ -71,36 +64,30 @@ class _LocalDied:
 
     __slots__ = ("done", "held")
 
-    def __init__(self, done: collections.deque[_Held], held: _Held) -> None:
+    def __init__(self, done: collections.deque[Held], held: Held) -> None:
         self.done, self.held = done, held
 
     def __call__(self) -> None:
         self.done.append(self.held)
 
 
-class Owner(BlockBook):
+class Owner:
     """This process's pool and the leases of its handles (Note [One owner per process])."""
 
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.token = secrets.randbits(62)
         self._lock = threading.RLock()
-        self._provider = ShmProvider(None, "memfd")
-        self._ann = SegmentBook()
-        self._provider.listeners.append(self._ann.on_segment_event)
-        self._provider.listeners.append(self._on_segment_event)
         # classic segments whatever SHMSHARE_ALLOC_CONF says: a handle names a whole segment,
         # mapped once by each receiver (expandable ones would be announced piece by piece)
-        self._alloc = CachingAllocator(self._provider, "expandable_segments:False")
-        self._new_book(SPARE_BYTES)
-        self._slots: dict[int, _Held | External] = {}  # slot -> the block its handle names
+        pool = self.pool = LendingPool(None, "memfd", "expandable_segments:False", SPARE_BYTES)
+        self._provider, self._alloc = pool.provider, pool.alloc
+        self._provider.listeners.append(self._on_segment_event)
+        self._slots: dict[int, Held | External] = {}  # slot -> the block its handle names
         self._since: dict[int, float] = {}  # slot -> when its handle was made, oldest first
-        self._leases: dict[int, _Held] = {}  # BlockBook's (a channel's leases): none here
         self._torch_segs = TorchSegments()  # torch's shared storages lent as they are
-        self._peer_dead = False
-        self._sent = 0
-        self._local_done: collections.deque[_Held] = collections.deque()
-        self._forks = ForkBook()  # blocks a forked child may map (Note [Blocks a child inherits])
+        self._sent = 0  # arrays placed: the clock of the pool's spares (Note [Spare blocks])
+        self._forks = pool.retirer = ForkBook()  # blocks a forked child may map (Note [Blocks a child inherits])
         self._lends = LendBook()  # slots lent on, by asker (Note [Lends and who asked])
         self.table = LeaseTable()
         self.claims = ClaimBook(self.table.slots)  # who holds what, by our own record
@@ -132,13 +119,13 @@ class Owner(BlockBook):
                 if self.closed:
                     return None
                 self._serve()
-            if self._local_done:
-                self._drain_local()
+            if self.pool.local_done:
+                self.pool.drain_local()
             self._sent += 1
-            held = self._find(ptr + lo, span) if self._addrs else None
+            held = self.pool.find(ptr + lo, span) if self.pool.addrs else None
             if held is None:
                 try:
-                    held = self._copy_in(arr, ptr, span)
+                    held = self.pool.copy_in(arr, ptr, span, self._sent, self._malloc)
                 except MemoryError:
                     self._counts["by_value"] += 1
                     return None
@@ -193,14 +180,14 @@ class Owner(BlockBook):
         seg_id, size, start, span, lo, _strides, slot, gen = placed
         return sign(self.secret, seg_id, size, start, span, lo, slot, gen, external)
 
-    def _lease(self, rec: _Held | External) -> tuple[int, int] | None:
+    def _lease(self, rec: Held | External) -> tuple[int, int] | None:
         """A table slot for a handle to `rec`; None (and `rec` let go of) when all are out."""
         got = self.table.take()
         if got is None:
             if isinstance(rec, External):
                 self._drop_external(rec)
             else:
-                self._maybe_free(rec)
+                self.pool.maybe_free(rec)
             self._counts["by_value"] += 1
             return None
         self._slots[got[0]] = rec
@@ -232,59 +219,19 @@ class Owner(BlockBook):
         with self._lock:
             if self.closed:
                 raise ShmshareError("shmshare.multiprocessing was shut down in this process")
-            if self._local_done:
-                self._drain_local()
-            held = self._spare(nbytes or 1)
-            if held is None:
-                held = self._new_held(nbytes or 1, None, local=True)
-            else:
-                held.local = True
+            if self.pool.local_done:
+                self.pool.drain_local()
+            held = self.pool.take(nbytes or 1, self._sent, self._malloc, True)
         lease = _native.Lease(self._alloc, held.block.address, nbytes, False,
-                              _LocalDied(self._local_done, held))
+                              _LocalDied(self.pool.local_done, held))
         return np.ndarray(shape, dtype, buffer=lease)  # type: ignore[arg-type]
-
-    def _copy_in(self, arr: np.ndarray, ptr: int, span: int) -> _Held:
-        want = arr.nbytes
-        held = self._spare(want)
-        if held is None:
-            held = self._new_held(want, None, local=False)
-        try:
-            if span == want and arr.flags.c_contiguous:
-                # every byte (padding of structured dtypes included: a field-wise copy would
-                # leave the bytes of the block's last array there), with the GIL released
-                _memmove(held.block.address, ptr, want)
-            else:
-                raw = _native.Lease(None, held.block.address, want)
-                dst = np.ndarray(arr.shape, arr.dtype, buffer=raw)  # type: ignore[arg-type]
-                if arr.dtype.fields is not None or arr.dtype.subdtype is not None:
-                    void = np.dtype((np.void, arr.dtype.itemsize))  # the padding too (above)
-                    np.copyto(dst.view(void), arr.view(void), casting="no")
-                else:
-                    np.copyto(dst, arr, casting="no")
-        except BaseException:
-            self._maybe_free(held)
-            raise
-        return held
-
-    def _maybe_free(self, held: _Held) -> None:
-        if held.local or held.leases:
-            return
-        addr = held.block.address
-        if self._held.get(addr) is held and self._forks.retire(addr, held.block):
-            del self._held[addr]  # Note [Blocks a child inherits]: not reused while its child lives
-            del self._addrs[bisect.bisect_left(self._addrs, addr)]
-            return
-        super()._maybe_free(held)
-        for block in self._forks.free_now():
-            self._alloc.free(block)
 
     def forked(self) -> None:
         """After a fork, in the parent: the blocks in use here now wait for the children."""
         with self._lock:
-            self._forks.forked([addr for addr, h in self._held.items() if h.local])
+            self._forks.forked([addr for addr, h in self.pool.held.items() if h.local])
 
-    # BlockBook's hooks
-    def _malloc(self, nbytes: int, deadline: float | None) -> Any:
+    def _malloc(self, nbytes: int) -> Any:
         try:
             return self._alloc.malloc(nbytes)
         except OutOfMemoryError as exc:
@@ -293,9 +240,6 @@ class Owner(BlockBook):
                 raise
             raise PoolExhausted(f"no shared memory for an array of {nbytes} bytes in pid "
                                 f"{self.pid}'s pool: {host}") from exc
-
-    def _drain(self) -> None:
-        self._drain_local()
 
     # -- the serving side (the server thread calls these) ----------------------
 
@@ -321,8 +265,8 @@ class Owner(BlockBook):
                 n += 1
             if self._recheck:
                 n += self._look_again()
-            if self._local_done:
-                self._drain_local()
+            if self.pool.local_done:
+                self.pool.drain_local()
         return n
 
     def recheck(self) -> int:
@@ -401,7 +345,7 @@ class Owner(BlockBook):
         if isinstance(held, External):
             self._drop_external(held)
         else:
-            self._maybe_free(held)
+            self.pool.maybe_free(held)
 
     def segment(self, seg_id: int) -> tuple[int, int] | None:
         """(a dup of its fd, size) of a pool segment or of a torch segment with handles out; None
@@ -436,8 +380,8 @@ class Owner(BlockBook):
 
     def statistics(self) -> OwnerStatistics:
         with self._lock:
-            if self._local_done:
-                self._drain_local()
+            if self.pool.local_done:
+                self.pool.drain_local()
             states = [self.table.state(slot)[1] for slot in self._slots]
             stats = self._alloc.memory_stats()
             c = self._counts
@@ -474,8 +418,8 @@ class Owner(BlockBook):
         with self._lock:
             for slot in list(self._slots):  # every peer is gone from our books: void them all
                 self._give_back(slot, self.table.gens[slot])
-            self._drain_local()
-            self._free_spares()
+            self.pool.drain_local()
+            self.pool.free_spares()
             for block in self._forks.free_now(force=True):  # a child's mapping keeps its pages
                 self._alloc.free(block)
             self._alloc.empty_cache()
@@ -567,7 +511,7 @@ def _after_fork_in_child() -> None:
         got.server.forget_in_child()  # the parent's sockets: closed here, served there
     # The parent's fds are not ours to hold (they would pin its pool's memory while we live):
     # forget them all, and keep mapped only what an array from empty() may point into.
-    in_use = {h.seg.id for h in got._held.values() if h.local}
+    in_use = {h.seg.id for h in got.pool.held.values() if h.local}
     _inherited.append(got._provider.after_fork_in_child(in_use))
     got.table.segment._forget_after_fork()
     got.table.close()  # nothing of the child's points into the parent's table

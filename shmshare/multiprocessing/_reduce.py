@@ -87,11 +87,11 @@ def _make_handle(arr: np.ndarray) -> tuple[Any, ...] | None:
         return None  # by value, as it should at exit: nothing to warn about
     ow = owner()
     if arr.nbytes < BY_VALUE_BELOW:
-        if not ow._addrs:
+        if not ow.pool.addrs:
             return None
         ptr, lo, span = _native.extent(arr)
         with ow._lock:
-            if ow._find(ptr + lo, span) is None:
+            if ow.pool.find(ptr + lo, span) is None:
                 return None
     got = ow.place(arr)
     if got is None:

@@ -103,10 +103,10 @@ def share(st: Any) -> tuple[Any, ...] | None:
     it would silently stop being shared with those who hold it."""
     ow = _owner.owner()
     n = st.nbytes()
-    if ow._addrs:  # in our pool already (mp.empty(), an earlier send): nothing moves, no lock
+    if ow.pool.addrs:  # in our pool already (mp.empty(), an earlier send): nothing moves, no lock
         ptr = st.data_ptr()
         with ow._lock:
-            inside = ow._find(ptr, n) is not None
+            inside = ow.pool.find(ptr, n) is not None
         if inside:
             return _or_raise(_ours(ow, ow.place(_raw(ptr, n))), ow)
     global _protected
@@ -143,7 +143,7 @@ def _share(st: Any) -> tuple[Any, ...] | None:
             return lent
         return _or_raise(_ours(ow, ow.place(_u8(st))), ow)  # its owner is gone or refused: a copy
     with ow._lock:
-        inside = bool(ow._addrs) and ow._find(ptr, n) is not None
+        inside = bool(ow.pool.addrs) and ow.pool.find(ptr, n) is not None
     if not inside and (_inherited(ptr, n) or _alive_at(_moved_at, (ptr, n))):
         # a parent's block inherited at fork, or a block of an owner shut down since: a copy
         # (moving it would cut it off from whoever shares it; lending it is not ours to do)
@@ -313,7 +313,7 @@ def _at_block(ow: Any, st: Any, seg_id: int, start: int, span: int) -> bool:
     """Whether our own storage `st` still lies at (seg_id, start) of our pool, `span` bytes."""
     ptr = st.data_ptr()
     with ow._lock:
-        held = ow._find(ptr, span) if ow._addrs else None
+        held = ow.pool.find(ptr, span) if ow.pool.addrs else None
         return held is not None and held.seg.id == seg_id and ptr - held.seg.address == start \
             and st.nbytes() == span
 
@@ -328,10 +328,10 @@ def is_ours(st: Any) -> bool:
     if _received(ptr, n) is not None or _alive_at(_moved_at, (ptr, n)) or _inherited(ptr, n):
         return True
     ow = _owner.current_owner()
-    if ow is None or not ow._addrs:
+    if ow is None or not ow.pool.addrs:
         return False
     with ow._lock:
-        return ow._find(ptr, n) is not None  # from mp.empty()
+        return ow.pool.find(ptr, n) is not None  # from mp.empty()
 
 
 # -- torch's methods, wrapped (Note [is_shared of our storages]) -------------------------

@@ -199,7 +199,7 @@ def test_ever_changing_sizes_do_not_grow_the_pool(chan):
     # spares of sizes no longer asked for go back (Note [Spare blocks]): without that, this
     # held ~68 MiB (every spare distinct, none reused) where the allocator alone needs ~10
     assert tx.memory_stats()["reserved_bytes.all.peak"] <= 24 << 20
-    assert len(tx._spares) <= 2 * 64
+    assert len(tx._pool.spares) <= 2 * 64
 
 
 def test_large_releases_go_back_at_once_so_the_pool_stays_small(chan):

@@ -1,0 +1,19 @@
+"""The data plane's core, under every service that lends shared memory to another process.
+
+The channel's ``Sender``, the multiprocessing ``Owner`` and (in time) the
+store's daemon each lend blocks of a pool to borrowers; what they have in
+common lives here and they hold it, rather than each keeping a copy:
+
+- :class:`LendingPool` (``pool.py``): the caching allocator over sealed
+  memfds, the segments a borrower was told of (:class:`SegmentBook`,
+  ``segments.py``), the blocks held by local views, by leases or as spares
+  (Note [Spare blocks]).
+
+Services sit above this layer and import from here, never from one another's
+private modules (docs/architecture.md, the layers).
+"""
+
+from .pool import SPARE_BYTES, Held, LendingPool, Retirer, host_cause
+from .segments import SegmentBook
+
+__all__ = ["LendingPool", "Held", "Retirer", "SegmentBook", "SPARE_BYTES", "host_cause"]
