@@ -3,7 +3,7 @@
 ``shmshare.testing`` may import anything in shmshare; nothing in shmshare
 imports it. It holds the leak checker (fds, shared-memory mappings and
 ``/dev/shm`` names of a process, before and after), bounded child-process
-helpers (start, wait for, kill by pid and reap, is a pid alive), a bounded
+helpers (start, wait for an exit, kill by pid and reap, is a pid alive), a bounded
 ``wait_until``, ``pattern()`` (contents derived from an id, to check on the
 other side), ``refs()`` (who holds one shared object, in which processes),
 the contract suites that every pool provider runs, and the pytest plugin
@@ -12,7 +12,7 @@ the contract suites that every pool provider runs, and the pytest plugin
 
 from .leaks import LeakError, Leaks, ResourceSnapshot, assert_no_leaks, check_leaks
 from .patterns import pattern
-from .procs import Child, kill, pid_alive, start_child, wait_exit
+from .procs import Child, kill, pid_alive, start_child, wait_exit, wait_gone
 from .refs import Refs, refs
 from .waits import wait_until
 
@@ -26,6 +26,7 @@ __all__ = [
     "start_child",
     "kill",
     "wait_exit",
+    "wait_gone",
     "pid_alive",
     "wait_until",
     "pattern",

@@ -1,8 +1,9 @@
 """Bounded child processes for tests: every wait has a timeout, every child is killed by pid.
 
-``Child``/``start_child`` for a target run by multiprocessing; ``kill``, ``wait_exit``
-and ``pid_alive`` for any process a test started (a pid of ``os.fork``, a
-``multiprocessing`` Process, a ``subprocess.Popen``) or only knows the pid of.
+``Child``/``start_child`` for a target run by multiprocessing; ``kill``, ``wait_exit``,
+``wait_gone`` and ``pid_alive`` for any process a test started (a pid of ``os.fork``, a
+``multiprocessing`` Process, a ``subprocess.Popen``) or only knows the pid of (a
+DataLoader's worker, a grandchild).
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .._procfs import pid_alive
+from .waits import wait_until
 
-__all__ = ["Child", "start_child", "kill", "wait_exit", "pid_alive"]
+__all__ = ["Child", "start_child", "kill", "wait_exit", "wait_gone", "pid_alive"]
 
 _Proc = int | mp.process.BaseProcess | subprocess.Popen[Any]  # what kill and wait_exit take
 
@@ -88,6 +90,8 @@ def kill(*procs: _Proc | None, sig: int = signal.SIGKILL, timeout: float = 10.0,
         if proc is None:
             continue
         if isinstance(proc, int):
+            if not reap and not pid_alive(proc):
+                continue  # ended: its owner may have reaped it, and the pid may be another's now
             _signal(proc, sig)
             _reap_pid(proc, deadline, reap)
         elif isinstance(proc, subprocess.Popen):
@@ -130,6 +134,25 @@ def wait_exit(proc: _Proc, timeout: float = 30.0) -> int:
         kill(proc)
         raise AssertionError(f"pid {pid} did not exit within {timeout:g} s (killed it)")
     return code
+
+
+def wait_gone(pids: Iterable[int], what: str, timeout: float = 30.0) -> None:
+    """Wait up to `timeout` s for every pid to exit; kill those still running and raise
+    AssertionError naming them and `what`.
+
+    The pids need not be this process's children, and are not reaped here: a zombie has
+    exited, and its parent (multiprocessing, a DataLoader, init) reaps it.
+    """
+    pids = list(pids)
+
+    def running() -> list[int]:
+        return [p for p in pids if pid_alive(p)]
+
+    try:
+        wait_until(lambda: not running(), lambda: f"{what} (pids {running()} still running: killed them)", timeout)
+    except AssertionError:
+        kill(*running(), reap=False)
+        raise
 
 
 def _signal(pid: int, sig: int) -> None:

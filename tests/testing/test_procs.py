@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from shmshare.testing import kill, pid_alive, wait_exit, wait_until
+from shmshare.testing import kill, pid_alive, wait_exit, wait_gone, wait_until
 
 
 def _fork(code: int | None) -> int:
@@ -106,3 +106,19 @@ def test_wait_exit_kills_what_does_not_exit_and_says_so() -> None:
 def test_wait_exit_of_a_pid_not_ours_is_an_error() -> None:
     with pytest.raises(ChildProcessError):
         wait_exit(1)
+
+
+def test_wait_gone_waits_for_processes_it_does_not_reap() -> None:
+    pids = [_fork(0), _fork(0)]
+    wait_gone(pids, "two children that exit at once")  # zombies: exited, not reaped here
+    assert not any(_reaped(p) for p in pids)
+    for p in pids:
+        assert wait_exit(p) == 0
+
+
+def test_wait_gone_kills_what_is_still_running_and_names_it() -> None:
+    done, sleeping = _fork(0), _fork(None)
+    with pytest.raises(AssertionError, match=rf"the workers \(pids \[{sleeping}\] still running: killed them\)"):
+        wait_gone([done, sleeping], "the workers", 0.1)
+    assert not pid_alive(sleeping) and not _reaped(sleeping)
+    assert (wait_exit(done), wait_exit(sleeping)) == (0, -signal.SIGKILL)
