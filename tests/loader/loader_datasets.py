@@ -7,6 +7,8 @@ import time
 
 import numpy as np
 
+from shmshare.testing import wait_until
+
 
 class Arrays:
     """Map-style: sample i is an array of `shape` filled with i, its label, and its worker's pid."""
@@ -84,11 +86,7 @@ class _Gate:
 
 
 def _wait_for(go: str, wait: float) -> tuple[str, float]:
-    end = time.monotonic() + wait
-    while not os.path.exists(go):
-        if time.monotonic() > end:
-            raise RuntimeError(f"{go} was not made within {wait} s")
-        time.sleep(0.01)
+    wait_until(lambda: os.path.exists(go), f"{go} to be made", wait)
     return go, wait
 
 
@@ -108,21 +106,3 @@ class Keys:
 
     def __getitem__(self, key: object) -> tuple[str, str]:
         return repr(key), type(key).__name__
-
-
-def gone(pid: int, within: float) -> bool:
-    """Wait up to `within` s for `pid` to exit (a zombie of ours counts); return whether it did."""
-    end = time.monotonic() + within
-    while time.monotonic() < end:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        try:  # a zombie of ours counts as gone
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except OSError:
-            return True
-        time.sleep(0.05)
-    return False

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,6 @@ import pytest
 torch = pytest.importorskip("torch", reason="the parity tests compare against torch.utils.data.DataLoader")
 np = pytest.importorskip("numpy")
 
-import psutil  # noqa: E402
 
 import shmshare  # noqa: E402
 
@@ -63,32 +61,6 @@ def describe(obj: Any) -> Any:
     if isinstance(obj, (tuple, list)):
         return (type(obj).__name__, [describe(v) for v in obj])
     return (type(obj).__name__, obj)
-
-
-def alive(pid: int) -> bool:
-    """True while `pid` is a running (not yet exited) process."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def wait_gone(pids: set[int], within: float) -> set[int]:
-    """Wait up to `within` s for every pid to exit; return those still running."""
-    deadline = time.monotonic() + within
-    left = {p for p in pids if alive(p)}
-    while left and time.monotonic() < deadline:
-        time.sleep(0.05)
-        left = {p for p in left if alive(p)}
-    return left
-
-
-def kill_all(pids: set[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def torch_base_seed(seed: int) -> int:

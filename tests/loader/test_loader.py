@@ -19,7 +19,8 @@ import pytest
 
 import shmshare.loader as L
 from shmshare.loader import _pool, _worker
-from tests.loader.loader_datasets import Arrays, Keys, Slow, gone
+from shmshare.testing import wait_gone
+from tests.loader.loader_datasets import Arrays, Keys, Slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -175,7 +176,7 @@ def test_workers_exit_when_the_loop_is_left(how):
     if how == "break":
         del dl
         gc.collect()
-    assert all(gone(p, 10) for p in pids)
+    wait_gone(pids, "the workers to exit", 10)
 
 
 def test_a_worker_killed_is_reported_as_torch_reports_it_and_the_rest_stop():
@@ -192,7 +193,7 @@ def test_a_worker_killed_is_reported_as_torch_reports_it_and_the_rest_stop():
     # torch's chain: the wait's error, caused by the SIGCHLD handler's
     assert re.fullmatch(rf"DataLoader worker \(pid {victim}\) is killed by signal: Killed\. ",
                         str(info.value.__cause__))
-    assert gone(other, 10)
+    wait_gone([other], "the other worker to exit", 10)
     with pytest.raises(RuntimeError, match="exited unexpectedly"):
         next(it)  # the same error again, not a hang
 
@@ -207,7 +208,7 @@ def test_workers_go_when_the_interpreter_exits_with_persistent_workers_alive():
         print(*[w.pid for w in it._workers])
     """)
     assert r.returncode == 0, r.stderr
-    assert all(gone(int(p), 10) for p in r.stdout.split())
+    wait_gone([int(p) for p in r.stdout.split()], "the workers to exit with their interpreter", 10)
 
 
 def test_workers_exit_when_the_main_process_is_killed():
@@ -227,7 +228,8 @@ def test_workers_exit_when_the_main_process_is_killed():
         pids = [int(x) for x in p.stdout.readline().split()]
         p.kill()
         p.wait(10)
-        assert len(pids) == 2 and all(gone(x, 15) for x in pids)
+        assert len(pids) == 2
+        wait_gone(pids, "the workers to exit with their killed main process", 15)
     finally:
         p.kill()
         p.wait(10)

@@ -21,18 +21,11 @@ import pytest
 
 import shmshare.loader as L
 from shmshare.loader import _iters, _worker
-from tests.loader.loader_datasets import Arrays, Slow, gone
+from shmshare.testing import kill, wait_gone
+from tests.loader.loader_datasets import Arrays, Slow
 
 _JOINED = 30.0  # s shutdown waits for the workers here (only a failing test waits it out)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _kill(pids: list[int]) -> None:
-    for p in pids:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def _socket_inodes(pid: int | str) -> set[str]:
@@ -143,7 +136,7 @@ def test_closing_the_loader_while_held_batches_fill_the_pool_is_prompt(monkeypat
             f"the workers' exit codes are {codes} (-{signal.SIGTERM.value}: terminated after "
             f"_JOIN_WAIT): a worker waiting for pool room did not end on the stop")
     finally:
-        _kill([w.pid for w in workers if w.is_alive()])
+        kill(*workers)
 
 
 def test_workers_exit_promptly_when_the_main_process_is_killed_while_they_wait_for_pool_room():
@@ -179,11 +172,11 @@ def test_workers_exit_promptly_when_the_main_process_is_killed_while_they_wait_f
         assert len(pids) == 2
         p.kill()
         p.wait(10)
-        assert all(gone(x, 10) for x in pids), "workers outlived the main process by 10 s"
+        wait_gone(pids, "the workers to exit with their killed main process", 10)
     finally:
         p.kill()
         p.wait(10)
-        _kill(pids)
+        kill(*pids, reap=False)
         if p.stdout:
             p.stdout.close()
 
@@ -215,7 +208,7 @@ def test_batches_stay_valid_and_writable_after_the_loader_and_its_workers_aregon
     os.kill(pids[0], signal.SIGKILL)
     del it, dl
     gc.collect()
-    assert all(gone(p, 10) for p in pids)
+    wait_gone(pids, "the workers to exit", 10)
     for i, b in enumerate(batches):
         b["x"] += 1
         assert (b["x"][:, 0, 0] == b["y"] + 1).all() and b["y"].tolist() == [2 * i, 2 * i + 1]
@@ -258,7 +251,7 @@ def test_a_stopped_worker_trips_the_timeout_and_close_still_ends_it():
         os.kill(pid, signal.SIGCONT)
         del it
         dl.close()
-    assert gone(pid, 10)
+    wait_gone([pid], "the worker to exit", 10)
 
 
 def test_an_unpicklable_collate_fn_under_spawn_warns_errs_and_leaks_nothing():

@@ -15,15 +15,15 @@ import pytest
 torch = pytest.importorskip("torch", reason="the parity tests compare against torch.utils.data.DataLoader")
 np = pytest.importorskip("numpy")
 
+from shmshare.testing import wait_gone  # noqa: E402
+
 from . import parity_datasets as pd  # noqa: E402
 from .parity_common import (  # noqa: E402
     TorchDataLoader,
     drain,
-    kill_all,
     loader_cls_param,
     run,
     run_driver,
-    wait_gone,
 )
 
 pytestmark = [loader_cls_param]
@@ -133,9 +133,7 @@ def test_persistent_workers_same_pids_across_epochs(loader_cls):
     assert os.getpid() not in pids_per_epoch[0]
     del loader
     gc.collect()
-    left = wait_gone(pids_per_epoch[0], within=15)
-    kill_all(left)
-    assert not left, f"persistent workers {left} still running 15 s after the loader was deleted"
+    wait_gone(pids_per_epoch[0], "the persistent workers to exit once the loader was deleted", 15)
 
 
 def test_persistent_workers_break_then_full_epoch(loader_cls):
@@ -153,9 +151,7 @@ def test_persistent_workers_break_then_full_epoch(loader_cls):
     assert len(pids) == 2
     del it, loader
     gc.collect()
-    left = wait_gone(pids, within=15)
-    kill_all(left)
-    assert not left
+    wait_gone(pids, "the persistent workers to exit once the loader and its iterator were deleted", 15)
 
 
 def test_persistent_workers_iterable_epochs(loader_cls):
@@ -185,7 +181,7 @@ def test_two_iterators_of_one_loader(loader_cls):
 def test_non_persistent_workers_new_each_epoch(loader_cls):
     loader = loader_cls(pd.PidDataset(4), batch_size=2, num_workers=2)
     first = {p for _, _, pids in loader for p in pids.tolist()}
-    assert not wait_gone(first, within=15)  # an exhausted epoch shuts its workers down
+    wait_gone(first, "an exhausted epoch's workers to exit", 15)  # an exhausted epoch shuts its workers down
     second = {p for _, _, pids in loader for p in pids.tolist()}
     assert first.isdisjoint(second)
     del loader
@@ -201,9 +197,7 @@ def test_break_then_workers_exit(loader_cls):
             break
     assert pids and os.getpid() not in pids
     gc.collect()  # the abandoned iterator is garbage now
-    left = wait_gone(pids, within=15)
-    kill_all(left)
-    assert not left, f"workers {left} still running 15 s after the loop was left"
+    wait_gone(pids, "the workers to exit once the loop was left", 15)
     del loader
     gc.collect()
 
@@ -237,13 +231,11 @@ def test_multiprocessing_context(loader_cls, context, num_workers, monkeypatch):
         assert parents == {os.getpid()} and marks == {"unset"}
     else:  # the fork server's children
         assert os.getpid() not in parents and marks == {"unset"}
-    assert not wait_gone(pids, within=15)
+    wait_gone(pids, "the workers to exit", 15)
 
 
 def test_interpreter_exit_with_live_workers(loader_cls):
     """A script that leaves a loader mid-epoch (persistent or not) and exits: it ends, and its workers too."""
     which = "torch" if loader_cls is TorchDataLoader else "shmshare"
     result = run_driver("tests.loader.parity_exit_driver", which, within=40)
-    left = wait_gone(set(result["pids"]), within=15)
-    kill_all(left)
-    assert not left, f"workers {left} outlived their interpreter by 15 s"
+    wait_gone(result["pids"], "the workers to exit with their interpreter", 15)

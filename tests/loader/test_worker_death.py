@@ -6,24 +6,15 @@ from __future__ import annotations
 import gc
 import os
 import re
-import signal
 
 import pytest
 
 import shmshare.loader as L
 from shmshare.loader import _iters
-from tests.loader.loader_datasets import DiesWhileAnotherSleeps, gone
+from shmshare.testing import kill, pid_alive, wait_gone
+from tests.loader.loader_datasets import DiesWhileAnotherSleeps
 
 WAIT = 20.0  # s: the bound of every wait for a process to go
-
-
-def _running(pid: int) -> bool:
-    """Whether `pid` is alive and not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 @pytest.mark.parametrize("drop", ["del", "next"])
@@ -39,7 +30,7 @@ def test_a_dead_worker_is_reported_while_another_sleeps_in_getitem(tmp_path, mon
             next(it)
         # the error came while worker 1 still sleeps in its __getitem__ (30 s), not after it
         # was joined or terminated
-        assert _running(busy) and os.path.exists(tmp_path / "started")
+        assert pid_alive(busy) and os.path.exists(tmp_path / "started")
         assert not os.path.exists(tmp_path / "done")
         assert re.fullmatch(rf"DataLoader worker \(pid {dead}\) exited unexpectedly with exit code "
                             r"7\. .*", str(info.value.__cause__))
@@ -47,12 +38,10 @@ def test_a_dead_worker_is_reported_while_another_sleeps_in_getitem(tmp_path, mon
         if drop == "next":  # a later use raises the same error, and stops the workers first
             with pytest.raises(RuntimeError, match="exited unexpectedly"):
                 next(it)
-            assert not _running(busy)
+            assert not pid_alive(busy)
         del it, dl
         gc.collect()
-        assert gone(dead, WAIT) and gone(busy, WAIT)
+        wait_gone([dead, busy], "the dead worker and the busy one to be gone", WAIT)
         assert not os.path.exists(tmp_path / "done")  # stopped, not left to finish its sleep
     finally:
-        for pid in (dead, busy):
-            if _running(pid):
-                os.kill(pid, signal.SIGKILL)
+        kill(dead, busy, reap=False)

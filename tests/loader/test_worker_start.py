@@ -3,14 +3,12 @@
 
 from __future__ import annotations
 
-import os
-import signal
-
 import numpy as np
 import pytest
 
 import shmshare.loader as L
-from tests.loader.loader_datasets import Gated, gone
+from shmshare.testing import wait_gone
+from tests.loader.loader_datasets import Gated
 
 
 @pytest.mark.parametrize("start", ["spawn", "forkserver"])
@@ -33,7 +31,4 @@ def test_a_worker_starts_without_the_main_process_waiting_for_it_to_read_its_dat
     finally:
         del it
         dl.close()
-        left = [p for p in pids if not gone(p, 10)]
-        for p in left:
-            os.kill(p, signal.SIGKILL)
-    assert not left
+        wait_gone(pids, "the workers to exit once the loader was closed", 10)
