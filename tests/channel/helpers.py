@@ -1,4 +1,5 @@
-"""Shared pieces of the channel tests: per-message patterns and child bodies."""
+"""Shared pieces of the channel tests: batches filled with per-message patterns (shmshare.testing's
+pattern), sent and checked."""
 
 from __future__ import annotations
 
@@ -6,10 +7,7 @@ import os
 
 import numpy as np
 
-
-def pattern(seed: int, n: int, dtype=np.uint32) -> np.ndarray:
-    """Return n values derived from `seed`, different for every message."""
-    return ((np.arange(n, dtype=np.uint64) * 2654435761 + seed * 40503) % (2**31)).astype(dtype)
+from shmshare.testing import pattern
 
 
 def send_patterns(tx, count: int, n: int, tag: int = 0, in_place: bool = False) -> None:

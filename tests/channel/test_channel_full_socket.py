@@ -16,6 +16,7 @@ import pytest
 
 from shmshare import PeerDied, ShmshareTimeout, wire
 from shmshare.channel import Receiver, Sender, channel
+from shmshare.testing import wait_until
 
 _WAIT = 10.0  # s: the bound of a wait for what must happen (only a failing test waits it out)
 _LARGE = "x" * 1000  # a note larger than a ring slot: it goes on the socket (Note [Rings] in _ring.py)
@@ -89,7 +90,7 @@ def test_a_release_flush_never_waits_behind_another_threads_tell():
         t = threading.Thread(target=_quiet, args=(rx.tell, 0, "late" + _LARGE), kwargs={"timeout": None},
                              daemon=True)
         t.start()
-        _until(send_lock.locked, "the tell waits for room on the full socket, holding its send lock")
+        wait_until(send_lock.locked, "the tell waits for room on the full socket, holding its send lock", _WAIT)
         held.clear()  # its release goes to the flusher
         rx._released.append((rx._peers[0], 12345))  # a release to flush (unknown ids are ignored)
         flushed = threading.Event()
@@ -110,15 +111,6 @@ def test_a_release_flush_never_waits_behind_another_threads_tell():
             time.sleep(0.01)
         tx.close()
         rx.close()
-
-
-def _until(cond, what: str) -> None:
-    """Wait (bounded by _WAIT) until `cond()` holds; fail naming `what` if it never does."""
-    deadline = time.monotonic() + _WAIT
-    while not cond():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"{what}: not within {_WAIT} s")
-        time.sleep(0.01)
 
 
 def _quiet(f, *a, **kw):

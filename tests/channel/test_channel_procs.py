@@ -12,8 +12,8 @@ import pytest
 
 import shmshare
 from shmshare import PeerDied
-from shmshare.testing import start_child
-from tests.channel.helpers import check_pattern, pattern, send_patterns
+from shmshare.testing import pattern, start_child
+from tests.channel.helpers import check_pattern, send_patterns
 
 N = 4096  # uint32 per message: 16 KiB
 
