@@ -24,6 +24,8 @@ from __future__ import annotations
 import bisect
 import collections
 import ctypes
+import itertools
+import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -31,7 +33,7 @@ import numpy as np
 
 from .. import _native
 from .._errors import SegmentError
-from ..memory import CachingAllocator, ShmProvider, ShmSegment
+from ..memory import CachingAllocator, InvariantError, ShmProvider, ShmSegment
 from .segments import SegmentBook
 
 __all__ = ["LendingPool", "Held", "Retirer", "SPARE_BYTES", "host_cause"]
@@ -92,6 +94,11 @@ class LendingPool:
         self.keep_spares = True  # False once nothing more will be lent (the borrower is gone)
         self.overflow: Any = None  # an Overflow past the pool (the channel's Note [Past the pool])
         self.retirer: Retirer | None = None  # blocks a forked child may map (multiprocessing's)
+        self.leases: dict[int, Held] = {}  # lease id -> the block a borrower's array pins
+        self.retired: set[Held] = set()  # leased when the borrower went: never reused, freed by close
+        # Unique per process, like segment ids: a forked child sharing a socket with its parent
+        # must never take a release of its parent's lease 1 for its own lease 1.
+        self._lease_ids = itertools.count((os.getpid() << 32) + 1)
         self._asked: dict[int, int] = {}  # size key -> the clock when last asked for
         self._swept = 0  # the clock at the last sweep
 
@@ -130,6 +137,39 @@ class LendingPool:
         held.spare = False
         self.spare_bytes -= held.block.size
         return held
+
+    def lend(self, held: Held) -> int:
+        """Lease `held` to the borrower (an array of it goes out); the lease's id."""
+        lease = next(self._lease_ids)
+        self.leases[lease] = held
+        held.leases += 1
+        return lease
+
+    def give_back(self, ids: Any) -> None:
+        """The borrower's arrays of these leases died (a release), or they never went out."""
+        leases = self.leases
+        for lease in ids:
+            held = leases.pop(lease, None)  # an unhashable id is a TypeError: the caller's to handle
+            if held is not None:  # unknown ids (a confused peer) change nothing
+                held.leases -= 1
+                if not held.leases and not held.local:
+                    self.maybe_free(held)
+
+    def borrower_gone(self) -> None:
+        """Nothing more will be lent: the spares go back, and every block leased is retired --
+        the borrower may still read its arrays (its mapping keeps them), so they are never
+        handed out again; :meth:`free_retired` frees them when nothing allocates any more."""
+        self.keep_spares = False
+        self.free_spares()
+        self.retired.update(self.leases.values())
+        self.leases.clear()
+
+    def free_retired(self) -> None:
+        """Closing: the retired blocks go back (or stay spared from nothing: keep_spares is off)."""
+        for held in self.retired:
+            held.leases = 0
+            self.maybe_free(held)
+        self.retired.clear()
 
     def take(self, nbytes: int, clock: int, malloc: Callable[[int], Any], local: bool,
              drain: Callable[[], None] | None = None) -> Held:
@@ -227,6 +267,39 @@ class LendingPool:
             for held in blocks:
                 self.free_held(held)
 
+    def check_invariants(self) -> None:
+        """Check the books against each other and the allocator's (InvariantError naming one):
+        held addresses sorted in ``addrs``; spares exactly the blocks flagged spare, none of
+        them viewed or leased, their bytes ``spare_bytes``; every lease's block held, and each
+        block's lease count the leases that name it; retired blocks held and never spare."""
+        fail = _fail
+        if self.addrs != sorted(self.held):
+            fail("addrs is not the sorted addresses of the held blocks")
+        for addr, held in self.held.items():
+            if held.block.address != addr:
+                fail(f"held block at {addr:#x} has address {held.block.address:#x}")
+        spares = [h for hs in self.spares.values() for h in hs]
+        if {id(h) for h in spares} != {id(h) for h in self.held.values() if h.spare} \
+                or len(spares) != len({id(h) for h in spares}):
+            fail("the spare lists are not exactly the held blocks flagged spare")
+        if any(h.local or h.leases for h in spares):
+            fail("a spare block has a local view or a lease")
+        if sum(h.block.size for h in spares) != self.spare_bytes:
+            fail(f"spare_bytes is {self.spare_bytes}, the spares hold "
+                 f"{sum(h.block.size for h in spares)}")
+        counts: dict[int, int] = {}
+        for held in self.leases.values():
+            if self.held.get(held.block.address) is not held:
+                fail(f"a lease names the block at {held.block.address:#x}, which is not held")
+            counts[id(held)] = counts.get(id(held), 0) + 1
+        for held in self.held.values():
+            if held not in self.retired and held.leases != counts.get(id(held), 0):
+                fail(f"the block at {held.block.address:#x} counts {held.leases} leases, "
+                     f"{counts.get(id(held), 0)} name it")
+        if any(h.spare or self.held.get(h.block.address) is not h for h in self.retired):
+            fail("a retired block is spare, or not held")
+        self.alloc.check_invariants()
+
     def _forget(self, addr: int) -> None:
         del self.held[addr]
         del self.addrs[bisect.bisect_left(self.addrs, addr)]
@@ -241,6 +314,10 @@ class LendingPool:
                 self.free_held(held)
         for key in [k for k, t in asked.items() if now - t > _SPARE_IDLE]:
             del asked[key]  # asked for again later: stamped again then
+
+
+def _fail(what: str) -> None:
+    raise InvariantError(f"LendingPool: {what}")
 
 
 def host_cause(exc: BaseException) -> SegmentError | None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import math
 import os
 import threading
@@ -36,8 +35,8 @@ import numpy as np
 from .. import _fork, _native, _registry, tensors, wire
 from .._errors import PeerDied, PeerRefused, PoolExhausted, ProtocolError, ShmshareError, ShmshareTimeout
 from .._lifetime import Closeable
-from .._plane import SPARE_BYTES, Held, LendingPool, host_cause
-from ..memory import CachingAllocator, OutOfMemoryError, ShmProvider, ShmSegment
+from .._plane import SPARE_BYTES, LendingPool, host_cause
+from ..memory import CachingAllocator, OutOfMemoryError, ShmSegment
 from . import _lane
 from ._announce import announce
 from ._blocks import SenderStatistics, ViewDied, exhausted
@@ -81,7 +80,6 @@ class Sender(Closeable):
     _lock: threading.RLock
     _pool: LendingPool  # the blocks lent, their segments and spares (_plane/pool.py)
     _alloc: CachingAllocator  # _pool's, and its provider's
-    _provider: ShmProvider
     _in_send: bool  # this thread is inside send(): a nested send() is refused
     _offered: bool  # rings offered on the connection (at the first send of this process)
     _last_drain: float
@@ -146,7 +144,7 @@ class Sender(Closeable):
                     raise self._refusal() from exc
                 raise PeerDied(_GONE) from exc
             except BaseException:
-                self._return_leases(taken)  # nothing was sent: nothing is lent
+                self._pool.give_back(taken)  # nothing was sent: nothing is lent
                 raise
             finally:
                 self._in_send = False
@@ -176,12 +174,9 @@ class Sender(Closeable):
                 self._check_usable()
             if self._pool.local_done:
                 self._pool.drain_local()  # releases from the receiver are taken in by send()
-            held = self._pool.spare(want, self._sent, self._drain_for_room())
-            if held is None:
-                deadline = None if timeout is None else time.monotonic() + timeout
-                held = self._pool.hold(self._malloc(want, deadline), want, local=True)
-            else:
-                held.local = True
+            deadline = None if timeout is None else time.monotonic() + timeout
+            held = self._pool.take(want, self._sent, lambda n: self._malloc(n, deadline), True,
+                                   self._drain_for_room())
         # positional: keyword parsing costs more than the rest of the call
         lease = _native.Lease(self._alloc if held.free_to is None else held.free_to.alloc,
                               held.block.address, nbytes, False, ViewDied(self._pool.local_done, self, held))
@@ -231,7 +226,7 @@ class Sender(Closeable):
                 self._sent, self._copied, self._in_place, len(self._leases),
                 sum(h.block.size for h in set(self._leases.values())), self._ann.count,
                 stats["reserved_bytes.all.current"], stats["allocated_bytes.all.current"],
-                self._pool.spare_bytes, sum(h.block.size for h in self._retired))
+                self._pool.spare_bytes, sum(h.block.size for h in self._pool.retired))
 
     def memory_stats(self) -> dict[str, int]:
         """Return the pool's statistics with PyTorch's key names."""
@@ -293,10 +288,7 @@ class Sender(Closeable):
     def _release_all(self) -> None:
         """After the connection closed: every lease is void; give back all not in local use."""
         self._on_peer_death()
-        for held in self._retired:
-            held.leases = 0
-            self._pool.maybe_free(held)
-        self._retired.clear()
+        self._pool.free_retired()
         self._pool.drain_local()
         self._pool.free_spares()
         self._alloc.empty_cache()
@@ -344,16 +336,15 @@ class Sender(Closeable):
             return tensors.pack_desc(0, 0, 0, dt, arr.shape, arr.strides, tdt)
         held = self._pool.find(ptr + lo, span)
         if held is None:
-            held = self._pool.copy_in(arr, ptr, span, self._sent, self._malloc_now, self._drain_for_room())
+            held = self._pool.copy_in(arr, ptr, span, self._sent,
+                                      lambda n: self._malloc(n, self._deadline), self._drain_for_room())
             strides = tensors.c_strides(arr.dtype.itemsize, arr.shape)
             ptr = held.block.address
             self._copied += 1
         else:
             strides = arr.strides
             self._in_place += 1
-        lease = next(self._lease_ids)
-        self._leases[lease] = held
-        held.leases += 1
+        lease = self._pool.lend(held)
         self._taken.append(lease)
         seg = held.seg
         ann = self._ann
@@ -384,12 +375,11 @@ class Sender(Closeable):
             if held is None or held.seg.id not in ann.announced or ann.to_announce or ann.grow \
                     or ann.drop:
                 return False
-            seg, lease = held.seg, next(self._lease_ids)
+            seg, lease = held.seg, self._pool.lend(held)
             if not self._conn.send_now(_lane.frame, seg.id, lease, ptr - seg.address, dt, arr.shape,
                                        arr.strides):
+                self._pool.give_back((lease,))  # nothing went out
                 return False
-            self._leases[lease] = held
-            held.leases += 1
             self._in_place += 1
             if not self._sent:
                 self._conn.set_farewell({KIND: BYE})
@@ -399,9 +389,6 @@ class Sender(Closeable):
     def _drain_for_room(self) -> Callable[[], None] | None:
         """What the pool runs for want of a spare: take in the releases queued (if any can come)."""
         return self._drain if self._leases and not self._peer_dead else None
-
-    def _malloc_now(self, nbytes: int) -> Any:
-        return self._malloc(nbytes, self._deadline)  # the deadline of the send in progress
 
     def _send_draining(self, header: dict[str, Any], fds: list[int], deadline: float | None,
                        closing: bool = False) -> None:
@@ -451,7 +438,8 @@ class Sender(Closeable):
                         f"to whole segments: {exc.size} bytes here); raise {self.LIMIT}") from exc
                 left = _remaining(deadline)
                 if left is not None and left <= 0:
-                    raise self._exhausted(nbytes, host) from exc
+                    raise exhausted(nbytes, self._limit, self._leases, self._pool.held, host,
+                                    self.LIMIT) from exc
                 # wait for a release (or a local view dying), then try again
                 wait = _POLL_SLICE if left is None else min(left, _POLL_SLICE)
                 if self._peer_dead:  # nothing comes back, and nothing could be sent
@@ -462,9 +450,6 @@ class Sender(Closeable):
                     raise ValueError("this Sender was closed while it waited for room in its "
                                      "pool") from exc
                 self._drain()
-
-    def _exhausted(self, nbytes: int, host: Exception | None) -> PoolExhausted:
-        return exhausted(nbytes, self._limit, self._leases, self._pool.held, host, self.LIMIT)
 
     # -- leases and releases ----------------------------------------------------
 
@@ -484,7 +469,7 @@ class Sender(Closeable):
                     if type(ids) is not list:
                         raise ProtocolError(f"a release frame's leases are a "
                                             f"{type(ids).__name__}, not a list")
-                    self._return_leases(ids)
+                    self._pool.give_back(ids)
                 elif kind == NOTE:
                     if len(self._notes) >= MAX_NOTES:
                         raise ProtocolError(f"the receiver sent more than {MAX_NOTES} notes that "
@@ -517,15 +502,6 @@ class Sender(Closeable):
     def _refusal(self) -> ProtocolError:
         return ProtocolError(self._refused)
 
-    def _return_leases(self, ids: Any) -> None:
-        leases = self._leases
-        for lease in ids:
-            held = leases.pop(lease, None)  # an unhashable id is a TypeError: _drain's to handle
-            if held is not None:  # unknown ids (a confused peer) change nothing
-                held.leases -= 1
-                if not held.leases and not held.local:
-                    self._pool.maybe_free(held)
-
     def _on_peer_death(self) -> None:
         """The receiver is gone: every lease is back (its mapping, not us, keeps its arrays).
 
@@ -534,15 +510,10 @@ class Sender(Closeable):
         its mapping keeps them for as long as it needs them.
         """
         self._peer_dead = True
-        self._pool.keep_spares = False  # nothing more will be lent
-        self._pool.free_spares()  # nothing more will be sent
         for seg in self._provider.segments.values():
             if self._ann.knows(seg):
                 seg.keep_pages = True
-        # Its arrays may still be read (a receiver that closed keeps them): their blocks are
-        # never handed out again, only freed at close(), when nothing allocates any more.
-        self._retired.update(self._leases.values())
-        self._leases.clear()
+        self._pool.borrower_gone()  # its arrays may still be read: their blocks are retired
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -556,11 +527,7 @@ class Sender(Closeable):
         pool = self._pool = LendingPool(self._limit, self._backend, self._config,
                                         min(self._limit // 8, SPARE_BYTES))
         self._provider, self._ann, self._alloc = pool.provider, pool.segments, pool.alloc
-        self._leases: dict[int, Held] = {}  # lease id -> held block
-        self._retired: set[Held] = set()  # leased when the receiver went: kept until close()
-        # Unique per process, like segment ids: a forked child sharing this socket must never
-        # take a release of its parent's lease 1 for its own lease 1.
-        self._lease_ids = itertools.count((os.getpid() << 32) + 1)
+        self._leases = pool.leases  # lease id -> held block (the pool's)
         self._notes: collections.deque[Any] = collections.deque()  # Receiver.tell's, unread
         self._sent = self._copied = self._in_place = 0
         self._last_drain = 0.0
