@@ -1,4 +1,5 @@
-"""Helpers of the ring tests: connected pairs, a hostile peer speaking the protocol, kills and counts.
+"""Helpers of the ring tests: connected pairs, a hostile peer speaking the protocol, counts (kills and
+bounded waits: shmshare.testing's kill, wait_exit and wait_until).
 """
 
 from __future__ import annotations
@@ -7,11 +8,9 @@ import array
 import fcntl
 import mmap
 import os
-import signal
 import socket
 import struct
 import threading
-import time
 
 import msgpack
 import numpy as np
@@ -39,17 +38,6 @@ def _pair() -> tuple[object, object]:
         return _native.Ring(fd, COUNT, SLOT, True), _native.Ring(fd, COUNT, SLOT, False)
     finally:
         os.close(fd)
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    try:
-        os.waitpid(pid, 0)
-    except ChildProcessError:
-        pass
 
 
 def _scribble(fd: int) -> mmap.mmap:
@@ -102,19 +90,6 @@ HELLO = [0, {"version": wire.PROTOCOL_VERSION, "pid": 1, "role": "hostile"}]
 
 
 F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
-
-
-def _wait_exit(pid: int, timeout: float = WAIT) -> int | None:
-    """The child's exit code (negative: killed by that signal), or None if it did not end in time
-    (then it is killed)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.005)
-    _kill(pid)
-    return None
 
 
 def _ring_maps() -> int:
@@ -227,14 +202,6 @@ def _victim_reads_until(sock_fd: int, frames: int) -> None:  # pragma: no cover 
         code = 9
     finally:
         os._exit(code)
-
-
-def _until(pred, what: str, timeout: float = WAIT) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        time.sleep(0.01)
 
 
 def _fork_run(fn) -> int:

@@ -15,15 +15,14 @@ import numpy as np
 import pytest
 
 from shmshare import PeerDied, ShmshareTimeout, _ring, channel, wire
+from shmshare.testing import kill, wait_until
 
 from .helpers import (
     COUNT,
     WAIT,
-    _kill,
     _ring_maps,
     _ringed_pair,
     _SwitchAfterRelease,
-    _until,
 )
 
 
@@ -149,7 +148,7 @@ def test_no_wake_up_is_lost_when_the_reader_sleeps_at_once(monkeypatch):
             assert rx.recv(timeout=WAIT)[0] == i
         assert rx._peers[0].conn._rings is not None and rx._peers[0].conn._rings.reading
     finally:
-        _kill(pid)
+        kill(pid)
         rx.close()
 
 
@@ -175,7 +174,7 @@ def test_a_reader_asleep_sees_its_writer_killed():
         with pytest.raises(PeerDied):
             rx.recv(timeout=WAIT)
     finally:
-        _kill(pid)
+        kill(pid)
         rx.close()
 
 
@@ -217,7 +216,7 @@ def test_many_senders_into_one_listening_receiver_lose_nothing(tmp_path):
             seen[b["k"]] += 1
     finally:
         for pid in pids:
-            _kill(pid)
+            kill(pid)
         rx.close()
 
 
@@ -322,7 +321,7 @@ def test_a_fork_while_a_thread_spins_leaves_no_ring_mapped_in_the_child(monkeypa
     finally:
         stop.set()
         if pid > 0:
-            _kill(pid)
+            kill(pid)
         b.close()
         t.join(WAIT)
         a.close()
@@ -583,7 +582,7 @@ def test_thousands_of_releases_go_by_ring_and_all_come_back():
         rx.recv(timeout=WAIT)
         gc.collect()
         rx.flush_releases()
-        _until(lambda: tx.poll_releases() == 0 and tx._conn._rings.reading, "rings up")
+        wait_until(lambda: tx.poll_releases() == 0 and tx._conn._rings.reading, "rings up", WAIT)
         held = []
         for i in range(40):
             tx.send([np.full(8, i) for _ in range(100)])  # 100 leases a batch
@@ -592,7 +591,7 @@ def test_thousands_of_releases_go_by_ring_and_all_come_back():
         del held
         gc.collect()
         rx.flush_releases()
-        _until(lambda: tx.poll_releases() == 0, "every lease back")
+        wait_until(lambda: tx.poll_releases() == 0, "every lease back", WAIT)
         link = rx._peers[0].conn._rings
         assert link is not None and link.writing and link.next_out == 0, "a release went carried"
     finally:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from shmshare import ProtocolError, ShmshareTimeout, _native, _ring, channel, listen, wire
+from shmshare.testing import kill, wait_exit
 
 from .helpers import (
     COUNT,
@@ -26,7 +27,6 @@ from .helpers import (
     WAIT,
     _frame_of,
     _hostile_ringed,
-    _kill,
     _memfd,
     _nfds,
     _offer_hostile,
@@ -38,7 +38,6 @@ from .helpers import (
     _send,
     _unwritable_memfd,
     _victim_reads_until,
-    _wait_exit,
 )
 
 
@@ -425,12 +424,12 @@ def test_a_peer_scribbling_while_the_victim_reads_never_crashes_it():
                     break
         s2.close()
         if code is None:
-            code = _wait_exit(pid)
+            code = wait_exit(pid, WAIT)
         pid = -1
         assert code == 0, f"the victim ended with {code} (negative: killed by that signal)"
     finally:
         if pid > 0:
-            _kill(pid)
+            kill(pid)
         s2.close()
         m.close()
 
@@ -471,12 +470,12 @@ def test_holes_punched_after_the_check_are_not_a_sigbus():
         assert os.read(rd, 1) == b"r"
         m.madvise(mmap.MADV_REMOVE)  # every page of the file: gone
         os.write(go_w, b"g")
-        code = _wait_exit(pid)
+        code = wait_exit(pid, WAIT)
         pid = -1
         assert code == 0, f"the victim ended with {code} (negative: killed by that signal)"
     finally:
         if pid > 0:
-            _kill(pid)
+            kill(pid)
         for f in (rd, wr, go_r, go_w):
             os.close(f)
         s2.close()

@@ -14,19 +14,17 @@ import numpy as np
 import pytest
 
 from shmshare import PeerDied, PoolExhausted, ProtocolError, ShmshareTimeout, channel, wire
+from shmshare.testing import kill, wait_exit, wait_until
 
 from .helpers import (
     BIG_NOTE,
     COUNT,
     WAIT,
     _fork_run,
-    _kill,
     _nfds,
     _number,
     _ring_maps,
     _ringed_pair,
-    _until,
-    _wait_exit,
 )
 
 
@@ -53,7 +51,7 @@ def test_a_forked_copy_sends_by_socket_and_refuses_to_receive():
         assert a.recv(timeout=WAIT)[0] == {"from": "parent"}
     finally:
         os.close(rd)
-        _kill(pid)
+        kill(pid)
         a.close()
         b.close()
 
@@ -127,7 +125,7 @@ def test_a_forked_copy_cannot_steal_the_rings_handshake(forked):
             assert b.recv(timeout=WAIT)[0] == {"n": 2}
     finally:
         if pid > 0:
-            _kill(pid)
+            kill(pid)
         for f in (rd, wr, go_r, go_w):
             os.close(f)
         a.close()
@@ -174,7 +172,7 @@ def test_a_sender_forked_before_its_rings_were_accepted_still_works():
         assert tx.statistics().leases_out == 0, "the parent's lease never came back"
     finally:
         if pid > 0:
-            _kill(pid)
+            kill(pid)
         os.close(rd)
         os.close(wr)
         tx.close()
@@ -234,12 +232,12 @@ def test_a_sender_handed_to_a_forked_child_gets_its_releases_back():
                 rx.flush_releases()
         except PeerDied:
             pass
-        code = _wait_exit(pid)
+        code = wait_exit(pid, WAIT)
         pid = -1
         assert (got, code) == (12, 0), f"the child sent {got} of 12 and exited {code} (7: PoolExhausted)"
     finally:
         if pid > 0:
-            _kill(pid)
+            kill(pid)
         tx.close()
         rx.close()
 
@@ -275,7 +273,7 @@ def test_a_sender_killed_at_a_random_point_loses_order_nothing_and_leaks_nothing
                     os.kill(pid, signal.SIGKILL)
         assert n >= stop_at
     finally:
-        _kill(pid)
+        kill(pid)
         rx.close()
     gc.collect()
     assert (_nfds(), _ring_maps()) == (before_fds, before_maps)
@@ -318,7 +316,7 @@ def test_a_receiver_killed_while_the_sender_waits_for_room_is_seen():
             tx.send({"i": "no room"}, timeout=WAIT)
     finally:
         killer.cancel()
-        _kill(pid)
+        kill(pid)
         tx.close()
         os.close(rd)
         os.close(wr)
@@ -351,14 +349,14 @@ def test_a_fork_that_took_the_accept_leaves_the_parent_able_to_read_a_large_note
         rx.recv(timeout=WAIT)  # accepted; the ACCEPT goes with rx's next send
         rx.tell(n, 1)  # ACCEPT (+ a WAKE) on the socket, note 1 in the ring
         pid = _fork_run(tx.poll_releases)  # the child drains the socket: ACCEPT and WAKE gone
-        assert _wait_exit(pid) == 0
+        assert wait_exit(pid, WAIT) == 0
         pid = -1
         rx.tell(n, BIG_NOTE)  # CARRIED on the socket, its marker in the ring
         got = [tx.recv_note(timeout=WAIT), tx.recv_note(timeout=WAIT)]
         assert got == [1, BIG_NOTE]
     finally:
         if pid > 0:
-            _kill(pid)
+            kill(pid)
         tx.close()
         rx.close()
 
@@ -389,7 +387,7 @@ def test_a_fork_draining_the_socket_does_not_break_its_parents_carried_note():
         assert tx._conn._rings is not None and tx._conn._rings.reading  # the rings are fully up
         rx.tell(n, BIG_NOTE)  # CARRIED on the socket, marker 0 in the ring
         pid = _fork_run(tx.poll_releases)  # the child drains the socket once
-        assert _wait_exit(pid) == 0
+        assert wait_exit(pid, WAIT) == 0
         pid = -1
         # The child took the carried frame off the shared socket, as it could take any frame with
         # or without rings: that note is lost to the parent (Note [An end in another process]),
@@ -408,7 +406,7 @@ def test_a_fork_draining_the_socket_does_not_break_its_parents_carried_note():
         assert list(rx.recv(timeout=WAIT)) == [0, 1, 2]
     finally:
         if pid > 0:
-            _kill(pid)
+            kill(pid)
         tx.close()
         rx.close()
 
@@ -440,7 +438,7 @@ def test_notes_keep_their_order_across_the_fallback_to_the_socket():
         rx.recv(timeout=WAIT)
         rx.tell(n, 1)  # ACCEPT on the socket, note 1 in the ring
         pid = _fork_run(lambda: tx.send({"from": "child"}))  # drains (ACCEPT), then HELLO + OFFER
-        assert _wait_exit(pid) == 0
+        assert wait_exit(pid, WAIT) == 0
         pid = -1
         assert rx.recv(timeout=WAIT) == {"from": "child"}  # rx hears the child's HELLO: falls back
         rx.tell(n, 2)  # on the socket
@@ -448,7 +446,7 @@ def test_notes_keep_their_order_across_the_fallback_to_the_socket():
         assert got == [1, 2], f"notes came as {got}"
     finally:
         if pid > 0:
-            _kill(pid)
+            kill(pid)
         tx.close()
         rx.close()
 
@@ -473,7 +471,7 @@ def test_a_fork_that_took_the_receivers_hello_does_not_break_its_parent():
         rx.recv(timeout=WAIT)
         rx.tell(n, 1)  # the receiver's HELLO + ACCEPT on the socket, note 1 in the ring
         pid = _fork_run(lambda: tx.send({"from": "child"}))  # takes HELLO and ACCEPT, then speaks
-        assert _wait_exit(pid) == 0
+        assert wait_exit(pid, WAIT) == 0
         pid = -1
         assert rx.recv(timeout=WAIT) == {"from": "child"}  # falls back to the socket
         rx.tell(n, 2)
@@ -484,7 +482,7 @@ def test_a_fork_that_took_the_receivers_hello_does_not_break_its_parent():
         assert got == {1, 2}
     finally:
         if pid > 0:
-            _kill(pid)
+            kill(pid)
         tx.close()
         rx.close()
 
@@ -518,8 +516,8 @@ def test_a_parent_and_its_forked_child_both_sending_get_their_releases_back():
         rx.recv(timeout=WAIT)
         gc.collect()
         rx.flush_releases()
-        _until(lambda: (tx.poll_releases() == 0 and tx._conn._rings is not None
-                        and tx._conn._rings.reading), "the parent's rings are up")
+        wait_until(lambda: (tx.poll_releases() == 0 and tx._conn._rings is not None
+                            and tx._conn._rings.reading), "the parent's rings are up", WAIT)
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child
             code = 0
@@ -540,7 +538,7 @@ def test_a_parent_and_its_forked_child_both_sending_get_their_releases_back():
         gc.collect()
         rx.flush_releases()  # one release frame for both processes' leases, on the socket
         os.write(go_w, b"g")  # the child reads first
-        code = _wait_exit(pid)
+        code = wait_exit(pid, WAIT)
         pid = -1
         deadline = time.monotonic() + 2
         while tx.poll_releases() and time.monotonic() < deadline:
@@ -550,7 +548,7 @@ def test_a_parent_and_its_forked_child_both_sending_get_their_releases_back():
             f"{tx.poll_releases()}")
     finally:
         if pid > 0:
-            _kill(pid)
+            kill(pid)
         os.close(go_r)
         os.close(go_w)
         tx.close()
@@ -569,7 +567,7 @@ def test_a_forked_copy_of_a_ringed_sender_stays_on_the_socket():
         rx.recv(timeout=WAIT)
         gc.collect()
         rx.flush_releases()
-        _until(lambda: tx.poll_releases() >= 0 and tx._conn._rings.writing, "the parent's rings are up")
+        wait_until(lambda: tx.poll_releases() >= 0 and tx._conn._rings.writing, "the parent's rings are up", WAIT)
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child
             try:
@@ -583,7 +581,7 @@ def test_a_forked_copy_of_a_ringed_sender_stays_on_the_socket():
         assert os.read(r, 1) == b"s", "the forked copy set up rings of its own"
     finally:
         if pid > 0:
-            _kill(pid)
+            kill(pid)
         os.close(r)
         os.close(w)
         tx.close()

@@ -19,18 +19,16 @@ import pytest
 
 from shmshare import PeerDied, ShmshareTimeout, _ring
 from shmshare.store import Store, _inherited
+from shmshare.testing import kill, wait_exit, wait_until
 
 from .helpers import (
     COUNT,
     SLOT,
     WAIT,
     _fork_run,
-    _kill,
     _nfds,
     _ringed_raw,
     _served,
-    _until,
-    _wait_exit,
 )
 
 
@@ -51,7 +49,7 @@ def test_a_client_that_never_reads_is_dropped_and_the_others_served(daemon):
                 break
         assert np.array_equal(other.get("x"), np.arange(4))
         _served(daemon.path)
-        _until(lambda: other.stats()["connected"] == 1, "the reader that never reads dropped")
+        wait_until(lambda: other.stats()["connected"] == 1, "the reader that never reads dropped", WAIT)
         assert ended is None or isinstance(ended, PeerDied)
         other.delete("x")
     finally:
@@ -88,15 +86,15 @@ def test_a_client_killed_mid_request_gives_its_references_back(daemon):
             assert s.stats()["deleted_viewed"] == 1
             time.sleep(0.05)  # in the middle of its requests
             os.kill(pid, signal.SIGKILL)
-            assert _wait_exit(pid) == -signal.SIGKILL
+            assert wait_exit(pid, WAIT) == -signal.SIGKILL
             pid = -1
-            _until(lambda: s.stats()["deleted_viewed"] == 0, "the killed client's reference back")
-            _until(lambda: s.stats()["connected"] == 1, "the killed client dropped")
+            wait_until(lambda: s.stats()["deleted_viewed"] == 0, "the killed client's reference back", WAIT)
+            wait_until(lambda: s.stats()["connected"] == 1, "the killed client dropped", WAIT)
             _served(daemon.path)
         finally:
             os.close(r)
             if pid > 0:
-                _kill(pid)
+                kill(pid)
 
 
 # HELD. A client that scribbles its ring (a write index far past the ring, garbage lengths) and
@@ -123,7 +121,7 @@ def test_a_client_scribbling_its_ring_is_dropped_and_the_others_served(daemon, m
         with pytest.raises(PeerDied):
             raw.recv(timeout=WAIT)
         _served(daemon.path)
-        _until(lambda: other.stats()["connected"] == 1, "the scribbler dropped")
+        wait_until(lambda: other.stats()["connected"] == 1, "the scribbler dropped", WAIT)
     finally:
         if m is not None:
             m.close()
@@ -157,27 +155,27 @@ def test_a_child_forked_while_the_parent_waits_for_copies_can_give_references_ba
         try:
             # the waiter has taken the pipe and waits on it (it held _copying_lock then, when the
             # defect was found; now it waits without it, and a forked child makes a fresh lock)
-            _until(lambda: r not in _inherited._copying, "the parent waits for its child's copies")
+            wait_until(lambda: r not in _inherited._copying, "the parent waits for its child's copies", WAIT)
 
             def child() -> None:
                 c = Store(daemon.path, timeout=3)
                 c.put("child-small", np.arange(10), replace=True)
                 x = c.get("child-small")
                 grandchild = _fork_run(lambda: None)
-                assert _wait_exit(grandchild) == 0
+                assert wait_exit(grandchild, WAIT) == 0
                 del x  # its release is due, behind the grandchild's copies
                 assert np.array_equal(c.get("child-small"), np.arange(10))
                 c.delete("child-small")
                 c.close()
 
             pid = _fork_run(child)
-            code = _wait_exit(pid)
+            code = wait_exit(pid, WAIT)
             pid = -1
             assert code == 0, ("the child hung (None) or failed giving a reference back: the "
                                "lock copies_made() held at fork stays held in the child")
         finally:
             if pid > 0:
-                _kill(pid)
+                kill(pid)
             with contextlib.suppress(OSError):
                 os.write(w, b"c")  # the "child" copies: the parent's wait ends
             waiter.join(WAIT)
@@ -207,7 +205,7 @@ def test_forking_while_holding_a_view_does_not_accumulate_fds(daemon):
             before = _nfds()
             for _ in range(100):
                 pid = _fork_run(lambda: None)
-                assert _wait_exit(pid) == 0
+                assert wait_exit(pid, WAIT) == 0
             grown = _nfds() - before
             assert grown <= 4, f"{grown} fds more after 100 forks whose children all exited"
         finally:
