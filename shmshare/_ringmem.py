@@ -90,6 +90,6 @@ def check_memfd(fd: int) -> None:
     if seals & (fcntl.F_SEAL_WRITE | _F_SEAL_FUTURE_WRITE) or mode != os.O_RDWR:
         raise ProtocolError("the peer's rings cannot be written (sealed against writes, or an fd "
                             "not opened read-write): both ends write their indices there")
-    if st.st_blocks * 512 < size:  # as segments are checked (Note [Trust no fd] in channel/_trust.py)
+    if st.st_blocks * 512 < size:  # as segments are checked (Note [Trust no fd] in _plane/trust.py)
         raise ProtocolError(f"the peer's rings have holes: {st.st_blocks * 512} of their {size} "
                             "bytes have pages, and touching a hole could fail (SIGBUS)")

@@ -8,6 +8,11 @@ common lives here and they hold it, rather than each keeping a copy:
   memfds, the segments a borrower was told of (:class:`SegmentBook`,
   ``segments.py``), the blocks held by local views, by leases or as spares
   (Note [Spare blocks]).
+- ``trust.py``: what a borrower checks of every fd a lender sends before
+  it maps it, and the caps on what one peer may make it hold (Note [Trust
+  no fd], Note [Caps per peer]).
+- :class:`WakePipe` (``wake.py``): the release flusher's wake-up, safe to
+  poke from a finalizer.
 
 Services sit above this layer and import from here, never from one another's
 private modules (docs/architecture.md, the layers).
@@ -15,5 +20,6 @@ private modules (docs/architecture.md, the layers).
 
 from .pool import SPARE_BYTES, Held, LendingPool, Retirer, host_cause
 from .segments import SegmentBook
+from .wake import WakePipe
 
-__all__ = ["LendingPool", "Held", "Retirer", "SegmentBook", "SPARE_BYTES", "host_cause"]
+__all__ = ["LendingPool", "Held", "Retirer", "SegmentBook", "SPARE_BYTES", "host_cause", "WakePipe"]

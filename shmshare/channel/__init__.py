@@ -90,7 +90,7 @@ def listen(path: str | os.PathLike[str] | None = None, *, writable: bool = False
     With `path` None the socket is made in a fresh private directory; the
     receiver's ``path`` says where. `trust_unsealed` accepts senders of
     ``backend="posix"``: this receiver trusts them not to truncate their
-    shared memory (Note [Trust no fd] in ``channel/_trust.py``).
+    shared memory (Note [Trust no fd] in ``_plane/trust.py``).
     """
     _ring.check_settings()
     listener = wire.Listener(path, role="receiver", **listener_kw)

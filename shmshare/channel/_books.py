@@ -1,6 +1,6 @@
 """The receiver's books: each sender, the segments it announced, and what they cost here.
 
-Note [Caps per peer] (in ``_trust.py``) says why there are caps; here is how
+Note [Caps per peer] (in ``_plane/trust.py``) says why there are caps; here is how
 they are kept: a segment's :class:`Charge` is added before it is mapped and
 taken off only when its mapping is gone -- when the root Lease that every
 array of it owns calls back -- not when the sender drops it, since a

@@ -1,7 +1,7 @@
 """A receiver's mappings of a sender's segments: new ones, grown ranges, dropped ones.
 
 Every check here is of what a hostile sender could announce (Note [Trust no
-fd] and Note [Caps per peer] in ``_trust.py``); a pinned receiver also
+fd] and Note [Caps per peer] in ``_plane/trust.py``); a pinned receiver also
 page-locks each classic segment it maps (Note [Fenced releases]).
 """
 
@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _native, wire
 from .._errors import ProtocolError
+from .._plane.trust import check_fd, locally
 from ..segment import Flags, Segment
 from ._books import GROW_MAPS, Peer, RxSegment
 from ._protocol import DROP, GROW
-from ._trust import check_fd, locally
 
 if TYPE_CHECKING:
     from ._receiver import Receiver

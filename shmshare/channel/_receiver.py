@@ -2,7 +2,7 @@
 
 The books of each sender (its segments and what they cost) are in ``_books.py``,
 the releases' way back (Note [Releases]) in ``_releases.py``, and what a
-receiver checks of what it is sent in ``_trust.py``.
+receiver checks of what it is sent in ``_plane/trust.py``.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ from .._errors import (
     making_fds,
 )
 from .._lifetime import Closeable
+from .._plane import WakePipe
+from .._plane.trust import check_fd_room, default_max_peer_bytes, default_max_peer_segments
 from .._typevars import T
 from . import _lane
 from ._books import Caps, Peer
@@ -53,8 +55,7 @@ from ._protocol import (
     VALUE,
     WHY,
 )
-from ._releases import MAX_AGE, Release, WakePipe, flusher_main
-from ._trust import check_fd_room, default_max_peer_bytes, default_max_peer_segments
+from ._releases import MAX_AGE, Release, flusher_main
 
 __all__ = ["Receiver"]
 

@@ -21,20 +21,18 @@ from __future__ import annotations
 
 import os
 import select
-import threading
 import time
 import weakref
 from typing import TYPE_CHECKING
 
 from .. import _fork
-from .._errors import making_fds
-from .._lifetime import Closeable
+from .._plane import WakePipe
 
 if TYPE_CHECKING:
     from ._books import Peer
     from ._receiver import Receiver
 
-__all__ = ["MAX_AGE", "Release", "WakePipe", "flusher_main", "current_pid"]
+__all__ = ["MAX_AGE", "Release", "flusher_main", "current_pid"]
 
 MAX_AGE = 0.002  # s a release may wait before it is sent
 _STUCK_MAX_AGE = 0.1  # s: the flusher's longest pause while a sender's socket stays full
@@ -58,41 +56,6 @@ class Release:
         if not rx._armed:
             rx._armed = True
             rx._wake.poke()
-
-
-class WakePipe(Closeable):
-    """The flusher's wake-up pipe.
-
-    ``poke`` runs in Lease callbacks, at any bytecode (the garbage collector):
-    it only *tries* the lock, so it can never deadlock with ``close`` on the
-    same thread, and it never writes after ``close`` -- into a fd number that
-    may belong to someone else by then.
-    """
-
-    __slots__ = ("r", "w", "lock")
-
-    def __init__(self) -> None:
-        self.r, self.w = making_fds("pipe2", os.pipe2, os.O_NONBLOCK | os.O_CLOEXEC)
-        self.lock = threading.Lock()
-
-    def poke(self) -> None:
-        """Write one byte, unless the pipe is closed or being closed."""
-        if self.lock.acquire(blocking=False):
-            try:
-                if self.w >= 0:
-                    os.write(self.w, b"\0")
-            except OSError:  # full: the flusher has bytes to read anyway
-                pass
-            finally:
-                self.lock.release()
-
-    def close(self) -> None:
-        """Close both ends. Idempotent."""
-        with self.lock:
-            r, w, self.r, self.w = self.r, self.w, -1, -1  # forget first: never close twice
-        for fd in (r, w):
-            if fd >= 0:
-                os.close(fd)
 
 
 def flusher_main(ref: weakref.ref[Receiver], wake: WakePipe) -> None:

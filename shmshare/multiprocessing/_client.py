@@ -38,8 +38,8 @@ import numpy as np
 
 from .. import _fork, _native, tensors, wire
 from .._errors import FdLimitError, PeerDied, ShmshareError, ShmshareTimeout
-from ..channel._releases import WakePipe
-from ..channel._trust import check_fd, locally
+from .._plane import WakePipe
+from .._plane.trust import check_fd, locally
 from ..segment import Flags, Segment
 from ._common import (
     DROP,

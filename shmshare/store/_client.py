@@ -38,9 +38,9 @@ import numpy as np
 from .. import _native, tensors
 from .._errors import FdLimitError, PeerDied, ProtocolError, ShmshareTimeout
 from .._fd import Fd
+from .._plane import WakePipe
+from .._plane.trust import check_fd
 from .._typevars import V
-from ..channel._releases import WakePipe
-from ..channel._trust import check_fd
 from ._flusher import Queued, flush_loop
 from ._inherited import copies_made, forget_store, reused_by_daemon, track_pool_mapping, track_store
 from ._packing import Plan, build, new_memfd, one_array_meta, reserve, write_memfd

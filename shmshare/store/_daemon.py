@@ -40,8 +40,8 @@ from typing import Any
 from .. import wire
 from .._errors import FdLimitError, PeerDied, ProtocolError, ShmshareError, ShmshareTimeout
 from .._fd import Fd
+from .._plane.trust import check_fd
 from .._pollserver import ACCEPT_PAUSE, PollServer
-from ..channel._trust import check_fd
 from ..memory._shm import ShmSegment
 from . import _making as making
 from ._making import Bad, name_of

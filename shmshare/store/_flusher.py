@@ -16,7 +16,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 from .._errors import FdLimitError, PeerDied, ShmshareError
-from ..channel._releases import WakePipe
+from .._plane import WakePipe
 
 if TYPE_CHECKING:
     from ._client import Store

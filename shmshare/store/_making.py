@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from .. import _native
 from .._errors import ProtocolError
 from .._fd import Fd
-from ..channel._trust import check_fd
+from .._plane.trust import check_fd
 from ..memory._shm import ShmSegment, _new_id
 from ..tensors import decode
 from ._objects import HostFull, Obj, daemon_refusal

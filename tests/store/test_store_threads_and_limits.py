@@ -19,7 +19,7 @@ import pytest
 
 from shmshare import _native
 from shmshare._errors import ShmshareError, ShmshareTimeout
-from shmshare.channel._trust import check_fd
+from shmshare._plane.trust import check_fd
 from shmshare.store import Daemon, Store, StoreError, StoreFull, StoreGone
 from shmshare.store._packing import Plan
 from shmshare.store._protocol import LARGE

@@ -1,0 +1,52 @@
+"""A wake-up pipe that a finalizer may poke: one byte, never blocking, never after close.
+
+A release of a borrowed array can happen in a Lease callback, at any bytecode
+of any thread (the garbage collector); the thread that sends releases sleeps
+on this pipe. The channel's receiver, the multiprocessing link and the store
+client each hold one (Note [Releases] in ``channel/_releases.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from .._errors import making_fds
+from .._lifetime import Closeable
+
+__all__ = ["WakePipe"]
+
+
+class WakePipe(Closeable):
+    """The flusher's wake-up pipe.
+
+    ``poke`` runs in Lease callbacks, at any bytecode (the garbage collector):
+    it only *tries* the lock, so it can never deadlock with ``close`` on the
+    same thread, and it never writes after ``close`` -- into a fd number that
+    may belong to someone else by then.
+    """
+
+    __slots__ = ("r", "w", "lock")
+
+    def __init__(self) -> None:
+        self.r, self.w = making_fds("pipe2", os.pipe2, os.O_NONBLOCK | os.O_CLOEXEC)
+        self.lock = threading.Lock()
+
+    def poke(self) -> None:
+        """Write one byte, unless the pipe is closed or being closed."""
+        if self.lock.acquire(blocking=False):
+            try:
+                if self.w >= 0:
+                    os.write(self.w, b"\0")
+            except OSError:  # full: the flusher has bytes to read anyway
+                pass
+            finally:
+                self.lock.release()
+
+    def close(self) -> None:
+        """Close both ends. Idempotent."""
+        with self.lock:
+            r, w, self.r, self.w = self.r, self.w, -1, -1  # forget first: never close twice
+        for fd in (r, w):
+            if fd >= 0:
+                os.close(fd)
