@@ -347,14 +347,15 @@ class RingLink:
         finally:
             conn._send_lock.release()
 
-    def recv_now(self) -> Any:
-        """The header of the message at the head of the ring, if one is there now; None: nothing
-        was taken, ``recv()`` the usual way (an empty ring, no HELLO read yet, a receive of
-        another thread). A marker is resolved as ``recv()`` would, its frame kept for it."""
+    def recv_now(self, raw: bytes = b"") -> Any:
+        """The message at the head of the ring, if one is there now: its frame as bytes when it
+        starts with `raw` (the caller parses it), else its header. None: nothing was taken,
+        ``recv()`` the usual way (an empty ring, no HELLO read yet, a receive of another
+        thread). A marker is resolved as ``recv()`` would, its frame kept for it."""
         conn = self.conn
         if not self.reading or self.stash or self.resolving is not None or conn.peer_hello is None:
             return None
-        if not conn._recv_lock.acquire(blocking=False):
+        if not conn._recv_lock.acquire(False):
             return None
         try:
             if conn.state is State.CLOSED:
@@ -366,6 +367,9 @@ class RingLink:
                 return None  # empty, or broken: recv() pops again and says so
             if self.armed_after_read and not ring.readable():
                 ring.arm()
+            if raw and buf.startswith(raw):
+                conn._counts[1] += 1
+                return bytes(memoryview(buf)[:n])
             got = self._ring_frame(buf, n)
             if got is None:
                 return None

@@ -415,10 +415,11 @@ class Connection(Closeable):
         rings = self._rings
         return rings is not None and rings.send_now(make, *args)
 
-    def recv_now(self) -> dict[Any, Any] | None:
-        """The next message's header if it is in the ring now (it has no fds); None: ``recv()``."""
+    def recv_now(self, raw: bytes = b"") -> dict[Any, Any] | bytes | None:
+        """The next message if it is in the ring now (no fds): its frame if it starts with `raw`,
+        else its header; None: ``recv()`` it."""
         rings = self._rings
-        return None if rings is None else rings.recv_now()
+        return None if rings is None else rings.recv_now(raw)
 
     # -- misc ---------------------------------------------------------------
 

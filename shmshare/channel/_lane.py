@@ -25,13 +25,15 @@ Note [Fast lane]
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import msgpack
 
 from .. import tensors, wire
+from .._errors import ProtocolError
 from ._protocol import BATCH, KIND, TREE
 
-__all__ = ["frame", "one_array"]
+__all__ = ["HEAD", "frame", "one_array", "desc_of", "header_of"]
 
 _WHERE = struct.Struct("<QQq")  # segment, block (the lease), offset: tensors' descriptor head
 _MAX_LAYOUTS = 4096  # layouts kept; ever new shapes start the table over rather than grow it
@@ -46,6 +48,28 @@ def frame(segment: int, lease: int, offset: int, dtype: bytes, shape: tuple[int,
         parts = _frames[key] = _parts(dtype, shape, strides)
     head, tail = parts
     return head + _WHERE.pack(segment, lease, offset) + tail
+
+
+def desc_of(framed: bytes) -> bytes | None:
+    """The descriptor of a frame that starts with HEAD (``Connection.recv_now(HEAD)``) and is a
+    batch of exactly one array in the short form (a tree under 256 bytes); None: any other."""
+    n = len(framed)
+    if n > _SHORT and framed[_BIN_LEN] == n - _BIN_LEN - 1 and framed[_EXT] == 0xC7 \
+            and framed[_EXT + 1] == n - _SHORT and framed[_EXT + 2] == tensors.EXT_ARRAY:
+        return framed[_SHORT:]
+    return None
+
+
+def header_of(framed: bytes) -> Any:
+    """The header of a frame that starts with HEAD but is not :func:`desc_of`'s short form (a
+    tree of its own shape, or bytes a peer made up): ProtocolError if it is not a header."""
+    try:
+        got = msgpack.unpackb(framed, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several types for bad input
+        raise ProtocolError(f"a malformed frame of {len(framed)} bytes in the ring: {exc}") from exc
+    if not (type(got) is list and len(got) == 2 and type(got[1]) is dict):
+        raise ProtocolError(f"a ring frame must be [kind, header], got {got!r:.80}")
+    return got[1]
 
 
 def one_array(tree: bytes) -> bytes | None:
@@ -70,3 +94,10 @@ def _parts(dtype: bytes, shape: tuple[int, ...], strides: tuple[int, ...]) -> tu
 
 
 _frames: dict[tuple[bytes, tuple[int, ...], tuple[int, ...]], tuple[bytes, bytes]] = {}
+# The bytes every batch of the lane starts with: [MSG, {KIND: BATCH, TREE: <bin8 ...>}]; then the
+# bin's length, an ext8 header (0xC7, length, EXT_ARRAY) and the descriptor (_SHORT on).
+HEAD = wire.message_frame({KIND: BATCH, TREE: b""})[:-1]  # less the empty bin's length byte
+_BIN_LEN = len(HEAD)
+_EXT = _BIN_LEN + 1
+_SHORT = _EXT + 3
+assert HEAD.endswith(b"\xc4")  # bin8

@@ -192,3 +192,51 @@ def test_a_fast_frame_pointing_outside_its_segment_is_refused_and_drops_the_send
         os.close(fd)
         rx.close()
         a.close()
+
+
+def _switched_pair():
+    """A raw sender `a` whose frames go by ring, a Receiver on the other end, and a segment."""
+    a, b = wire.pipe()
+    rx = Receiver([b])
+    fd = _sealed_memfd(4096)
+    seg = (os.getpid() << 32) | 78
+    a.offer_ring()
+    a.send({KIND: BATCH, NEW: [[seg, 4096, False]], TREE: _tree(np.zeros(4, np.uint8), seg)}, [fd])
+    assert rx.recv(timeout=WAIT).shape == (4,)
+    rx.flush_releases()
+    for _ in range(100):
+        if a._rings.reading:
+            break
+        a.recv_nowait()
+    a.send({KIND: BATCH, TREE: _tree(np.zeros(4, np.uint8), seg)})  # SWITCH: a writes by ring now
+    assert rx.recv(timeout=WAIT).shape == (4,)
+    return a, rx, fd, seg
+
+
+@pytest.mark.parametrize("tail", [b"", b"\x05", b"\x05\xc7\x02\x01\x00\x00", b"\x03\xc7\x00\x01",
+                                  b"\xff" + b"\x00" * 40, b"\x02\xc7\x00"],
+                         ids=["nothing", "short-bin", "short-desc", "empty-desc", "long-bin", "cut-ext"])
+def test_garbage_after_the_lane_head_is_a_protocol_error_and_drops_the_sender(tail):
+    a, rx, fd, _ = _switched_pair()
+    try:
+        assert a.send_now(lambda: _lane.HEAD + tail)
+        with pytest.raises(ProtocolError):
+            rx.recv(timeout=WAIT)
+    finally:
+        os.close(fd)
+        rx.close()
+        a.close()
+
+
+def test_a_lane_head_frame_of_another_tree_takes_the_usual_decoder():
+    a, rx, fd, seg = _switched_pair()
+    try:
+        framed = wire.message_frame({KIND: BATCH, TREE: _tree({"x": np.zeros(3, np.uint8), "n": 7}, seg)})
+        assert framed.startswith(_lane.HEAD) and _lane.desc_of(framed) is None
+        assert a.send_now(lambda: framed)
+        got = rx.recv(timeout=WAIT)
+        assert got["n"] == 7 and got["x"].shape == (3,)
+    finally:
+        os.close(fd)
+        rx.close()
+        a.close()
