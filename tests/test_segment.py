@@ -36,7 +36,7 @@ def test_create_default_keeps_fd_and_has_no_name(backend):
         assert seg.size == 1 << 20 and seg.backend == backend and seg.flags == DEFAULT
         assert seg.fd is not None and os.fstat(seg.fd).st_size == 1 << 20
         assert os.fstat(seg.fd).st_nlink == 0  # UNLINK: no name left anywhere
-        assert not shm_names("shmshare_")
+        assert not shm_names(f"shmshare_{os.getpid()}_")  # (others' names: another test's, beside this one)
         assert len(shm_mappings(contains=seg.name.lstrip("/"))) == 1
         arr = seg.view(np.int64, (1 << 17,))
         arr[:] = np.arange(1 << 17)
