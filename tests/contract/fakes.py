@@ -1,5 +1,6 @@
-"""Fake peers for the hostile tests of the transport contract: an owner's fd server that answers as
-the real one does, with forged fds (tests/mp forges what is sent the other way)."""
+"""Fake peers for the hostile tests of the transport contract: an owner's fd server and a store daemon
+that answer as the real ones do, with forged fds and descriptors (tests/mp and tests/store forge what
+those send the other way)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,43 @@ class FakeOwner:
         import shmshare.multiprocessing as smp
 
         smp.shutdown()  # our link to it: its connection ends, and so does the thread
+        self.thread.join(self.wait)
+        self.listener.close()
+        for fd in self.fds:
+            os.close(fd)
+
+
+class FakeDaemon:
+    """Answers every get with `reply` (a header sent with `fds`, or raw bytes), on one connection."""
+
+    def __init__(self, path, reply, fds, wait):
+        self.listener, self.reply, self.fds, self.wait = wire.Listener(path), reply, fds, wait
+        self.path = path
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        try:
+            conn = self.listener.accept(timeout=self.wait)
+        except (ShmshareError, OSError):
+            return
+        try:
+            while True:
+                h, fds = conn.recv(timeout=self.wait)
+                for f in fds:
+                    f.close()
+                if h.get("k") != "get":
+                    continue  # its releases: nothing to answer
+                if isinstance(self.reply, bytes):
+                    conn._sock.send(self.reply)
+                else:
+                    conn.send(self.reply, self.fds, timeout=self.wait)
+        except (ShmshareError, OSError):
+            pass  # the client hung up
+        finally:
+            conn.close()
+
+    def close(self):
         self.thread.join(self.wait)
         self.listener.close()
         for fd in self.fds:
