@@ -49,9 +49,7 @@ class FencedRelease(Release):
     def __call__(self) -> None:
         if self.pid != current_pid():
             return  # an array inherited by a forked child: the lease is its parent's
-        fences = self.rx._fences
-        if fences is not None:
-            fences.unfenced.append((self.peer, self.lease, self.nbytes))
+        self.q.unfenced.append((self.peer, self.lease, self.nbytes))  # q: the receiver's Fences
 
 
 class Fences:
@@ -81,8 +79,7 @@ class Fences:
                 return
             self.fenced.popleft()
             for peer, lease, nbytes in items:
-                rx._released.append((peer, lease))
-                rx._released_bytes += nbytes
+                rx._releases.add(peer, lease, nbytes)
 
     def on_map(self, address: int, size: int, root: Any, readonly: bool) -> Any:
         return self.pin.on_map(address, size, root, readonly)

@@ -32,7 +32,6 @@ from .._errors import (
     making_fds,
 )
 from .._lifetime import Closeable
-from .._plane import WakePipe
 from .._plane.trust import check_fd_room, default_max_peer_bytes, default_max_peer_segments
 from .._typevars import T
 from . import _lane
@@ -45,23 +44,18 @@ from ._protocol import (
     DROP,
     GROW,
     KIND,
-    LEASES,
     NEW,
     NOTE,
     REFUSE,
-    RELEASE,
-    RELEASE_CHUNK,
     TREE,
     VALUE,
     WHY,
 )
-from ._releases import MAX_AGE, Release, flusher_main
+from ._releases import Release, ReleaseQueue
 
 __all__ = ["Receiver"]
 
 _CLOSE_CHECK = wire._CLOSE_CHECK  # s: a wait looks this often whether close() was called
-_BATCH = 64  # releases that make recv() send at once, ...
-_BATCH_BYTES = 1 << 20  # ... or bytes released: a sender's pool should not grow by a batch of them
 _ACCEPT_BACKOFF = (0.05, 1.0)  # s: accepting pauses this long (doubling) after EMFILE
 _WHY_MAX = 2000  # characters of a refusal told to the sender
 _MAX_PEERS = 256  # connections a listen() receiver keeps at once, by default
@@ -127,7 +121,8 @@ class Receiver(Closeable, Generic[T]):
         self._sel: selectors.BaseSelector | None = None  # many senders: ready ones are selected
         self._ready: collections.deque[Peer] = collections.deque()
         self._closed = False
-        self._new_flusher_state()
+        self._releases = ReleaseQueue()  # Note [Releases]
+        self._bye_seen = False
         if listener is not None or len(self._peers) > 1:
             self._sel = making_fds("epoll_create", selectors.DefaultSelector)
             if listener is not None:
@@ -179,7 +174,7 @@ class Receiver(Closeable, Generic[T]):
 
     def flush_releases(self) -> None:
         """Send the releases queued so far now, without waiting (a full socket keeps them queued)."""
-        if self._released:
+        if self._releases.items:
             self._flush()
 
     def fence_releases(self) -> None:
@@ -196,8 +191,7 @@ class Receiver(Closeable, Generic[T]):
         self._check_open()
         if self._fences is not None:
             self._fences.take(self)
-        if (len(self._released) >= _BATCH or self._released_bytes >= _BATCH_BYTES
-                or time.monotonic() - self._last_flush > MAX_AGE):
+        if self._releases.due():
             self._flush()
         while True:
             if self._closed:
@@ -235,8 +229,8 @@ class Receiver(Closeable, Generic[T]):
                     desc = _lane.desc_of(now)
                     if desc is not None:
                         peer.bye = False
-                        if self._flusher is None:
-                            self._ensure_flusher()
+                        if self._releases.thread is None:
+                            self._releases.start(self)
                         return peer, self._view(peer, *tensors.parse_desc(desc))
                     now = _lane.header_of(now)
                 except Exception as exc:  # noqa: BLE001 - any failure of a hostile batch drops its sender
@@ -315,13 +309,13 @@ class Receiver(Closeable, Generic[T]):
             self._fences.wait_all(self)
         self._flush()  # never waits (timeout=0 sends)
         self._closed = True
-        self._wake.poke()  # the flusher sees _closed (and closes the pipe if not joined)
-        flusher = self._flusher
+        self._releases.wake.poke()  # the flusher sees _closed (and closes the pipe if not joined)
+        flusher = self._releases.thread
         if flusher is None:
-            self._wake.close()
+            self._releases.wake.close()
         elif join and flusher is not threading.current_thread():
             flusher.join(5)
-            self._wake.close()
+            self._releases.wake.close()
         for p in list(self._peers):
             self._forget(p)
         if self._sel is not None:
@@ -465,8 +459,8 @@ class Receiver(Closeable, Generic[T]):
     def _decode(self, peer: Peer, header: dict[str, Any], fds: list[wire.Fd]) -> Any:
         if not fds and len(header) == 2 and type(tree := header.get(TREE)) is bytes \
                 and (desc := _lane.one_array(tree)) is not None:  # one array (Note [Fast lane])
-            if self._flusher is None:
-                self._ensure_flusher()
+            if self._releases.thread is None:
+                self._releases.start(self)
             return self._view(peer, *tensors.parse_desc(desc))
         if fds or NEW in header:
             try:
@@ -476,8 +470,8 @@ class Receiver(Closeable, Generic[T]):
                     f.close()
         if GROW in header or DROP in header:
             grow_and_drop(self, peer, header)
-        if self._flusher is None:
-            self._ensure_flusher()
+        if self._releases.thread is None:
+            self._releases.start(self)
         tree = header.get(TREE)
         if type(tree) is not bytes:
             raise ProtocolError(f"a batch must carry its packed tree as bytes, got "
@@ -507,7 +501,8 @@ class Receiver(Closeable, Generic[T]):
             raise ProtocolError(f"an array of {nbytes} bytes at offset {start} lies outside the "
                                 f"mapped part of segment {seg_id} ({rec.size} bytes)")
         lease = _native.Lease(rec.root, rec.address + start, nbytes, not self._writable,
-                              (Release if self._fences is None else FencedRelease)(self, peer, block, nbytes))
+                              Release(self._releases, peer, block, nbytes) if self._fences is None
+                              else FencedRelease(self._fences, peer, block, nbytes))
         if lay.dense:
             arr = np.ndarray(lay.shape, dt, lease)  # type: ignore[arg-type]  # positional: keywords cost
         else:
@@ -520,54 +515,9 @@ class Receiver(Closeable, Generic[T]):
 
     # -- releases ----------------------------------------------------------------
 
-    def _new_flusher_state(self) -> None:
-        self._released: collections.deque[tuple[Peer, int]] = collections.deque()
-        self._released_bytes = 0  # about how many bytes the queued releases give back
-        self._wake = WakePipe()
-        self._armed = False  # the flusher is awake and will look at the queue again
-        self._last_flush = 0.0
-        self._flush_lock = threading.Lock()
-        self._flusher: threading.Thread | None = None
-        self._bye_seen = False
-
-    def _ensure_flusher(self) -> None:
-        if self._flusher is None:
-            self._flusher = threading.Thread(target=flusher_main, args=(weakref.ref(self),
-                                             self._wake), name="shmshare-releases", daemon=True)
-            self._flusher.start()
-
     def _flush(self) -> bool:
-        """Send every queued release, one frame per sender (a sender gone is skipped).
-
-        Return False when a sender's socket was full: its releases stay queued
-        for the next flush (never dropped: its pool would never get them back).
-        """
-        stuck = False
-        with self._flush_lock:
-            self._last_flush = time.monotonic()
-            q = self._released
-            self._released_bytes = 0
-            if not q:
-                return True
-            by_peer: dict[Peer, list[int]] = {}
-            while q:
-                peer, lease = q.popleft()
-                by_peer.setdefault(peer, []).append(lease)
-            for peer, ids in by_peer.items():
-                if peer not in self._peers:
-                    continue  # its sender is gone: it took all its leases back
-                # 9 bytes an id: a frame that fits a ring slot stays off the socket (Note [Rings])
-                chunk = min(RELEASE_CHUNK, (peer.conn.frame_room() - 16) // 9)
-                for i in range(0, len(ids), chunk):
-                    try:  # never wait: a sender stuck on a full socket must not stall recv()
-                        peer.conn.send({KIND: RELEASE, LEASES: ids[i:i + chunk]}, timeout=0)
-                    except ShmshareTimeout:  # first: it is an OSError too
-                        q.extend((peer, x) for x in ids[i:])  # its socket is full: next time
-                        stuck = True
-                        break
-                    except (PeerDied, OSError, ValueError):
-                        break  # it died: recv() reports that; its leases are void
-        return not stuck
+        """Send the releases queued now (False: a sender's socket was full; they wait)."""
+        return self._releases.flush(self._peers)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -576,8 +526,9 @@ class Receiver(Closeable, Generic[T]):
     def _after_fork_in_child(self) -> None:
         # Arrays inherited by a child never release the parent's leases (see
         # _Release); the child gets its own wake-up pipe and, on use, flusher.
-        self._wake.close()
-        self._new_flusher_state()
+        self._releases.wake.close()
+        self._releases = ReleaseQueue()
+        self._bye_seen = False
         if self._sel is not None:
             # The epoll instance is shared with the parent: an unregister here would remove
             # the parent's registrations too. The child's copy gets a selector of its own.

@@ -92,7 +92,7 @@ def test_a_release_flush_never_waits_behind_another_threads_tell():
         t.start()
         wait_until(send_lock.locked, "the tell waits for room on the full socket, holding its send lock", _WAIT)
         held.clear()  # its release goes to the flusher
-        rx._released.append((rx._peers[0], 12345))  # a release to flush (unknown ids are ignored)
+        rx._releases.items.append((rx._peers[0], 12345))  # a release to flush (unknown ids are ignored)
         flushed = threading.Event()
 
         def flush() -> None:

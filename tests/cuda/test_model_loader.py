@@ -63,7 +63,7 @@ def test_a_dropped_batch_goes_back_only_after_its_fence_completes(driver_model: 
     assert fences.fenced and not fences.unfenced
     held = sum(len(items) for _, items in fences.fenced)
     assert held >= 1
-    released_before = list(it._rx._released)
+    released_before = list(it._rx._releases.items)
     assert all(lease not in [x[1] for _, items in fences.fenced for x in items]
                for _, lease in released_before)
     driver_model.finish(0)  # the copy is done
