@@ -106,7 +106,6 @@ class TestMultiprocessing(TransportContract):
                 args[-1] = bytes(8)  # garbage for a signature
                 error, match = smp.HandleError, "did not make"
             q.put(("forged", Handle(args)))
-
             stop = held.clear
 
         def close():
