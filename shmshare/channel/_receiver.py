@@ -123,6 +123,7 @@ class Receiver(Closeable, Generic[T]):
         self._closed = False
         self._releases = ReleaseQueue()  # Note [Releases]
         self._bye_seen = False
+        self._later: Exception | None = None  # recv_many's error after its first batch
         if listener is not None or len(self._peers) > 1:
             self._sel = making_fds("epoll_create", selectors.DefaultSelector)
             if listener is not None:
@@ -147,6 +148,23 @@ class Receiver(Closeable, Generic[T]):
         receiver goes on with the others.
         """
         return self._recv(timeout)[1]
+
+    def recv_many(self, max_count: int, timeout: float | None = None) -> list[T]:
+        """Return the next batches, at least one and at most `max_count`: ``recv()`` waits for
+        the first (up to `timeout` s), the rest are those already there. An error met after
+        the first batch is raised by the next call, after what was taken is returned."""
+        if type(max_count) is not int or max_count < 1:
+            raise ValueError(f"max_count must be a positive int, got {max_count!r}")
+        out = [self._recv(timeout)[1]]
+        while len(out) < max_count and self._ready_now():
+            try:
+                out.append(self._recv(0)[1])
+            except ShmshareTimeout:
+                break  # what was there was not a batch (a goodbye, a wake-up)
+            except Exception as exc:  # noqa: BLE001 - kept for the next call: nothing is lost
+                self._later = exc
+                break
+        return out
 
     def recv_from(self, timeout: float | None = None) -> tuple[int, T]:
         """Return ``(sender, batch)``: the next batch and the number of the sender that sent it.
@@ -189,6 +207,9 @@ class Receiver(Closeable, Generic[T]):
     def _recv(self, timeout: float | None) -> tuple[Peer, T]:
         deadline = None if timeout is None else time.monotonic() + timeout
         self._check_open()
+        if self._later is not None:  # recv_many met it after its first batch
+            exc, self._later = self._later, None
+            raise exc
         if self._fences is not None:
             self._fences.take(self)
         if self._releases.due():
@@ -259,6 +280,14 @@ class Receiver(Closeable, Generic[T]):
                 if self._listener is None and self._bye_seen and not self._peers:
                     return
                 raise
+
+    def _ready_now(self) -> bool:
+        """Whether a message is there now, without a syscall where a ring can say so."""
+        if self._ready or self._closed:
+            return bool(self._ready)
+        if self._sel is None:
+            return bool(self._peers) and self._peers[0].conn.poll(0)
+        return bool(self._sel.select(0))
 
     def poll(self, timeout: float | None = 0.0) -> bool:
         """Return whether ``recv`` would find something (a batch or an event) within `timeout`."""

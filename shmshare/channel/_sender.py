@@ -19,7 +19,6 @@ Note [Callbacks from the garbage collector]
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import math
 import os
@@ -27,7 +26,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -40,8 +39,9 @@ from ..memory import CachingAllocator, OutOfMemoryError, ShmSegment
 from . import _lane
 from ._announce import announce
 from ._blocks import SenderStatistics, ViewDied, exhausted
+from ._inbox import REFUSED, Inbox
 from ._overflow import Overflow
-from ._protocol import BATCH, BYE, KIND, LEASES, MAX_NOTES, NOTE, REFUSE, RELEASE, TREE, VALUE, WHY
+from ._protocol import BATCH, BYE, KIND, REFUSE, TREE, WHY
 from ._report import SenderReport
 
 __all__ = ["Sender", "DEFAULT_LIMIT", "SenderStatistics"]
@@ -153,6 +153,16 @@ class Sender(Closeable):
             if not self._sent:  # a finalizer says goodbye too (Note [Finalizers and goodbyes])
                 self._conn.set_farewell({KIND: BYE})
             self._sent += 1
+
+    def send_many(self, objs: Iterable[Any], timeout: float | None = None) -> None:
+        """Send each of `objs` as its own batch, in order: ``send()`` in a loop, with less work a
+        batch for arrays from :meth:`empty` (one lock taken). `timeout` bounds the whole call;
+        when it raises, the batches before the one that failed were sent."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            for obj in objs:
+                if not (type(obj) is np.ndarray and self._send_now(obj)):
+                    self.send(obj, _remaining(deadline))
 
     def empty(self, shape: Any, dtype: Any = np.float64, timeout: float | None = None) -> Any:
         """Return an uninitialized array in the pool: fill it, then send it with no copy.
@@ -460,23 +470,9 @@ class Sender(Closeable):
             return
         try:
             while (got := self._conn.recv_nowait()) is not None:
-                header, fds = got
-                for f in fds:
-                    f.close()
-                kind = header.get(KIND)
-                if kind == RELEASE:
-                    ids = header.get(LEASES)
-                    if type(ids) is not list:
-                        raise ProtocolError(f"a release frame's leases are a "
-                                            f"{type(ids).__name__}, not a list")
-                    self._pool.give_back(ids)
-                elif kind == NOTE:
-                    if len(self._notes) >= MAX_NOTES:
-                        raise ProtocolError(f"the receiver sent more than {MAX_NOTES} notes that "
-                                            "were never read")
-                    self._notes.append(header.get(VALUE))
-                elif kind == REFUSE:
-                    self._refused = _REFUSED + str(header.get(WHY))
+                self._inbox.take(*got)
+                if self._inbox.refused is not None:
+                    self._refused = self._inbox.refused
         except PeerDied:
             self._on_peer_death()
         except (ProtocolError, PeerRefused, TypeError) as exc:
@@ -495,7 +491,7 @@ class Sender(Closeable):
                 for f in fds:
                     f.close()
                 if header.get(KIND) == REFUSE:
-                    self._refused = _REFUSED + str(header.get(WHY))
+                    self._refused = REFUSED + str(header.get(WHY))
         except (ShmshareError, ValueError):
             pass  # end of stream, or a frame we cannot read: there is no reason to give
 
@@ -528,7 +524,8 @@ class Sender(Closeable):
                                         min(self._limit // 8, SPARE_BYTES))
         self._provider, self._ann, self._alloc = pool.provider, pool.segments, pool.alloc
         self._leases = pool.leases  # lease id -> held block (the pool's)
-        self._notes: collections.deque[Any] = collections.deque()  # Receiver.tell's, unread
+        self._inbox = Inbox(pool)  # what comes back: releases, notes, a refusal
+        self._notes = self._inbox.notes  # Receiver.tell's, unread
         self._sent = self._copied = self._in_place = 0
         self._last_drain = 0.0
         self._encoder = tensors.Encoder(self._place)
@@ -597,4 +594,3 @@ def _remaining(deadline: float | None) -> float | None:
 _DTYPE_BYTES = tensors.DTYPE_BYTES  # the descriptor bytes of dtypes seen: a dict on the hot path
 _NO_FDS: list[int] = []
 _GONE = "the receiver is gone; its arrays stay valid, but nothing more can be sent on this channel"
-_REFUSED = "the receiver refused a batch from this sender and dropped the connection: "
