@@ -129,6 +129,23 @@ class ShmshareLink(Link):
         self.rx.close()
 
 
+class ShmshareManyLink(ShmshareLink):
+    """As ``shmshare``, the reader taking what has come with ``rx.recv_many(64)`` (at least one, waiting only
+    for the first) and handing it out one at a time."""
+
+    label = "shmshare recv_many"
+
+    def __init__(self, size: int, depth: int) -> None:
+        super().__init__(size, depth)
+        self.got: list[Any] = []
+
+    def recv(self) -> int:
+        if not self.got:
+            self.got = self.rx.recv_many(64, timeout=WAIT)
+            self.got.reverse()
+        return check(self.got.pop())
+
+
 # -- iceoryx2 ---------------------------------------------------------------------------------------------------
 
 
@@ -450,6 +467,7 @@ class RingLink(Link):
 LINKS: dict[str, tuple[type[Link], str, dict[str, str]]] = {
     "shmshare": (ShmshareLink, "shmshare", {"SHMSHARE_RINGS": "1"}),
     "shmshare no-rings": (ShmshareLink, "shmshare", {"SHMSHARE_RINGS": "0"}),
+    "shmshare recv_many": (ShmshareManyLink, "shmshare", {"SHMSHARE_RINGS": "1"}),
     "iceoryx2": (IceoryxLink, "iceoryx2", {}),
     "faster-fifo": (FasterFifoLink, "faster_fifo", {}),
     "tachyon-ipc": (TachyonLink, "tachyon", {}),
