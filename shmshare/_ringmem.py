@@ -14,6 +14,7 @@ import stat
 
 from . import _native
 from ._errors import ProtocolError
+from ._segcalls import sealed_memfd
 
 __all__ = ["COUNT", "SLOT", "spin_ns", "enabled", "check_settings", "nbytes", "make_memfd", "check_memfd"]
 
@@ -58,16 +59,7 @@ def nbytes() -> int:
 
 def make_memfd() -> int:
     """A memfd of the rings' size, its pages allocated (no SIGBUS later), sealed; the fd."""
-    size = nbytes()
-    fd = os.memfd_create("shmshare-rings", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, size)
-        os.posix_fallocate(fd, 0, size)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return sealed_memfd("shmshare-rings", nbytes(), _SEALS)
 
 
 def check_memfd(fd: int) -> None:

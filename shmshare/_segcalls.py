@@ -35,7 +35,7 @@ from . import _cgroup
 from ._errors import FD_EXHAUSTED, FdLimitError, SegmentError
 from ._shmdir import SHM_DIR
 
-__all__ = ["check_cgroup", "describe_fd", "fd_error", "ftruncate", "memfd_create",
+__all__ = ["check_cgroup", "describe_fd", "fd_error", "ftruncate", "memfd_create", "sealed_memfd",
            "shm_name", "shm_open", "unlink"]
 
 def shm_name(name: str) -> str:
@@ -96,6 +96,22 @@ def memfd_create(name: str) -> int:
             raise fd_error("memfd_create", exc) from exc
         raise SegmentError(exc.errno, f"memfd_create failed: {exc.strerror}; "
                            "use backend='posix' on kernels without memfd") from exc
+
+
+def sealed_memfd(name: str, size: int, seals: int, allocate: bool = True) -> int:
+    """A memfd of `size` bytes, every page allocated (unless not `allocate`: a test's holes),
+    sealed with `seals`; the owned fd, closed if any step fails."""
+    fd = memfd_create(name)
+    try:
+        os.ftruncate(fd, size)
+        if allocate and size:
+            os.posix_fallocate(fd, 0, size)
+        if seals:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def ftruncate(fd: int, size: int, what: str) -> None:

@@ -69,6 +69,7 @@ from typing import Any, ClassVar
 import numpy as np
 import pytest
 
+from .. import _segcalls
 from .._errors import FdLimitError, ShmshareError
 from .leaks import ResourceSnapshot, assert_no_leaks, check_leaks
 from .patterns import pattern
@@ -569,14 +570,8 @@ def regular_file(where: str, size: int) -> int:
     return fd
 
 
-def sealed_memfd(size: int, seals: int = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW) -> int:
-    """Return a fd of a memfd of `size` bytes, every page allocated, sealed with `seals` (as a lender makes one)."""
-    fd = os.memfd_create("shmshare_forged", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, size)
-        os.posix_fallocate(fd, 0, size)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+def sealed_memfd(size: int, seals: int = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW, *,
+                 fallocate: bool = True) -> int:
+    """Return a fd of a memfd of `size` bytes, every page allocated (unless not `fallocate`: one
+    with holes), sealed with `seals` (as a lender makes one)."""
+    return _segcalls.sealed_memfd("shmshare_forged", size, seals, fallocate)

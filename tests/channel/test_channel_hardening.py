@@ -20,6 +20,7 @@ import shmshare
 from shmshare import FdLimitError, PeerDied, PoolExhausted, ProtocolError, Receiver, wire
 from shmshare._procfs import shm_mappings
 from shmshare.tensors import ArrayDesc
+from shmshare.testing.transport_contract import sealed_memfd
 
 
 @contextlib.contextmanager
@@ -395,12 +396,7 @@ def test_releases_wait_for_room_on_a_full_socket_and_are_never_dropped():
 
 
 def _sealed_memfd(size: int, *, fallocate: bool = True, seals: int = fcntl.F_SEAL_SHRINK) -> int:
-    fd = os.memfd_create("hostile", os.MFD_ALLOW_SEALING)
-    os.ftruncate(fd, size)
-    if fallocate:
-        os.posix_fallocate(fd, 0, size)
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
-    return fd
+    return sealed_memfd(size, seals, fallocate=fallocate)
 
 
 def test_a_segment_with_holes_is_refused():

@@ -6,7 +6,6 @@ loss, and a hostile descriptor in a fast frame is refused as on the usual path.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import threading
 
@@ -19,6 +18,7 @@ from hypothesis import strategies as st
 from shmshare import ProtocolError, channel, tensors, wire
 from shmshare.channel import Receiver, _lane
 from shmshare.channel._protocol import BATCH, KIND, NEW, TREE
+from shmshare.testing.transport_contract import sealed_memfd
 
 WAIT = 30.0
 _DTYPES = [np.uint8, np.int16, np.float32, np.float64, np.complex64, np.bool_, ">i4", "<U3", "S5"]
@@ -157,19 +157,11 @@ def test_a_full_ring_sends_the_usual_way_and_loses_nothing(monkeypatch):
         t.join(WAIT)
 
 
-def _sealed_memfd(size: int) -> int:
-    fd = os.memfd_create("fake-segment", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    os.ftruncate(fd, size)
-    os.posix_fallocate(fd, 0, size)
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
-    return fd
-
-
 @pytest.mark.parametrize("offset", [4096 - 3, -1, 2**62], ids=["past-the-end", "before", "far"])
 def test_a_fast_frame_pointing_outside_its_segment_is_refused_and_drops_the_sender(offset):
     a, b = wire.pipe()
     rx = Receiver([b])
-    fd = _sealed_memfd(4096)
+    fd = sealed_memfd(4096)
     seg = (os.getpid() << 32) | 77
     try:
         a.offer_ring()
@@ -198,7 +190,7 @@ def _switched_pair():
     """A raw sender `a` whose frames go by ring, a Receiver on the other end, and a segment."""
     a, b = wire.pipe()
     rx = Receiver([b])
-    fd = _sealed_memfd(4096)
+    fd = sealed_memfd(4096)
     seg = (os.getpid() << 32) | 78
     a.offer_ring()
     a.send({KIND: BATCH, NEW: [[seg, 4096, False]], TREE: _tree(np.zeros(4, np.uint8), seg)}, [fd])
