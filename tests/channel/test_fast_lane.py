@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shmshare import ProtocolError, channel, tensors, wire
+from shmshare import ProtocolError, ShmshareError, _native, channel, tensors, wire
 from shmshare.channel import Receiver, _lane
 from shmshare.channel._protocol import BATCH, KIND, NEW, TREE
 from shmshare.testing.transport_contract import sealed_memfd
@@ -228,6 +228,32 @@ def test_a_lane_head_frame_of_another_tree_takes_the_usual_decoder():
         assert a.send_now(lambda: framed)
         got = rx.recv(timeout=WAIT)
         assert got["n"] == 7 and got["x"].shape == (3,)
+    finally:
+        os.close(fd)
+        rx.close()
+        a.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_a_mutated_lane_frame_is_an_array_inside_its_segment_or_a_protocol_error(data):
+    a, rx, fd, seg = _switched_pair()
+    try:
+        good = bytearray(_lane.frame(seg, 5, data.draw(st.integers(0, 4096)), b"<u4",
+                                     (data.draw(st.integers(0, 1024)),), (4,)))
+        for _ in range(data.draw(st.integers(1, 4))):  # flip bytes anywhere past the head
+            i = data.draw(st.integers(len(_lane.HEAD), len(good) - 1))
+            good[i] = data.draw(st.integers(0, 255))
+        if data.draw(st.booleans()):
+            good = good[:data.draw(st.integers(len(_lane.HEAD), len(good)))]  # cut short
+        assert a.send_now(lambda: bytes(good))
+        try:
+            got = rx.recv(timeout=WAIT)
+        except ShmshareError:
+            return  # refused, and the sender dropped
+        mapped = rx._peers[0].segments[seg]
+        ptr, lo, span = _native.extent(got)
+        assert got.size == 0 or mapped.address <= ptr + lo <= ptr + lo + span <= mapped.address + mapped.size
     finally:
         os.close(fd)
         rx.close()
