@@ -115,7 +115,9 @@ def _run(tmp_path, body: str) -> tuple[str, list[str]]:
             mark("owner")
             open(sys.argv[2], "wb").write(bytes(ForkingPickler.dumps(np.arange(1000.0))))
         """) + textwrap.dedent(body))
-    env = dict(os.environ, SHMSHARE_MP_LINGER="3")
+    # the keeper serves until the handle is claimed, and the reader's start (an interpreter, numpy and
+    # shmshare: over 3 s with the machine loaded) stays well inside the linger
+    env = dict(os.environ, SHMSHARE_MP_LINGER="30")
     try:
         subprocess.run([sys.executable, script, str(marker), str(blob)], env=env, timeout=30,
                        check=True)
@@ -124,7 +126,9 @@ def _run(tmp_path, body: str) -> tuple[str, list[str]]:
         time.sleep(0.3)
         out = subprocess.run([sys.executable, str(reader), str(blob)], env=env, timeout=30,
                              capture_output=True, text=True, check=True).stdout
-        time.sleep(0.5)  # the keeper leaves once the handle is claimed
+        (owner,) = _pids(marker.read_text().split("\n"), "owner")
+        # the keeper leaves once the handle is claimed, removing its socket's directory as it goes
+        wait_until(lambda: not _socket_dirs(int(owner)), "the keeper to leave once the handle was claimed", WAIT)
         return out, marker.read_text().split("\n")
     finally:
         _kill_copies(script)
