@@ -138,8 +138,11 @@ def pid_alive(pid: int) -> bool:
     """Return whether process `pid` exists (in our pid namespace) and has not exited.
 
     A zombie, exited but not reaped yet by its parent, has exited. A process of
-    another user (``EPERM``) exists.
+    another user (``EPERM``) exists. A pid that is not a positive int is no process (0 and
+    -1 name process groups to ``kill``, and a peer's word may be anything).
     """
+    if type(pid) is not int or pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

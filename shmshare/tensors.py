@@ -484,6 +484,8 @@ def alloc_dtypes(dtype: Any) -> tuple[np.dtype, Any]:
     else:
         dt = np.dtype(dtype)
         check_shareable(dt)
+        if dt.itemsize == 0 and dt.kind in "SU":
+            dt = np.dtype(f"{dt.byteorder if dt.kind == 'U' else '|'}{dt.kind}1")  # numpy's np.empty widens S0/U0 too
         got = (dt, None)
     try:
         if len(_ALLOC_DTYPES) < 1024:
@@ -494,6 +496,17 @@ def alloc_dtypes(dtype: Any) -> tuple[np.dtype, Any]:
 
 
 _ALLOC_DTYPES: dict[Any, tuple[np.dtype, Any]] = {}
+
+
+def alloc_shape(shape: Any, itemsize: int) -> tuple[tuple[int, ...], int]:
+    """Return (shape as a tuple of ints, bytes) for an ``empty(shape)`` of items of `itemsize`
+    bytes; ValueError for a negative dimension, as numpy's."""
+    if type(shape) is int and shape >= 0:
+        return (shape,), itemsize * shape
+    shp = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
+    if any(n < 0 for n in shp):
+        raise ValueError(f"negative dimensions are not allowed: {shp}")
+    return shp, itemsize * math.prod(shp)
 
 
 def allocated(arr: np.ndarray, torch_dtype: Any) -> Any:

@@ -20,7 +20,6 @@ Note [Callbacks from the garbage collector]
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import threading
 import time
@@ -35,6 +34,7 @@ from .. import _fork, _native, _registry, tensors, wire
 from .._errors import PeerDied, PeerRefused, PoolExhausted, ProtocolError, ShmshareError, ShmshareTimeout
 from .._lifetime import Closeable
 from .._plane import SPARE_BYTES, LendingPool, host_cause
+from .._plane.forks import ForkBook
 from ..memory import CachingAllocator, OutOfMemoryError, ShmSegment
 from . import _lane
 from ._announce import announce
@@ -79,6 +79,7 @@ class Sender(Closeable):
     LIMIT = "limit="  # the setting to name in errors (the loader's workers: pool_limit=)
     _lock: threading.RLock
     _pool: LendingPool  # the blocks lent, their segments and spares (_plane/pool.py)
+    _forks: ForkBook  # blocks a forked child may map (Note [Blocks a child inherits])
     _alloc: CachingAllocator  # _pool's, and its provider's
     _in_send: bool  # this thread is inside send(): a nested send() is refused
     _offered: bool  # rings offered on the connection (at the first send of this process)
@@ -170,14 +171,7 @@ class Sender(Closeable):
         `dtype` may be a torch dtype, to get a torch tensor.
         """
         np_dtype, torch_dtype = tensors.alloc_dtypes(dtype)
-        if type(shape) is int and shape >= 0:
-            shp: tuple[int, ...] = (shape,)
-            nbytes = np_dtype.itemsize * shape
-        else:
-            shp = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
-            if any(n < 0 for n in shp):
-                raise ValueError(f"negative dimensions are not allowed: {shp}")
-            nbytes = np_dtype.itemsize * math.prod(shp)
+        shp, nbytes = tensors.alloc_shape(shape, np_dtype.itemsize)
         want = nbytes or 1
         with self._lock:
             if self._closed or self._peer_dead:
@@ -299,6 +293,8 @@ class Sender(Closeable):
         """After the connection closed: every lease is void; give back all not in local use."""
         self._on_peer_death()
         self._pool.free_retired()
+        for block in self._forks.free_now(force=True):  # a forked child's mapping keeps its pages
+            self._alloc.free(block)
         self._pool.drain_local()
         self._pool.free_spares()
         self._alloc.empty_cache()
@@ -524,6 +520,7 @@ class Sender(Closeable):
                                         min(self._limit // 8, SPARE_BYTES))
         self._provider, self._ann, self._alloc = pool.provider, pool.segments, pool.alloc
         self._leases = pool.leases  # lease id -> held block (the pool's)
+        self._forks = pool.retirer = ForkBook()  # Note [Blocks a child inherits]
         self._inbox = Inbox(pool)  # what comes back: releases, notes, a refusal
         self._notes = self._inbox.notes  # Receiver.tell's, unread
         self._sent = self._copied = self._in_place = 0
@@ -577,6 +574,8 @@ def _after_fork() -> None:
 def _after_fork_in_parent() -> None:
     for sender in list(_live):
         sender._hand_over()
+        with sender._lock:  # the child maps the blocks of its arrays from empty(): not reused
+            sender._forks.forked([addr for addr, h in sender._pool.held.items() if h.local])
 
 
 _fork.on_fork_in_child(5, _after_fork)

@@ -90,6 +90,7 @@ def kill(*procs: _Proc | None, sig: int = signal.SIGKILL, timeout: float = 10.0,
         if proc is None:
             continue
         if isinstance(proc, int):
+            _check_pid(proc)
             if not reap and not pid_alive(proc):
                 continue  # ended: its owner may have reaped it, and the pid may be another's now
             _signal(proc, sig)
@@ -115,6 +116,7 @@ def wait_exit(proc: _Proc, timeout: float = 30.0) -> int:
     """
     code: int | None = None
     if isinstance(proc, int):
+        _check_pid(proc)
         deadline = time.monotonic() + timeout
         while (done := os.waitpid(proc, os.WNOHANG))[0] == 0 and time.monotonic() <= deadline:
             time.sleep(0.005)  # ChildProcessError above: not our child, or reaped already
@@ -143,7 +145,11 @@ def wait_gone(pids: Iterable[int], what: str, timeout: float = 30.0) -> None:
     The pids need not be this process's children, and are not reaped here: a zombie has
     exited, and its parent (multiprocessing, a DataLoader, init) reaps it.
     """
+    if isinstance(pids, int):
+        raise TypeError(f"wait_gone takes an iterable of pids, got the int {pids}; pass [{pids}]")
     pids = list(pids)
+    for p in pids:
+        _check_pid(p)
 
     def running() -> list[int]:
         return [p for p in pids if pid_alive(p)]
@@ -153,6 +159,15 @@ def wait_gone(pids: Iterable[int], what: str, timeout: float = 30.0) -> None:
     except AssertionError:
         kill(*running(), reap=False)
         raise
+
+
+def _check_pid(pid: int) -> None:
+    """A pid is a positive int: 0 and -1 mean a whole process group or every process to kill()
+    and waitpid(), and a fork's 0 in its child is easy to pass by mistake."""
+    if type(pid) is not int or pid <= 0:
+        raise ValueError(f"a pid must be a positive int, got {pid!r} (0 is the caller's process "
+                         "group, -1 every process it may signal; in a forked child os.fork() "
+                         "returned 0)")
 
 
 def _signal(pid: int, sig: int) -> None:

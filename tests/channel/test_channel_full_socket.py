@@ -121,9 +121,9 @@ def _quiet(f, *a, **kw):
 
 
 def test_notes_past_max_notes_end_the_connection_with_a_reason(monkeypatch):
-    from shmshare.channel import _sender
+    from shmshare.channel import _inbox
 
-    monkeypatch.setattr(_sender, "MAX_NOTES", 10)
+    monkeypatch.setattr(_inbox, "MAX_NOTES", 10)
     tx, rx = channel()
     try:
         tx.send(np.zeros(3))

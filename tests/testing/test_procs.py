@@ -122,3 +122,19 @@ def test_wait_gone_kills_what_is_still_running_and_names_it() -> None:
         wait_gone([done, sleeping], "the workers", 0.1)
     assert not pid_alive(sleeping) and not _reaped(sleeping)
     assert (wait_exit(done), wait_exit(sleeping)) == (0, -signal.SIGKILL)
+
+
+@pytest.mark.parametrize("pid", [0, -1, -12345, True])
+def test_a_pid_that_is_not_a_positive_int_is_refused_never_signalled(pid):
+    with pytest.raises(ValueError, match="a pid must be a positive int"):
+        kill(pid)
+    with pytest.raises(ValueError, match="a pid must be a positive int"):
+        wait_exit(pid, timeout=0.1)
+    with pytest.raises(ValueError, match="a pid must be a positive int"):
+        wait_gone([pid], "nothing", timeout=0.1)
+    assert not pid_alive(pid)  # no process has it
+
+
+def test_wait_gone_names_a_lone_pid_passed_without_a_list():
+    with pytest.raises(TypeError, match=r"pass \[12345\]"):
+        wait_gone(12345, "nothing", timeout=0.1)  # type: ignore[arg-type]
