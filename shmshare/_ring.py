@@ -92,12 +92,17 @@ if TYPE_CHECKING:
     from .wire import Connection
 
 __all__ = ["COUNT", "SLOT", "MAX_CARRIED", "spin_ns", "enabled", "check_settings", "nbytes", "make_memfd",
-           "check_memfd", "RingLink"]
+           "check_memfd", "RingLink", "BrokenRing"]
 
 MAX_CARRIED = 4  # carried frames read ahead of their markers, at most (they hold fds); 1 is honest
 CARRIED_EXTRA = 16  # bytes [CARRIED, [number, header]] takes beyond [MSG, header] (at most 10)
 SPIN_MISSES, SPIN_PROBE = 4, 32  # see RingLink._spin_worth_it
 ROOM_BACKOFF = (50e-6, 20e-3)  # s: a writer's first and longest sleep while its ring is full
+
+
+class BrokenRing(ProtocolError):
+    """The peer wrote an index or a length out of bounds into the rings: the connection is
+    done for (a ProtocolError; its end is dropped, as for any frame it broke)."""
 
 
 class RingLink:
@@ -258,7 +263,7 @@ class RingLink:
         if r == 3:
             self.wake()
         elif r < 0:
-            raise ProtocolError("the peer broke the ring: its read index is not within the ring "
+            raise BrokenRing("the peer broke the ring: its read index is not within the ring "
                                 "of what this end wrote")
 
     def start_writing(self, timeout: float | None) -> None:
@@ -298,7 +303,7 @@ class RingLink:
         hangup.register(conn._sock, select.POLLHUP | select.POLLRDHUP)
         while True:
             if pending < 0:
-                raise ProtocolError("the peer broke the ring: its read index is not within the "
+                raise BrokenRing("the peer broke the ring: its read index is not within the "
                                     "ring of what this end wrote")
             if pending < COUNT:
                 return
@@ -338,7 +343,7 @@ class RingLink:
             if r == 3:
                 self.wake()
             elif r < 0:
-                raise ProtocolError("the peer broke the ring: its read index is not within the "
+                raise BrokenRing("the peer broke the ring: its read index is not within the "
                                     "ring of what this end wrote")
             c = conn._counts
             c[0] += 1
@@ -433,7 +438,7 @@ class RingLink:
                     return frame
                 continue  # a marker whose carried frame's fds were lost (its error was raised)
             if n == -2:
-                raise ProtocolError("the peer broke the ring: its write index or a slot's length "
+                raise BrokenRing("the peer broke the ring: its write index or a slot's length "
                                     "is out of bounds")
             try:
                 got = self._socket_frame()
@@ -442,9 +447,14 @@ class RingLink:
                     continue
                 raise
             if got is not None:
-                if got[0] == KIND_WAKE:
-                    continue
-                return got
+                if got[0] != KIND_WAKE:
+                    return got
+                if timeout is not None:  # a flood of wake-ups must not outlast the timeout
+                    if deadline is None:
+                        deadline = time.monotonic() + timeout
+                    elif time.monotonic() >= deadline:
+                        return None
+                continue
             if timeout is not None and timeout <= 0:
                 if self.armed_after_read and ring.arm():
                     continue

@@ -275,6 +275,7 @@ class Connection(Closeable):
             raise ValueError(f"this connection's peer writes into rings that process {self._rings_of} "
                              "set up and reads; a forked copy cannot receive on it. Hand the end "
                              "to a child before the parent uses it, or connect anew in the child")
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self.state is State.CLOSED:
                 self._check_open()
@@ -282,13 +283,15 @@ class Connection(Closeable):
             if rings is not None and not rings.reading and rings.offered and rings.ring.readable() \
                     and not self._pollin.poll(0):
                 rings.start_reading()  # its ACCEPT read by a forked copy of ours (Note [Rings])
-            frame = (rings.next_frame(timeout) if rings is not None and rings.reading
-                     else self._recv_frame(timeout))
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            frame = rings.next_frame(left) if rings is not None and rings.reading else self._recv_frame(left)
             if frame is None:
                 return None
             kind, body, fds = frame
             if kind != _KIND_MSG:
                 self._control(kind, body, fds)
+                if left == 0.0 and timeout != 0:  # a flood of control frames must not outlast a timeout
+                    return None
                 continue
             if self.peer_hello is None and self._shared:  # a forked copy of ours read the HELLO
                 self.peer_hello, self.state = _handover.stand_in_hello(self), State.READY
@@ -410,14 +413,12 @@ class Connection(Closeable):
         return rings is not None and rings.reading and rings.pending()
 
     def send_now(self, make: Callable[..., bytes], *args: Any) -> bool:
-        """Put ``make(*args)``, a message as :func:`message_frame` packs it, in the ring if it has
-        room now; False: nothing sent, ``send()`` it (Note [Fast lane] in channel/_lane.py)."""
+        """Put ``make(*args)`` (:func:`message_frame`'s bytes) in the ring now if it has room; False: send() it."""
         rings = self._rings
         return rings is not None and rings.send_now(make, *args)
 
     def recv_now(self, raw: bytes = b"") -> dict[Any, Any] | bytes | None:
-        """The next message if it is in the ring now (no fds): its frame if it starts with `raw`,
-        else its header; None: ``recv()`` it."""
+        """The next message if in the ring now: its frame if it starts with `raw`, else its header; None: recv()."""
         rings = self._rings
         return None if rings is None else rings.recv_now(raw)
 

@@ -13,7 +13,7 @@ from typing import Any
 from .._errors import PoolExhausted
 from .._plane import Held
 
-__all__ = ["SenderStatistics", "ViewDied", "exhausted"]
+__all__ = ["SenderStatistics", "ViewDied", "exhausted", "cannot_fit"]
 
 
 @dataclass(frozen=True)
@@ -63,3 +63,19 @@ def exhausted(nbytes: int, limit: int, leases: dict[int, Held], held: dict[int, 
         f"the timeout: the receiver still holds {pinned} bytes in {len(leases)} arrays, "
         f"and {local} bytes are in local arrays from empty(). Drop received arrays sooner, "
         f"raise {setting}, or send with a longer timeout")
+
+
+def cannot_fit(nbytes: int, limit: int, rounded: int | None, host: Exception | None,
+               setting: str = "limit=") -> PoolExhausted:
+    """The error of an array that no wait can make room for: larger than the pool's limit, or
+    than an empty pool once the request is rounded up to a whole segment (`rounded` bytes)."""
+    if host is not None:
+        return PoolExhausted(f"no shared memory for an array of {nbytes} bytes (the pool is "
+                             f"empty): {host}")
+    if rounded is None:
+        return PoolExhausted(f"an array of {nbytes} bytes cannot fit in this sender's pool of "
+                             f"{limit} bytes; create it with a larger {setting}")
+    return PoolExhausted(f"an array of {nbytes} bytes cannot fit in this sender's pool of {limit} "
+                         f"bytes even when it is empty: the pool rounds requests up to whole "
+                         f"segments ({rounded} bytes here); create it with a {setting} of {rounded} "
+                         "bytes or more")

@@ -12,9 +12,9 @@ from __future__ import annotations
 import collections
 from typing import Any
 
-from .._errors import ProtocolError
+from .._errors import ProtocolError, ShmshareError
 from .._plane import LendingPool
-from ._protocol import KIND, LEASES, MAX_NOTES, NOTE, REFUSE, RELEASE, VALUE, WHY
+from ._protocol import KIND, LEASES, MAX_NOTES, NOTE, REFUSE, RELEASE, RELEASE_CHUNK, VALUE, WHY
 
 __all__ = ["Inbox", "REFUSED"]
 
@@ -41,6 +41,8 @@ class Inbox:
             ids = header.get(LEASES)
             if type(ids) is not list:
                 raise ProtocolError(f"a release frame's leases are a {type(ids).__name__}, not a list")
+            if len(ids) > RELEASE_CHUNK:  # a receiver sends at most that many a frame
+                raise ProtocolError(f"a release frame of {len(ids)} leases (at most {RELEASE_CHUNK})")
             self.pool.give_back(ids)
         elif kind == NOTE:
             if len(self.notes) >= MAX_NOTES:
@@ -49,3 +51,16 @@ class Inbox:
             self.notes.append(header.get(VALUE))
         elif kind == REFUSE:
             self.refused = REFUSED + str(header.get(WHY))
+
+    def refusal(self, conn: Any) -> str | None:
+        """The receiver hung up: read what it said before it did; a REFUSE frame's reason, if any."""
+        try:
+            while self.refused is None and (got := conn.recv_nowait()) is not None:
+                header, fds = got
+                for f in fds:
+                    f.close()
+                if header.get(KIND) == REFUSE:
+                    self.refused = REFUSED + str(header.get(WHY))
+        except (ShmshareError, ValueError):
+            pass  # end of stream, or a frame we cannot read: there is no reason to give
+        return self.refused

@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import itertools
 import os
+import select
 import selectors
 import threading
 import time
@@ -150,20 +151,21 @@ class Receiver(Closeable, Generic[T]):
         return self._recv(timeout)[1]
 
     def recv_many(self, max_count: int, timeout: float | None = None) -> list[T]:
-        """Return the next batches, at least one and at most `max_count`: ``recv()`` waits for
-        the first (up to `timeout` s), the rest are those already there. An error met after
-        the first batch is raised by the next call, after what was taken is returned."""
+        """Return at least one and at most `max_count` batches: the first as ``recv()`` does, then
+        those already there. An error met after the first is raised by the next receive."""
         if type(max_count) is not int or max_count < 1:
             raise ValueError(f"max_count must be a positive int, got {max_count!r}")
         out = [self._recv(timeout)[1]]
-        while len(out) < max_count and self._ready_now():
-            try:
+        try:
+            while len(out) < max_count and self._ready_now():
                 out.append(self._recv(0)[1])
-            except ShmshareTimeout:
-                break  # what was there was not a batch (a goodbye, a wake-up)
-            except Exception as exc:  # noqa: BLE001 - kept for the next call: nothing is lost
-                self._later = exc
-                break
+        except ShmshareTimeout:
+            pass  # what was there was not a batch (a goodbye, a wake-up)
+        except Exception as exc:  # noqa: BLE001 - kept for the next call: nothing is lost
+            self._later = exc
+            while exc is not None:  # tracebacks keep this frame, whose `out` would pin the batches
+                exc.__traceback__, exc = None, exc.__cause__ or exc.__context__  # type: ignore[assignment]
+            self._later.add_note("shmshare: met by recv_many() after its first batch")
         return out
 
     def recv_from(self, timeout: float | None = None) -> tuple[int, T]:
@@ -197,10 +199,8 @@ class Receiver(Closeable, Generic[T]):
 
     def fence_releases(self) -> None:
         """A pinned receiver: fence the releases since the last call, pass on the completed ones.
-
-        ``recv`` does this too; call it where batches are dropped between
-        receives (Note [Fenced releases]).
-        """
+        ``recv`` does this too; call it where batches are dropped between receives (Note [Fenced
+        releases])."""
         if self._fences is not None:
             self._fences.take(self)
 
@@ -282,11 +282,12 @@ class Receiver(Closeable, Generic[T]):
                 raise
 
     def _ready_now(self) -> bool:
-        """Whether a message is there now, without a syscall where a ring can say so."""
+        """Whether a message is there now, taking nothing (recv() reads it, and says what breaks)."""
         if self._ready or self._closed:
             return bool(self._ready)
-        if self._sel is None:
-            return bool(self._peers) and self._peers[0].conn.poll(0)
+        if self._sel is None:  # a ring's frames, or the socket's
+            return bool(self._peers) and (self._peers[0].conn.pending() or bool(select.select(
+                [self._peers[0].conn.fileno()], [], [], 0)[0]))
         return bool(self._sel.select(0))
 
     def poll(self, timeout: float | None = 0.0) -> bool:

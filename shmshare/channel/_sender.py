@@ -31,17 +31,18 @@ from typing import Any
 import numpy as np
 
 from .. import _fork, _native, _registry, tensors, wire
-from .._errors import PeerDied, PeerRefused, PoolExhausted, ProtocolError, ShmshareError, ShmshareTimeout
+from .._errors import PeerDied, PeerRefused, ProtocolError, ShmshareTimeout
 from .._lifetime import Closeable
 from .._plane import SPARE_BYTES, LendingPool, host_cause
 from .._plane.forks import ForkBook
+from .._ring import BrokenRing
 from ..memory import CachingAllocator, OutOfMemoryError, ShmSegment
 from . import _lane
 from ._announce import announce
-from ._blocks import SenderStatistics, ViewDied, exhausted
-from ._inbox import REFUSED, Inbox
+from ._blocks import SenderStatistics, ViewDied, cannot_fit, exhausted
+from ._inbox import Inbox
 from ._overflow import Overflow
-from ._protocol import BATCH, BYE, KIND, REFUSE, TREE, WHY
+from ._protocol import BATCH, BYE, KIND, TREE
 from ._report import SenderReport
 
 __all__ = ["Sender", "DEFAULT_LIMIT", "SenderStatistics"]
@@ -51,6 +52,7 @@ _POLL_SLICE = 0.05  # s: back-pressure waits in slices, so local views dying els
 # s between looks at the socket for releases: they come in batches (receiver's _MAX_AGE), so
 # looking on every send would cost a syscall a message for nothing
 _DRAIN_EVERY = 0.0005
+_DRAIN_FRAMES = 256  # frames one drain takes in at most (the rest wait for the next)
 _BYE_WAIT = 30.0  # s close() waits for room for its goodbye behind batches still queued
 
 
@@ -130,6 +132,7 @@ class Sender(Closeable):
             taken = self._taken = []
             self._deadline = deadline
             self._in_send = True
+            self._pushing = False  # set while the frame may be going out (_send_draining)
             try:
                 tree = self._encoder.encode(obj)  # calls _place for each array
                 ann = self._ann
@@ -144,8 +147,14 @@ class Sender(Closeable):
                 if self._refused is not None:
                     raise self._refusal() from exc
                 raise PeerDied(_GONE) from exc
-            except BaseException:
-                self._pool.give_back(taken)  # nothing was sent: nothing is lent
+            except BrokenRing as exc:
+                self._pool.give_back(taken)  # the push failed: nothing went
+                raise self._broken(exc) from None
+            except BaseException as exc:
+                # nothing was sent: nothing is lent. A signal handler's exception raised while
+                # the frame may have gone leaves the leases out (the receiver may have its arrays)
+                if not self._pushing or isinstance(exc, (ShmshareTimeout, ProtocolError, ValueError)):
+                    self._pool.give_back(taken)
                 raise
             finally:
                 self._in_send = False
@@ -269,7 +278,7 @@ class Sender(Closeable):
                 try:  # behind every batch still queued: wait (taking releases in) for room
                     self._send_draining({KIND: BYE}, [], time.monotonic() + _BYE_WAIT,
                                         closing=True)
-                except (PeerDied, ShmshareTimeout, OSError):
+                except (PeerDied, ShmshareTimeout, OSError, ProtocolError):
                     pass  # the receiver will see a crash rather than a goodbye: it stopped reading
             self._conn.close()
             self._release_all()
@@ -382,8 +391,13 @@ class Sender(Closeable):
                     or ann.drop:
                 return False
             seg, lease = held.seg, self._pool.lend(held)
-            if not self._conn.send_now(_lane.frame, seg.id, lease, ptr - seg.address, dt, arr.shape,
-                                       arr.strides):
+            try:
+                sent = self._conn.send_now(_lane.frame, seg.id, lease, ptr - seg.address, dt,
+                                           arr.shape, arr.strides)
+            except BrokenRing as exc:
+                self._pool.give_back((lease,))  # nothing went out
+                raise self._broken(exc) from None
+            if not sent:
                 self._pool.give_back((lease,))  # nothing went out
                 return False
             self._in_place += 1
@@ -407,6 +421,7 @@ class Sender(Closeable):
         while True:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
+                self._pushing = True
                 self._conn.send(header, fds, _POLL_SLICE if left is None or left > _POLL_SLICE
                                 else left)
                 return
@@ -422,8 +437,7 @@ class Sender(Closeable):
 
     def _malloc(self, nbytes: int, deadline: float | None) -> Any:
         if nbytes > self._limit:
-            raise PoolExhausted(f"an array of {nbytes} bytes cannot fit in this sender's pool of "
-                                f"{self._limit} bytes; create it with a larger {self.LIMIT}")
+            raise cannot_fit(nbytes, self._limit, None, None, self.LIMIT)
         while True:
             try:
                 return self._alloc.malloc(nbytes)
@@ -434,14 +448,8 @@ class Sender(Closeable):
                 host = host_cause(exc)
                 if self._pool.overflow is not None and host is None:  # full of what the receiver holds
                     return self._pool.overflow.malloc(nbytes, self._drain, self._alloc)
-                if not self._pool.held and not self._pool.local_done:
-                    if host is not None:
-                        raise PoolExhausted(f"no shared memory for an array of {nbytes} bytes "
-                                            f"(the pool is empty): {host}") from host
-                    raise PoolExhausted(
-                        f"an array of {nbytes} bytes cannot fit in this sender's pool of "
-                        f"{self._limit} bytes even when it is empty (the pool rounds requests up "
-                        f"to whole segments: {exc.size} bytes here); raise {self.LIMIT}") from exc
+                if not self._pool.held and not self._pool.local_done:  # empty: no wait helps
+                    raise cannot_fit(nbytes, self._limit, exc.size, host, self.LIMIT) from host or exc
                 left = _remaining(deadline)
                 if left is not None and left <= 0:
                     raise exhausted(nbytes, self._limit, self._leases, self._pool.held, host,
@@ -465,31 +473,28 @@ class Sender(Closeable):
         if self._peer_dead:
             return
         try:
-            while (got := self._conn.recv_nowait()) is not None:
+            for _ in range(_DRAIN_FRAMES):  # bounded: a receiver flooding frames stalls no send
+                if (got := self._conn.recv_nowait()) is None:
+                    break
                 self._inbox.take(*got)
                 if self._inbox.refused is not None:
                     self._refused = self._inbox.refused
         except PeerDied:
             self._on_peer_death()
         except (ProtocolError, PeerRefused, TypeError) as exc:
-            # The receiver broke the protocol: nothing it says can be trusted any more, so the
-            # connection ends here, once, and every later call says why.
-            self._refused = (f"the receiver broke the protocol, so this sender closed the "
-                             f"connection: {exc}")
-            self._conn.close()
-            self._on_peer_death()
+            self._broken(exc)
+
+    def _broken(self, exc: Exception) -> ProtocolError:
+        """The receiver broke the protocol: the connection ends here, once; every later call says why."""
+        self._refused = f"the receiver broke the protocol, so this sender closed the connection: {exc}"
+        self._conn.close()
+        self._on_peer_death()
+        return self._refusal()
 
     def _take_refusal(self) -> None:
         """The receiver hung up: read what it said before (a REFUSE frame says why)."""
-        try:
-            while self._refused is None and (got := self._conn.recv_nowait()) is not None:
-                header, fds = got
-                for f in fds:
-                    f.close()
-                if header.get(KIND) == REFUSE:
-                    self._refused = REFUSED + str(header.get(WHY))
-        except (ShmshareError, ValueError):
-            pass  # end of stream, or a frame we cannot read: there is no reason to give
+        if self._refused is None:
+            self._refused = self._inbox.refusal(self._conn)
 
     def _refusal(self) -> ProtocolError:
         return ProtocolError(self._refused)

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Server", "sweep_stale"]
 
+_FRAMES_A_ROUND = 16  # frames one peer gets answered before the others' turn (a flood of them)
+
 _PREFIX = "shmshare-mp-"
 
 
@@ -210,7 +212,7 @@ class Server:
 
     def _serve(self, fd: int, peer: _Peer) -> bool:
         try:
-            while True:
+            for _ in range(_FRAMES_A_ROUND):  # then the others' turn: a flood starves no one
                 got = peer.conn.recv_nowait()
                 if got is None:
                     return False
@@ -218,6 +220,7 @@ class Server:
                 for f in fds:
                     f.close()  # a peer sends none
                 self._answer(peer, header)
+            return True  # more may wait: served again next round, after the others
         except PeerDied:
             pass  # it closed its end: it exited, was killed, or made a new connection
         except (ProtocolError, ShmshareError, OSError, ValueError, TypeError):
