@@ -35,6 +35,7 @@ from __future__ import annotations
 import ast
 import collections
 import math
+import operator
 import struct
 import sys
 from collections.abc import Callable
@@ -503,7 +504,13 @@ def alloc_shape(shape: Any, itemsize: int) -> tuple[tuple[int, ...], int]:
     bytes; ValueError for a negative dimension, as numpy's."""
     if type(shape) is int and shape >= 0:
         return (shape,), itemsize * shape
-    shp = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
+    try:  # as numpy takes them: ints, and objects with __index__ (np.int64), never str or float
+        shp = (operator.index(shape),) if not hasattr(shape, "__iter__") else tuple(
+            operator.index(n) for n in shape)
+    except TypeError:
+        raise TypeError(f"a shape is an int or a sequence of ints, got {shape!r}") from None
+    if isinstance(shape, (str, bytes)):
+        raise TypeError(f"a shape is an int or a sequence of ints, got {shape!r}")
     if any(n < 0 for n in shp):
         raise ValueError(f"negative dimensions are not allowed: {shp}")
     return shp, itemsize * math.prod(shp)

@@ -165,9 +165,12 @@ class Sender(Closeable):
             self._sent += 1
 
     def send_many(self, objs: Iterable[Any], timeout: float | None = None) -> None:
-        """Send each of `objs` as its own batch, in order: ``send()`` in a loop, with less work a
-        batch for arrays from :meth:`empty` (one lock taken). `timeout` bounds the whole call;
-        when it raises, the batches before the one that failed were sent."""
+        """Send each of `objs` (an iterable of batches) as its own batch, in order: ``send()`` in a
+        loop, with less work per batch for arrays from :meth:`empty`. `timeout` bounds the waits
+        for room of the whole call; when it raises, the batches before the failing one were sent."""
+        if isinstance(objs, (dict, str, bytes, np.ndarray)) or tensors.is_torch_tensor(objs):
+            raise TypeError(f"send_many takes an iterable of batches, got one {type(objs).__name__}; "
+                            "send one batch with send()")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             for obj in objs:
@@ -203,9 +206,8 @@ class Sender(Closeable):
         return out
 
     def recv_note(self, timeout: float | None = None) -> Any:
-        """Return the next note sent by ``Receiver.tell``, waiting up to `timeout` s (releases are
-        taken in meanwhile). ShmshareTimeout: none came; PeerDied: the receiver is gone, every
-        note it sent read."""
+        """Return the next note sent by ``Receiver.tell``, waiting up to `timeout` s (releases are taken
+        in meanwhile). ShmshareTimeout: none came; PeerDied: the receiver is gone, every note read."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
@@ -232,8 +234,10 @@ class Sender(Closeable):
             return len(self._leases)
 
     def statistics(self) -> SenderStatistics:
-        """Return what this sender holds now."""
+        """Return what this sender holds now (releases that came are taken in first)."""
         with self._lock:
+            if not self._closed:
+                self._drain()
             stats = self._alloc.memory_stats()
             return SenderStatistics(
                 self._sent, self._copied, self._in_place, len(self._leases),
@@ -454,15 +458,11 @@ class Sender(Closeable):
                 if left is not None and left <= 0:
                     raise exhausted(nbytes, self._limit, self._leases, self._pool.held, host,
                                     self.LIMIT) from exc
-                # wait for a release (or a local view dying), then try again
-                wait = _POLL_SLICE if left is None else min(left, _POLL_SLICE)
                 if self._peer_dead:  # nothing comes back, and nothing could be sent
-                    raise PeerDied("the receiver went away while this sender waited for room in "
-                                   "its pool") from exc
-                self._conn.poll(wait)
+                    raise PeerDied("the receiver went away while this sender waited for room in its pool") from exc
+                self._conn.poll(_POLL_SLICE if left is None else min(left, _POLL_SLICE))  # a release, a view
                 if self._closing:
-                    raise ValueError("this Sender was closed while it waited for room in its "
-                                     "pool") from exc
+                    raise ValueError("this Sender was closed while it waited for room in its pool") from exc
                 self._drain()
 
     # -- leases and releases ----------------------------------------------------

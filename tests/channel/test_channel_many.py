@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from shmshare import PeerDied, PoolExhausted, ShmshareTimeout, channel
-from shmshare.testing import kill, pattern, wait_exit
+from shmshare.testing import kill, pattern, wait_exit, wait_until
 
 WAIT = 30.0
 
@@ -101,3 +101,35 @@ def test_send_many_bounds_its_whole_call_and_what_went_before_a_failure_went():
     finally:
         tx.close()
         rx.close()
+
+
+@pytest.mark.parametrize("one", [{"x": 1}, "abc", b"abc", np.zeros(3)], ids=["dict", "str", "bytes", "array"])
+def test_send_many_refuses_one_batch_for_an_iterable_of_them(one):
+    tx, rx = channel()
+    with tx, rx, pytest.raises(TypeError, match=r"send_many takes an iterable of batches.*send\(\)"):
+        tx.send_many(one)
+
+
+@pytest.mark.parametrize(("shape", "want"), [(np.int64(4), (4,)), ([np.int32(2), 3], (2, 3)), ((), ())])
+def test_empty_takes_shapes_as_numpy_does(shape, want):
+    tx, rx = channel()
+    with tx, rx:
+        assert tx.empty(shape, np.uint8).shape == want == np.empty(shape, np.uint8).shape
+
+
+@pytest.mark.parametrize("shape", ["12", (2.0, 3), b"12", [1, "2"]])
+def test_empty_refuses_a_shape_numpy_refuses(shape):
+    tx, rx = channel()
+    with tx, rx, pytest.raises(TypeError, match="a shape is an int or a sequence of ints"):
+        tx.empty(shape, np.uint8)
+
+
+def test_statistics_take_in_the_releases_that_came():
+    tx, rx = channel()
+    with tx, rx:
+        for _ in range(3):
+            tx.send(np.arange(4), timeout=WAIT)
+        got = [rx.recv(timeout=WAIT) for _ in range(3)]
+        del got
+        rx.flush_releases()
+        wait_until(lambda: tx.statistics().leases_out == 0, "the releases counted by statistics()", WAIT)
