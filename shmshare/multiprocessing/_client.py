@@ -54,7 +54,7 @@ from ._common import (
     OwnerGone,
     alive,
 )
-from ._table import CLAIMED, PENDING, SLOTS, describe, sign, word
+from ._table import CLAIMED, PENDING, SLOTS, Signer, describe, word
 
 __all__ = ["client", "rebuild_array", "close_client"]
 
@@ -69,8 +69,8 @@ _MAX_SLOTS = 4 * SLOTS  # a table (and claim map) an owner may make us map
 class _Link:
     """This process's connection to one owner, and what it mapped of it."""
 
-    __slots__ = ("pid", "token", "conn", "lock", "table_buf", "marks", "secret", "slots", "segments",
-                 "dead", "readable", "claimed_low")
+    __slots__ = ("pid", "token", "conn", "lock", "table_buf", "marks", "secret", "sign", "slots",
+                 "segments", "dead", "readable", "claimed_low")
 
     def __init__(self, pid: int, token: int, path: str) -> None:
         self.pid, self.token = pid, token
@@ -108,6 +108,7 @@ class _Link:
             self.table_buf = table.buffer
             self.marks = claims.buffer  # ours alone: a byte per slot we hold (Note [The owner's record of claims])
             self.secret = secret
+            self.sign = Signer(secret)  # what the owner signed its handles with
             self.slots = n
             me = header.get("you")  # our pid as the owner sees it (another pid namespace: not ours)
             self.claimed_low = word(0, CLAIMED, me if type(me) is int and me > 0 else os.getpid())
@@ -232,7 +233,7 @@ class _Released:
 
     def __init__(self, client: Client, key: tuple[int, int], slot: int, gen: int,
                  marks: memoryview) -> None:
-        self.client, self.key, self.slot, self.gen, self.pid = client, key, slot, gen, os.getpid()
+        self.client, self.key, self.slot, self.gen, self.pid = client, key, slot, gen, _pid
         self.marks = marks
 
     def __call__(self) -> None:
@@ -341,9 +342,10 @@ class Client:
             raise HandleError(f"a malformed handle: {span} bytes at offset {start} of a "
                               f"{size}-byte segment of pid {pid}, slot {slot}")
         # the view's own extent, in Python ints: numpy's bounds check can overflow (2**63)
-        if len(shape) != len(strides) or len(shape) > 64 or min(shape, default=1) < 0:
+        got = _extent(dtype.itemsize, shape, strides)
+        if got is None:
             raise HandleError(f"a malformed handle from pid {pid}: shape {shape}, strides {strides}")
-        got_lo, got_span = tensors.span(dtype.itemsize, shape, strides)
+        got_lo, got_span = got
         if got_lo != lo or not 0 < got_span <= span:
             raise HandleError(f"a malformed handle from pid {pid}: shape {shape} and strides "
                               f"{strides} span {got_span} bytes from {got_lo}, not within its "
@@ -352,7 +354,7 @@ class Client:
         link = self.links.get(key)
         if link is None or link.dead:
             link = self.link(pid, token, path)
-        expected = sign(link.secret, seg_id, size, start, span, lo, slot, gen, external)
+        expected = link.sign(seg_id, size, start, span, lo, slot, gen, external)
         if not expected or not hmac.compare_digest(expected, mac):
             raise HandleError(f"a handle of pid {pid} (lease {slot}.{gen}) that its owner did not "
                               f"make: {span} bytes at offset {start} of segment {seg_id} do not "
@@ -558,6 +560,29 @@ def rebuild_array(pid: int, token: int, path: str, seg_id: int, size: int, start
 
 
 _dtypes: dict[str, np.dtype] = {}
+_extents: dict[tuple[int, tuple[int, ...], tuple[int, ...]], tuple[int, int] | None] = {}
+
+
+def _extent(itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, int] | None:
+    """``tensors.span`` of a handle's layout, or None: a malformed one. Kept per layout, as a
+    stream of arrays repeats a few."""
+    key = (itemsize, shape, strides)
+    try:
+        return _extents[key]
+    except KeyError:
+        pass
+    except TypeError:  # a list where a tuple belongs: checked all the same, not kept
+        return _extent_of(itemsize, shape, strides)
+    got = _extents[key] = _extent_of(itemsize, shape, strides)  # raises before it is kept
+    if len(_extents) > 1024:
+        _extents.clear()  # a peer sending ever new layouts: start over, never grow
+    return got
+
+
+def _extent_of(itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, int] | None:
+    if len(shape) != len(strides) or len(shape) > 64 or min(shape, default=1) < 0:
+        return None
+    return tensors.span(itemsize, shape, strides)
 
 
 def _after_fork_in_child() -> None:

@@ -51,11 +51,12 @@ from ._external import External, TorchSegments
 from ._keeper import exit_linger, keep_after_exit, set_exit_linger
 from ._server import Server, sweep_stale
 from ._statistics import OwnerStatistics
-from ._table import CLAIMED, PENDING, LeaseTable, sign, word
+from ._table import CLAIMED, PENDING, LeaseTable, Signer, word
 
 __all__ = ["Owner", "owner", "current_owner", "exit_linger", "set_exit_linger"]
 
 _RECHECK = 0.1  # s between two looks at slots released while still marked
+_U8 = np.dtype(np.uint8)
 
 
 
@@ -94,6 +95,7 @@ class Owner:
         self._recheck: set[int] = set()  # slots released while still marked: looked at again
         self._recheck_at = 0.0  # not before then (a forged release must not cost every round)
         self.secret = os.urandom(16)  # signs handles: one altered on the way is refused
+        self._signer = Signer(self.secret)
         self._counts = collections.Counter[str]()
         self._copied = self._in_place = 0  # the hot counters, plain ints
         self.server: Any = None  # _server.Server, started by the first handle
@@ -103,8 +105,8 @@ class Owner:
 
     # -- the pickling side ----------------------------------------------------
 
-    def place(self, arr: np.ndarray, moved: bool = False) -> tuple[int, int, int, int, int,
-                                                                   tuple[int, ...], int, int] | None:
+    def place(self, arr: np.ndarray) -> tuple[int, int, int, int, int, tuple[int, ...], int,
+                                              int] | None:
         """Lease `arr` to a handle; None: pickle it by value.
 
         Returns (segment id, segment size, start, span, lo, strides, slot,
@@ -135,10 +137,7 @@ class Owner:
                 self._copied += 1
             else:
                 start, strides = ptr + lo - held.seg.address, arr.strides
-                if moved:  # a storage copied into the block just now (Note [A tensor's storage ...])
-                    self._copied += 1
-                else:
-                    self._in_place += 1
+                self._in_place += 1
             slot_gen = self._lease(held)
             if slot_gen is None:
                 return None
@@ -178,7 +177,25 @@ class Owner:
              external: bool) -> bytes:
         """The signature of a handle to what :meth:`place` or :meth:`place_shared` returned."""
         seg_id, size, start, span, lo, _strides, slot, gen = placed
-        return sign(self.secret, seg_id, size, start, span, lo, slot, gen, external)
+        return self._signer(seg_id, size, start, span, lo, slot, gen, external)
+
+    def place_moved(self, held: Held, nbytes: int) -> tuple[int, int, int, int, int, tuple[int, ...],
+                                                            int, int] | None:
+        """:meth:`place` for the first `nbytes` of a block of :meth:`take_local` that a storage's
+        bytes were just moved into (Note [A tensor's storage moves into the pool]): as place()
+        makes of those bytes, without looking the block up again; None: no slot is free."""
+        with self._lock:
+            if self.server is None:
+                if self.closed:
+                    return None
+                self._serve()
+            self._sent += 1
+            slot_gen = self._lease(held)
+            if slot_gen is None:
+                return None
+            self._copied += 1
+            seg = held.seg
+            return seg.id, seg.size, held.block.address - seg.address, nbytes, 0, (1,), *slot_gen
 
     def _lease(self, rec: Held | External) -> tuple[int, int] | None:
         """A table slot for a handle to `rec`; None (and `rec` let go of) when all are out."""
@@ -216,6 +233,12 @@ class Owner:
     def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """An uninitialized array in the pool: pickled, it goes with no copy."""
         nbytes = dtype.itemsize * math.prod(shape)  # ints already (np.prod costs ~10 us)
+        return self.take_local(nbytes, shape, dtype)[0]
+
+    def take_local(self, nbytes: int, shape: tuple[int, ...] | None = None,
+                   dtype: np.dtype = _U8) -> tuple[np.ndarray, Held]:
+        """A block of `nbytes` held by the array returned with it (uint8 of `nbytes` without a
+        `shape`): the block comes back once that array, and every lease on it, is gone."""
         with self._lock:
             if self.closed:
                 raise ShmshareError("shmshare.multiprocessing was shut down in this process")
@@ -224,7 +247,8 @@ class Owner:
             held = self.pool.take(nbytes or 1, self._sent, self._malloc, True)
         lease = _native.Lease(self._alloc, held.block.address, nbytes, False,
                               _LocalDied(self.pool.local_done, held))
-        return np.ndarray(shape, dtype, buffer=lease)  # type: ignore[arg-type]
+        # buffer positional: a keyword costs ~0.5 us a call
+        return np.ndarray((nbytes,) if shape is None else shape, dtype, lease), held  # type: ignore[arg-type]
 
     def forked(self) -> None:
         """After a fork, in the parent: the blocks in use here now wait for the children."""
@@ -248,13 +272,13 @@ class Owner:
         is claimed and that no live process's claim map marks; return how many."""
         n = 0
         with self._lock:
-            slots, gens, held = self._slots, self.table.gens, self.claims.held
+            slots, gens, held, claimed = self._slots, self.table.gens, self.claims.held, self.table.claimed
             for i in range(0, len(pairs) - 1, 2):
                 slot, gen = pairs[i], pairs[i + 1]
                 if type(slot) is not int or type(gen) is not int or slot not in slots \
                         or gens[slot] != gen:
                     continue  # stale, or never ours
-                if self.table.state(slot)[:2] != (gen, CLAIMED):
+                if not claimed(slot, gen):
                     continue  # not claimed (yet)
                 if held(slot):
                     # a live process holds it (a forged release), or its mark is set for a

@@ -166,6 +166,45 @@ def reduce_tensor(t: Any) -> Any:
 
 
 _torch_names: dict[Any, str] = {}
+_torch_dtypes: dict[str, Any] = {}  # the inverse, filled as handles come
+_reaches: dict[tuple[tuple[int, ...], tuple[int, ...]], int | None] = {}
+
+
+def _torch_dtype(name: str) -> Any:
+    """torch's dtype of that name (kept once seen); None if torch has none."""
+    if type(name) is not str:
+        return None
+    got = _torch_dtypes.get(name)
+    if got is None:
+        torch = _torch()
+        got = getattr(torch, name, None)
+        if not isinstance(got, torch.dtype):
+            return None
+        if len(_torch_dtypes) < 256:
+            _torch_dtypes[name] = got
+    return got
+
+
+def _reach(size: tuple[int, ...], stride: tuple[int, ...]) -> int | None:
+    """Elements from a tensor's first to its last (-1 when it has none); None: a negative stride
+    (never sent: torch has none). Kept per layout, as a stream of tensors repeats a few."""
+    key = (size, stride)
+    try:
+        return _reaches[key]
+    except KeyError:
+        pass
+    except TypeError:  # a list where a tuple belongs: checked all the same, not kept
+        return _reach_of(size, stride)
+    got = _reaches[key] = _reach_of(size, stride)  # raises before it is kept
+    if len(_reaches) > 1024:
+        _reaches.clear()  # a peer sending ever new layouts: start over, never grow
+    return got
+
+
+def _reach_of(size: tuple[int, ...], stride: tuple[int, ...]) -> int | None:
+    if min(stride, default=0) < 0:
+        return None
+    return sum((n - 1) * d for n, d in zip(size, stride, strict=True)) if all(size) else -1
 
 
 def rebuild_tensor(handle: tuple[Any, ...], name: str, offset: int, size: tuple[int, ...],
@@ -173,12 +212,11 @@ def rebuild_tensor(handle: tuple[Any, ...], name: str, offset: int, size: tuple[
     """Unpickle a tensor: a view of its storage's handle, as torch's ``rebuild_tensor`` makes it."""
     torch = _torch()
     st = rebuild_storage(handle)
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
+    dtype = _torch_dtype(name)
+    if dtype is None:
         raise HandleError(f"a tensor handle of pid {handle[0]} with no torch dtype {name!r}")
-    item = dtype.itemsize
-    last = offset + sum((n - 1) * d for n, d in zip(size, stride, strict=True)) if all(size) else offset - 1
-    if offset < 0 or min(stride, default=0) < 0 or (last + 1) * item > st.nbytes():
+    reach = _reach(size, stride)  # the last element's offset from the first; -1: none
+    if offset < 0 or reach is None or (offset + reach + 1) * dtype.itemsize > st.nbytes():
         raise HandleError(f"a tensor handle of pid {handle[0]} reaches past its {st.nbytes()}-byte "
                           f"storage: offset {offset}, sizes {size}, strides {stride}")
     t = torch.empty(0, dtype=dtype).set_(st, offset, size, stride)
@@ -223,13 +261,17 @@ def _share(st: Any) -> tuple[Any, ...] | None:
 
 def rebuild_storage(handle: tuple[Any, ...]) -> Any:
     """Unpickle a storage: one storage per block range while any view of it lives here."""
+    _check_storage_handle(handle)
+    return _storages.rebuild(rebuild_array(*handle), handle)
+
+
+def _check_storage_handle(handle: tuple[Any, ...]) -> None:
     # a storage's handle is its whole extent as bytes (what the signature does not cover must
     # still say so: a shortened one would be cached as the storage of the whole block range)
     if len(handle) != 15 or handle[11] != "|u1" or tuple(handle[12]) != (handle[6],) or handle[7] != 0 \
             or tuple(handle[8]) != (1,):
         raise HandleError(f"a malformed storage handle of pid {handle[0] if handle else '?'}: its "
                           "dtype, shape and strides must be its bytes, one after the other")
-    return _storages.rebuild(rebuild_array(*handle), handle)
 
 
 

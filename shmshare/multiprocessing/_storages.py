@@ -60,7 +60,6 @@ Note [is_shared of our storages]
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any
 
@@ -93,6 +92,7 @@ _received_at: dict[tuple[int, int], tuple[Any, tuple[Any, ...]]] = {}
 # (data_ptr, nbytes) -> StorageWeakRef of the storages we moved, whatever owner (closed since or not)
 _moved_at: dict[tuple[int, ...], Any] = {}
 _prune_at = 1024  # entries before the next sweep of dead weak references
+_added = 0  # entries put in the books since the last look at their sizes
 
 
 def share(st: Any) -> tuple[Any, ...] | None:
@@ -102,8 +102,8 @@ def share(st: Any) -> tuple[Any, ...] | None:
     instead). A storage already shared that cannot get a handle raises: moved by torch's reducer,
     it would silently stop being shared with those who hold it."""
     ow = _owner.owner()
-    n = st.nbytes()
     if ow.pool.addrs:  # in our pool already (mp.empty(), an earlier send): nothing moves, no lock
+        n = st.nbytes()
         ptr = st.data_ptr()
         with ow._lock:
             inside = ow.pool.find(ptr, n) is not None
@@ -152,8 +152,7 @@ def _share(st: Any) -> tuple[Any, ...] | None:
         return _or_raise(_ours(ow, ow.place(_raw(ptr, n))), ow)
     if ow.table.used >= ow.table.slots:
         return None  # no slot for it: not moved, so torch's reducer may share it its own way
-    view = _move(ow, st, n)
-    got = ow.place(view, moved=True)
+    got = _move(ow, st, n)
     if got is None:
         # the move is done, its storage ours: no handle now must not hand it to torch's reducer
         return _or_raise(None, ow)
@@ -161,7 +160,7 @@ def _share(st: Any) -> tuple[Any, ...] | None:
     with _lock:
         _mine[ow.token, got[0], got[2], n] = ref
         _moved_at[st.data_ptr(), n] = ref
-        _maybe_prune()
+        _maybe_prune(2)
     return _ours(ow, got)
 
 
@@ -216,7 +215,6 @@ def _lend_on(handle: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """A new handle on the block of a storage we received (Note [Lending on]); None if its owner
     is gone or will not."""
     from ._client import client
-    from ._table import sign
 
     pid, token, path, seg_id, size, start, span, lo, strides, _slot, _gen = handle[:11]
     external = handle[13]
@@ -229,19 +227,24 @@ def _lend_on(handle: tuple[Any, ...]) -> tuple[Any, ...] | None:
         return None
     got = (seg_id, size, start, span, lo, strides, slot, gen)
     return _handle(pid, token, path, got, external,
-                   sign(link.secret, seg_id, size, start, span, lo, slot, gen, external))
+                   link.sign(seg_id, size, start, span, lo, slot, gen, external))
 
 
-def _move(ow: Any, st: Any, n: int) -> np.ndarray:
-    """Swap `st`'s data pointer for a pool block's, its bytes copied first; return a raw view of
-    the block's bytes (for ``place``: it keeps nothing alive)."""
-    block = ow.empty((n,), _U8)  # a local view: held until the storage dies
+def _move(ow: Any, st: Any, n: int) -> tuple[Any, ...] | None:
+    """Swap `st`'s data pointer for a pool block's, its bytes copied first, and lease the block:
+    ``place``'s tuple, or None (no slot: the storage is moved all the same)."""
+    block, held = ow.take_local(n)  # a local view: held until the storage dies
     fresh = _torch().from_numpy(block).untyped_storage()
-    ptr = block.ctypes.data
     del block
-    fresh.copy_(st)
+    if n < _SMALL_COPY:  # a memcpy: torch's copy_() costs several times that to dispatch
+        memoryview(_native.Lease(None, held.block.address, n))[:] = _native.Lease(None, st.data_ptr(), n)
+    else:
+        fresh.copy_(st)  # torch's, on its threads
     st._swap_data_ptr_(fresh)  # fresh now holds the old bytes, freed with it
-    return _raw(ptr, n)
+    return ow.place_moved(held, n)  # type: ignore[no-any-return]
+
+
+_SMALL_COPY = 1 << 20  # bytes: a storage this small is copied into the pool by memoryview
 
 
 def _raw(ptr: int, n: int) -> np.ndarray:
@@ -257,6 +260,8 @@ def _u8(st: Any) -> np.ndarray:
 
 def _received(ptr: int, n: int) -> tuple[Any, ...] | None:
     """The handle by which this process holds the received storage at `ptr`, if it is one."""
+    if (ptr, n) not in _received_at:  # the common case, without the lock (one dict lookup)
+        return None
     with _lock:
         got = _received_at.get((ptr, n))
         if got is None:
@@ -268,6 +273,8 @@ def _received(ptr: int, n: int) -> tuple[Any, ...] | None:
 
 
 def _alive_at(book: dict[tuple[int, ...], Any], key: tuple[int, ...]) -> bool:
+    if key not in book:  # the common case, without the lock
+        return False
     with _lock:
         ref = book.get(key)
         if ref is None:
@@ -293,19 +300,20 @@ def rebuild(arr: np.ndarray, handle: tuple[Any, ...]) -> Any:
     torch = _torch()
     pid, token, _path, seg_id, _size, start, span = handle[:7]
     key = (pid, token, seg_id, start, span)
-    ow = _owner.current_owner()
-    if pid == os.getpid() and ow is not None and ow.token == token:
+    ow = _owner.current_owner()  # this process's, if any
+    if ow is not None and pid == ow.pid and ow.token == token:
         st = _alive(_mine, (token, *key[2:]))
         if st is not None and _at_block(ow, st, seg_id, start, span):
             return st  # the sender's own storage: torch's test_fd_preserve_sharing
     st = _alive(_theirs, key)
-    if st is not None and st.data_ptr() == arr.ctypes.data and st.nbytes() == span:
+    if st is not None and st.data_ptr() == _native.extent(arr)[0] and st.nbytes() == span:
         return st  # (a storage of a mapping since dropped and made again is not this one)
     st = torch.from_numpy(arr).untyped_storage()
+    ref = _weak(st)
     with _lock:
-        ref = _theirs[key] = _weak(st)
+        _theirs[key] = ref
         _received_at[st.data_ptr(), span] = (ref, handle)  # the lease it holds: Note [Lending on]
-        _maybe_prune()
+        _maybe_prune(2)
     return st
 
 
@@ -379,12 +387,20 @@ def _torch_is_shared(st: Any) -> bool:
 
 
 def _weak(st: Any) -> Any:
-    from torch.multiprocessing import reductions
+    global _weak_ref
+    if _weak_ref is None:
+        from torch.multiprocessing import reductions
 
-    return reductions.StorageWeakRef(st)  # type: ignore[no-untyped-call]
+        _weak_ref = reductions.StorageWeakRef
+    return _weak_ref(st)
+
+
+_weak_ref: Any = None  # torch's StorageWeakRef, looked up once
 
 
 def _alive(book: dict[tuple[int, ...], Any], key: tuple[int, ...]) -> Any:
+    if key not in book:  # the common case, without the lock
+        return None
     with _lock:
         ref = book.get(key)
         if ref is None:
@@ -395,9 +411,14 @@ def _alive(book: dict[tuple[int, ...], Any], key: tuple[int, ...]) -> Any:
         return st
 
 
-def _maybe_prune() -> None:
-    """Drop dead weak references once the books grow (under _lock): as torch's shared_cache."""
-    global _prune_at
+def _maybe_prune(added: int) -> None:
+    """Drop dead weak references once the books grow (under _lock): as torch's shared_cache.
+    `added`: entries just put in (counted, not summed, until a sweep may be due)."""
+    global _prune_at, _added
+    _added += added
+    if _added < _prune_at // 4:
+        return  # at most that many new keys since the last look: the books cannot be past it yet
+    _added = 0
     books: tuple[dict[Any, Any], ...] = (_mine, _theirs, _moved_at)
     if sum(map(len, books)) + len(_received_at) < _prune_at:
         return

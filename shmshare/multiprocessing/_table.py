@@ -28,7 +28,7 @@ import struct
 from .. import _native
 from ..segment import Flags, Segment
 
-__all__ = ["LeaseTable", "SLOTS", "PENDING", "CLAIMED", "word", "describe", "sign"]
+__all__ = ["LeaseTable", "SLOTS", "PENDING", "CLAIMED", "word", "describe", "sign", "Signer"]
 
 SLOTS = 1 << 17  # handles one process can have out at once (1 MiB of table); past it: by value
 PENDING, CLAIMED = 1, 2
@@ -92,6 +92,10 @@ class LeaseTable:
     def state(self, slot: int) -> tuple[int, int, int]:
         return describe(self.words[slot])
 
+    def claimed(self, slot: int, gen: int) -> bool:
+        """Whether the word of `slot` says CLAIMED at generation `gen` (by anyone)."""
+        return self.words[slot] >> _PID_BITS == (gen << 2) | CLAIMED
+
     def close(self) -> None:
         self.words.release()
         self.buffer.release()
@@ -116,3 +120,23 @@ def sign(secret: bytes, seg_id: int, size: int, start: int, span: int, lo: int, 
     except struct.error:
         return b""  # no owner signs numbers that do not fit: matches no signature
     return _blake2b(data, key=secret, digest_size=8).digest()
+
+
+class Signer:
+    """:func:`sign` with one key, for every handle of one owner: the key's block is hashed once
+    (a keyed blake2b's first compression), and each handle's fields take one more."""
+
+    __slots__ = ("_keyed",)
+
+    def __init__(self, secret: bytes) -> None:
+        self._keyed = _blake2b(key=secret, digest_size=8)
+
+    def __call__(self, seg_id: int, size: int, start: int, span: int, lo: int, slot: int, gen: int,
+                 external: bool) -> bytes:
+        try:
+            data = _FIELDS(seg_id, size, start, span, lo, slot, gen, external)
+        except struct.error:
+            return b""  # as sign(): matches no signature
+        h = self._keyed.copy()
+        h.update(data)
+        return h.digest()

@@ -1,0 +1,139 @@
+"""The per-message path of a handle: its signature with a key hashed once, the checks of a
+layout kept per layout (whatever a peer sent before), a storage's bytes moved either side of the
+small-copy threshold."""
+
+from __future__ import annotations
+
+import os
+from multiprocessing.reduction import ForkingPickler
+
+import numpy as np
+import pytest
+import torch
+
+import shmshare.multiprocessing as smp
+from shmshare.multiprocessing import _client, _owner, _reduce, _storages, _table
+from shmshare.testing import pattern
+
+
+@pytest.mark.parametrize("fields", [
+    (1, 4096, 0, 4096, 0, 0, 1, False),
+    ((1 << 40) + 3, 1 << 21, 8192, 64, -56, 131071, 0xFFFFFFFF, True),
+    (1, 1 << 63, 0, 8, 0, 0, 1, False),  # past what the fields hold: no signature at all
+    (1, 4096, 0, 8, 0, -1 << 64, 1, False),
+])
+def test_a_signer_signs_as_sign_does(fields):
+    secret = os.urandom(16)
+    want = _table.sign(secret, *fields)
+    assert _table.Signer(secret)(*fields) == want
+    if want:  # another key, another signature
+        assert _table.Signer(os.urandom(16))(*fields) != want
+
+
+def test_claimed_reads_the_word_as_state_does():
+    table = _table.LeaseTable(4)
+    try:
+        slot, gen = table.take()
+        assert not table.claimed(slot, gen)  # PENDING
+        table.words[slot] = _table.word(gen, _table.CLAIMED, 1234)
+        assert table.claimed(slot, gen) and not table.claimed(slot, gen + 1)
+        table.words[slot] = _table.word(gen + 1, _table.CLAIMED, 1234)
+        assert not table.claimed(slot, gen)
+        table.words[slot] = (1 << 64) - 1  # anything a peer may write
+        assert table.claimed(slot, 0xFFFFFFFF) == (table.state(slot)[:2] == (0xFFFFFFFF, _table.CLAIMED))
+    finally:
+        table.close()
+
+
+def _signed_args(ow: _owner.Owner, **change: object) -> dict[str, object]:
+    seg_id, size, start, span, lo, strides, slot, gen = ow.place(np.ones(1 << 9))
+    args: dict[str, object] = dict(pid=ow.pid, token=ow.token, path=ow.path, seg_id=seg_id, size=size,
+                                   start=start, span=span, lo=lo, strides=strides, slot=slot, gen=gen,
+                                   dtype="<f8", shape=(1 << 9,))
+    args.update(change)
+    # signed as the owner signs (a peer holding its key): the checks behind the signature hold
+    args["mac"] = _table.sign(ow.secret, args["seg_id"], args["size"], args["start"], args["span"],
+                              args["lo"], args["slot"], args["gen"], False)
+    return args
+
+
+@pytest.mark.parametrize("shape,strides", [
+    ((1 << 10,), (8,)),  # more than the span
+    ((1 << 9, 1), (8,)),  # a stride short
+    ((-1,), (8,)),  # a negative size
+    ((1,) * 65, (8,) * 65),  # more dimensions than numpy has
+])
+def test_a_malformed_layout_is_refused_the_first_time_and_every_time_after(shape, strides):
+    ForkingPickler.dumps(np.ones(1 << 12))  # a server to talk to
+    ow = _owner.current_owner()
+    assert ow is not None
+    for _ in range(3):  # the second and third find the layout kept
+        with pytest.raises(smp.HandleError, match="malformed handle"):
+            _client.rebuild_array(**_signed_args(ow, shape=shape, strides=strides))
+
+
+def test_a_layout_a_peer_sent_as_lists_or_floats_changes_nothing_for_the_next_handle():
+    ForkingPickler.dumps(np.ones(1 << 12))
+    ow = _owner.current_owner()
+    assert ow is not None
+    # lists: checked as tuples are, and never kept (a list cannot be a key)
+    got = _client.rebuild_array(**_signed_args(ow, shape=[1 << 9], strides=[8]))
+    assert got.shape == (1 << 9,) and float(got.sum()) == 1 << 9
+    assert not any(isinstance(k[1], list) for k in _client._extents)
+    with pytest.raises(smp.HandleError):  # floats: numpy refuses them; kept, they equal the ints
+        _client.rebuild_array(**_signed_args(ow, shape=(float(1 << 9),), strides=(8.0,)))
+    got2 = _client.rebuild_array(**_signed_args(ow))
+    assert got2.shape == (1 << 9,) and float(got2.sum()) == 1 << 9
+    del got, got2
+
+
+def test_the_layouts_kept_stay_bounded(monkeypatch):
+    monkeypatch.setattr(_client, "_extents", {})
+    monkeypatch.setattr(_reduce, "_reaches", {})
+    for n in range(1, 3000):  # a peer sending ever new shapes
+        assert _client._extent(1, (n,), (1,)) == (0, n)
+        assert _reduce._reach((n,), (1,)) == n - 1
+    assert len(_client._extents) <= 1025 and len(_reduce._reaches) <= 1025
+
+
+def test_a_tensor_handle_with_no_torch_dtype_is_refused():
+    st = torch.arange(64.0).untyped_storage()
+    for name in ("Tensor", "no_such_dtype", 3, None):
+        _fn, (handle,) = _reduce.reduce_storage(st)
+        with pytest.raises(smp.HandleError, match="no torch dtype"):
+            _reduce.rebuild_tensor(handle, name, 0, (64,), (1,), False, False)
+    del st
+
+
+def test_a_tensor_handle_past_its_storage_is_refused_after_a_good_one_of_its_layout():
+    t = torch.arange(64.0)
+    fn, args = _reduce.reduce_tensor(t)
+    got = fn(*args)
+    assert torch.equal(got, t)
+    _handle, name, _offset, size, stride, rg, param = args
+    _fn, (handle2,) = _reduce.reduce_storage(t.untyped_storage())
+    with pytest.raises(smp.HandleError, match="reaches past"):  # the same layout, one further
+        fn(handle2, name, 1, size, stride, rg, param)
+    _fn, (handle3,) = _reduce.reduce_storage(t.untyped_storage())
+    with pytest.raises(smp.HandleError, match="reaches past"):  # a negative stride
+        fn(handle3, name, 63, size, (-1,), rg, param)
+    del got
+
+
+@pytest.mark.parametrize("nbytes", [
+    1, 4095, 4096, 4097,
+    _storages._SMALL_COPY - 1, _storages._SMALL_COPY, _storages._SMALL_COPY + 4097,
+])
+def test_a_storage_moves_into_the_pool_with_every_byte_either_side_of_the_small_copy_threshold(nbytes):
+    want = torch.from_numpy(pattern(nbytes, nbytes, np.uint8))
+    t = want.clone()
+    kept = t[nbytes // 2:]  # a view never sent: it follows the storage
+    where = t.data_ptr()
+    before = smp.statistics().arrays_copied
+    data = ForkingPickler.dumps(t)
+    assert t.data_ptr() != where and t.is_shared() and _storages.is_ours(t.untyped_storage())
+    assert smp.statistics().arrays_copied == before + 1
+    assert torch.equal(t, want) and torch.equal(kept, want[nbytes // 2:])
+    got = ForkingPickler.loads(data)  # the sender's own storage, as torch gives it back
+    assert got.untyped_storage()._cdata == t.untyped_storage()._cdata and torch.equal(got, want)
+    del got, t, kept
