@@ -211,15 +211,22 @@ def rebuild_tensor(handle: tuple[Any, ...], name: str, offset: int, size: tuple[
                    stride: tuple[int, ...], requires_grad: bool, parameter: bool) -> Any:
     """Unpickle a tensor: a view of its storage's handle, as torch's ``rebuild_tensor`` makes it."""
     torch = _torch()
-    st = rebuild_storage(handle)
+    _check_storage_handle(handle)
     dtype = _torch_dtype(name)
-    if dtype is None:
+    elements = None  # numpy's dtype for a tensor that is all of its storage, one after the other
+    if dtype is not None and offset == 0 and stride == (1,) and not requires_grad and not parameter:
+        elements = _storages.numpy_dtype(dtype)
+        if elements is not None and (size != (handle[6] // elements.itemsize,) or handle[6] % elements.itemsize):
+            elements = None
+    st, whole = _storages.rebuild(rebuild_array(*handle), handle, elements)
+    if dtype is None:  # claimed first, as any handle that arrived: released with `st` now
         raise HandleError(f"a tensor handle of pid {handle[0]} with no torch dtype {name!r}")
     reach = _reach(size, stride)  # the last element's offset from the first; -1: none
     if offset < 0 or reach is None or (offset + reach + 1) * dtype.itemsize > st.nbytes():
         raise HandleError(f"a tensor handle of pid {handle[0]} reaches past its {st.nbytes()}-byte "
                           f"storage: offset {offset}, sizes {size}, strides {stride}")
-    t = torch.empty(0, dtype=dtype).set_(st, offset, size, stride)
+    # the tensor over the storage made just now is this one: no second tensor set_() on it
+    t = whole if whole is not None else torch.empty(0, dtype=dtype).set_(st, offset, size, stride)
     if parameter:
         return torch.nn.Parameter(t, requires_grad=requires_grad)
     if requires_grad:
@@ -262,7 +269,7 @@ def _share(st: Any) -> tuple[Any, ...] | None:
 def rebuild_storage(handle: tuple[Any, ...]) -> Any:
     """Unpickle a storage: one storage per block range while any view of it lives here."""
     _check_storage_handle(handle)
-    return _storages.rebuild(rebuild_array(*handle), handle)
+    return _storages.rebuild(rebuild_array(*handle), handle)[0]
 
 
 def _check_storage_handle(handle: tuple[Any, ...]) -> None:

@@ -22,7 +22,11 @@ Note [A tensor's storage moves into the pool]
     lives (``StorageWeakRef``, as torch's ``shared_cache``), so views sent
     in one message or across messages alias each other; in the process that
     sent it, a handle gives back the original storage itself (its
-    ``_cdata``, torch's ``test_fd_preserve_sharing``).
+    ``_cdata``, torch's ``test_fd_preserve_sharing``). A storage made on the
+    receiver is made from a tensor (``torch.from_numpy``); when the tensor
+    sent is all of that storage, in a dtype numpy has, with no grad, that
+    tensor is the one that arrives, rather than a second one ``set_()`` on
+    the storage: the same dtype, sizes, strides and storage.
 
     A storage inherited by a forked child from its parent's pool is sent as
     a copy: swapping it would cut the child off from the parent's memory,
@@ -294,9 +298,12 @@ def _inherited(ptr: int, n: int) -> bool:
     return False
 
 
-def rebuild(arr: np.ndarray, handle: tuple[Any, ...]) -> Any:
+def rebuild(arr: np.ndarray, handle: tuple[Any, ...],
+            elements: np.dtype | None = None) -> tuple[Any, Any | None]:
     """The storage of a handle: `arr` (its bytes, just claimed) or, if a storage of the same
-    block range lives here already, that one (`arr` then goes, releasing its lease)."""
+    block range lives here already, that one (`arr` then goes, releasing its lease); and, for
+    a storage made just now with `elements` given, the tensor of those elements over all of it
+    that it was made from (None otherwise)."""
     torch = _torch()
     pid, token, _path, seg_id, _size, start, span = handle[:7]
     key = (pid, token, seg_id, start, span)
@@ -304,17 +311,36 @@ def rebuild(arr: np.ndarray, handle: tuple[Any, ...]) -> Any:
     if ow is not None and pid == ow.pid and ow.token == token:
         st = _alive(_mine, (token, *key[2:]))
         if st is not None and _at_block(ow, st, seg_id, start, span):
-            return st  # the sender's own storage: torch's test_fd_preserve_sharing
+            return st, None  # the sender's own storage: torch's test_fd_preserve_sharing
     st = _alive(_theirs, key)
     if st is not None and st.data_ptr() == _native.extent(arr)[0] and st.nbytes() == span:
-        return st  # (a storage of a mapping since dropped and made again is not this one)
-    st = torch.from_numpy(arr).untyped_storage()
+        return st, None  # (a storage of a mapping since dropped and made again is not this one)
+    whole = torch.from_numpy(arr if elements is None else arr.view(elements))
+    st = whole.untyped_storage()
     ref = _weak(st)
     with _lock:
         _theirs[key] = ref
         _received_at[st.data_ptr(), span] = (ref, handle)  # the lease it holds: Note [Lending on]
         _maybe_prune(2)
-    return st
+    return st, None if elements is None else whole
+
+
+def numpy_dtype(dtype: Any) -> np.dtype | None:
+    """numpy's dtype of torch `dtype`'s elements, if numpy has one (torch.from_numpy makes it)."""
+    global _numpy_dtypes
+    if _numpy_dtypes is None:
+        torch, got = _torch(), {}
+        for name in ("bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+                     "float16", "float32", "float64", "complex64", "complex128"):
+            try:
+                got[torch.from_numpy(np.zeros(1, name)).dtype] = np.dtype(name)
+            except TypeError:
+                continue  # a torch without it
+        _numpy_dtypes = got
+    return _numpy_dtypes.get(dtype)
+
+
+_numpy_dtypes: dict[Any, np.dtype] | None = None
 
 
 def _at_block(ow: Any, st: Any, seg_id: int, start: int, span: int) -> bool:

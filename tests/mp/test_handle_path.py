@@ -1,6 +1,6 @@
 """The per-message path of a handle: its signature with a key hashed once, the checks of a
 layout kept per layout (whatever a peer sent before), a storage's bytes moved either side of the
-small-copy threshold."""
+small-copy threshold, and a tensor that is all of its storage on the receiver."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import torch
 import shmshare.multiprocessing as smp
 from shmshare.multiprocessing import _client, _owner, _reduce, _storages, _table
 from shmshare.testing import pattern
+from tests.mp import helpers
+from tests.mp.helpers import WAIT
 
 
 @pytest.mark.parametrize("fields", [
@@ -137,3 +139,43 @@ def test_a_storage_moves_into_the_pool_with_every_byte_either_side_of_the_small_
     got = ForkingPickler.loads(data)  # the sender's own storage, as torch gives it back
     assert got.untyped_storage()._cdata == t.untyped_storage()._cdata and torch.equal(got, want)
     del got, t, kept
+
+
+def _describe(inq, outq) -> None:
+    got = inq.get(timeout=WAIT)
+    outq.put([(str(t.dtype), tuple(t.shape), t.stride(), t.storage_offset(), t._is_view(),
+               t.requires_grad, type(t).__name__, bool(t.is_shared()), t.untyped_storage()._cdata,
+               helpers.tensor_is_handle_view(t), helpers.fingerprint(t)) for t in got])
+    got[0].fill_(7)  # through a tensor made over all of its storage: the sender sees it
+    outq.put("written")
+    del got
+
+
+def test_a_tensor_over_all_of_its_storage_arrives_as_any_other():
+    """On the receiver, the tensor that a storage is made from is the tensor that arrives, when it
+    is all of that storage (Note [A tensor's storage moves into the pool]): the same dtype,
+    shape, strides, sharing and aliasing as a tensor set_() on the storage, and not a view."""
+    base = torch.arange(256, dtype=torch.float32)
+    sent = [base, base[3:17], torch.ones(64, dtype=torch.bool), torch.arange(5, dtype=torch.int64),
+            torch.arange(8, dtype=torch.bfloat16),  # no numpy dtype: set_() on the storage
+            torch.arange(4.0).requires_grad_(), torch.nn.Parameter(torch.ones(3)),
+            torch.arange(12, dtype=torch.int16).reshape(3, 4),  # 2-D: set_()
+            torch.arange(6.0).to(torch.complex64)]
+    want = [helpers.fingerprint(t) for t in sent]
+    ctx = smp.get_context("fork")
+    inq, outq = ctx.Queue(), ctx.Queue()
+    try:
+        with helpers.child(_describe, inq, outq):
+            inq.put(sent)
+            got = outq.get(timeout=WAIT)
+            assert outq.get(timeout=WAIT) == "written"
+        assert [g[-1] for g in got] == want
+        for (dtype, shape, stride, offset, is_view, rg, cls, shared, _cd, handle_view, _fp), t in zip(
+                got, sent, strict=True):
+            assert (dtype, shape, stride, offset) == (str(t.dtype), tuple(t.shape), t.stride(), t.storage_offset())
+            assert not is_view and rg == t.requires_grad and cls == type(t).__name__ and shared and handle_view
+        assert got[0][8] == got[1][8]  # a storage and a view of it, sent together: one storage there
+        assert base.eq(7).all()  # written there through the whole-storage tensor
+    finally:
+        helpers.close_queue(inq)
+        helpers.close_queue(outq)
