@@ -468,11 +468,15 @@ class Client:
             if time.monotonic() - self._swept >= 1.0:  # a busy consumer of many owners too
                 self._swept = time.monotonic()
                 self._forget_the_dead()
+            # Armed (a release pokes the pipe) only while we wait in poll(): a steady stream of
+            # releases is sent every _MAX_AGE with no poke, no pipe read and no poll() for it
             while not self.closed:
                 time.sleep(pause)
-                self.armed = False  # disarm first, then look: a release racing with us re-arms
                 if not self.released and not self.pending:
-                    break
+                    self.armed = False  # disarm first, then look: a release racing with us
+                    if not self.released:  # after this pokes; one before it is in the deque
+                        break
+                    self.armed = True
                 # an owner that does not read (stopped, busy): look less often until it does
                 pause = _MAX_AGE if self.flush() else min(2 * pause, _STUCK_PAUSE)
 

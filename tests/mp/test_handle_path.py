@@ -1,9 +1,11 @@
 """The per-message path of a handle: its signature with a key hashed once, the checks of a
 layout kept per layout (whatever a peer sent before), a storage's bytes moved either side of the
-small-copy threshold, and a tensor that is all of its storage on the receiver."""
+small-copy threshold, a tensor that is all of its storage on the receiver, and releases sent by
+the flusher whether it was idle or busy."""
 
 from __future__ import annotations
 
+import gc
 import os
 from multiprocessing.reduction import ForkingPickler
 
@@ -13,7 +15,7 @@ import torch
 
 import shmshare.multiprocessing as smp
 from shmshare.multiprocessing import _client, _owner, _reduce, _storages, _table
-from shmshare.testing import pattern
+from shmshare.testing import pattern, wait_until
 from tests.mp import helpers
 from tests.mp.helpers import WAIT
 
@@ -179,3 +181,29 @@ def test_a_tensor_over_all_of_its_storage_arrives_as_any_other():
     finally:
         helpers.close_queue(inq)
         helpers.close_queue(outq)
+
+
+def _drop_and_count(how_many: int) -> None:
+    arrays = [ForkingPickler.loads(ForkingPickler.dumps(np.full(1 << 10, k % 256, np.uint8)))
+              for k in range(how_many)]
+    assert [int(a[0]) for a in arrays] == [k % 256 for k in range(how_many)]
+    del arrays
+    gc.collect()
+    wait_until(lambda: smp.statistics().handles_claimed == 0,
+               lambda: f"every release back ({smp.statistics().handles_claimed} claimed)", WAIT)
+
+
+def test_releases_go_back_whether_the_flusher_was_idle_or_sending():
+    _drop_and_count(1)  # an idle flusher, woken
+    _drop_and_count(300)  # many at once
+    c = _client.client()
+    wait_until(lambda: not c.armed, "the flusher back in poll(), disarmed", WAIT)
+    _drop_and_count(1)  # idle again: the next release must still wake it
+    # a stream: each release while the flusher sleeps between sends
+    held = [ForkingPickler.loads(ForkingPickler.dumps(np.full(1 << 10, k, np.uint8))) for k in range(64)]
+    while held:
+        held.pop()
+        if len(held) % 8 == 0:
+            wait_until(lambda: smp.statistics().handles_claimed == len(held),
+                       lambda: f"{len(held)} claimed ({smp.statistics().handles_claimed})", WAIT)
+    assert smp.statistics().handles_claimed == 0
