@@ -4,13 +4,21 @@ and from the allocator's default settings."""
 from __future__ import annotations
 
 import compileall
+import fcntl
 import gc
+import os
+import shutil
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from shmshare.testing import check_leaks
+from shmshare.testing import LeakError, Leaks, ResourceSnapshot
+from tests import devshm_helpers
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,6 +42,17 @@ sys.dont_write_bytecode = False  # while the test modules are collected (and rew
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     sys.dont_write_bytecode = _DONT_WRITE_BYTECODE
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Under ``pytest -n N``, whole files go to the workers, not single tests (Note [The suite under
+    pytest-xdist] in tests/xdist_schedule.py); a --dist other than load and loadfile is left as asked."""
+    if config.getvalue("dist") not in ("load", "loadfile"):
+        return None
+    from tests.xdist_schedule import FileScheduling
+
+    return FileScheduling(config, log)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -89,19 +108,96 @@ def fresh_settings(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(autouse=True)
-def no_leaks():
-    """Check the test process before and after each test, passing tests included."""
-    with check_leaks():
+def no_leaks(alone_under_xdist: None):
+    """Check the test process before and after each test, passing tests included: its fds, its shared
+    mappings, and the /dev/shm names of its own processes (a name another live process made is
+    another test's: a pytest-xdist worker beside this one, see tests/devshm_helpers.py). As
+    shmshare.testing.check_leaks, a leak is looked for again, garbage collected, for up to 2 s. The
+    check is inside the lock of alone_under_xdist: no ``alone`` test runs meanwhile."""
+    gc.collect()
+    before = ResourceSnapshot.take()
+    yield
+    deadline = time.monotonic() + 2.0
+    while True:
+        gc.collect()
+        leaks = ResourceSnapshot.take().leaked_since(before)
+        if leaks.shm:
+            tree = devshm_helpers.process_tree()
+            leaks = Leaks(leaks.fds, leaks.mappings, {n for n in leaks.shm if not devshm_helpers.foreign(n, tree)})
+        if not leaks or time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
+    if leaks:
+        raise LeakError(f"leaked in pid {os.getpid()}: {leaks.describe()}")
+
+
+@pytest.fixture(scope="session")
+def worker_locks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, int] | None]:
+    """Under pytest-xdist, the fds of two lock files that this run's workers share (a turnstile and a
+    shared lock, see alone_under_xdist), opened before any leak check; outside xdist, None. The files
+    stay in the run's base temporary directory, which pytest removes a few runs later: one worker
+    unlinking them while another holds them open would change their fds' targets under its leak check."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield None
+        return
+    run_dir = tmp_path_factory.getbasetemp().parent  # each worker's basetemp is <the run's>/popen-gw<n>
+    fds: list[int] = []
+    try:
+        for what in ("turnstile", "shared"):
+            fds.append(os.open(run_dir / f"xdist-{what}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        yield fds[0], fds[1]
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+@pytest.fixture(autouse=True)
+def alone_under_xdist(request: pytest.FixtureRequest, worker_locks: tuple[int, int] | None) -> Iterator[None]:
+    """Under pytest-xdist, a test marked ``alone`` runs while no other worker runs a test: it reads the
+    host's Shmem (every process's shared memory) before and after, which the others' arrays move, or it
+    leaves a /dev/shm name of a dead process there for a while, which the others' leak checks would
+    take for their own and their sweeps remove. Every test holds a shared lock while it runs, and those
+    an exclusive one; who wants the exclusive lock holds the turnstile meanwhile, which the others pass
+    through before each test, so they cannot keep the lock from ever being free. Outside xdist, nothing."""
+    if worker_locks is None:
         yield
+        return
+    turnstile, shared = worker_locks
+    alone = request.node.get_closest_marker("alone") is not None
+    fcntl.flock(turnstile, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(shared, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    except BaseException:
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+        raise
+    if not alone:
+        fcntl.flock(turnstile, fcntl.LOCK_UN)
+    try:
+        yield
+    finally:
+        fcntl.flock(shared, fcntl.LOCK_UN)
+        if alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
 
 
 @pytest.fixture
-def home(tmp_path, monkeypatch):
+def short_tmp() -> Iterator[Path]:
+    """A fresh directory with a short path, removed after the test: a Unix socket's path holds at most
+    107 bytes, and pytest's tmp_path under xdist (``.../pytest-N/popen-gw1/<test name>0``) leaves too few."""
+    d = Path(tempfile.mkdtemp(prefix="ss-", dir="/tmp"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def home(short_tmp, monkeypatch):
     """A private XDG_RUNTIME_DIR: the stats directory of this test alone (stats sockets, the
     store's default socket); a stats server started in the test is stopped after it."""
     from shmshare import _statsd
 
-    base = tmp_path / "xdg"
+    base = short_tmp / "xdg"
     base.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(base))
     monkeypatch.delenv(_statsd.ENV_VAR, raising=False)

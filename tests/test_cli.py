@@ -196,6 +196,7 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
 # -- stale names: doctor reports them, sweep removes them ---------------------
 
 
+@pytest.mark.alone  # the stale name it plants would be another worker's leak, and its sweep takes theirs
 def test_doctor_reports_a_stale_name_and_sweep_removes_it() -> None:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait(TIMEOUT)  # its pid is dead from now on

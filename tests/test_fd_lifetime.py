@@ -19,6 +19,7 @@ from shmshare import Flags, PeerDied, Segment, wire
 from shmshare._procfs import shm_mappings, shm_names
 from shmshare.testing import pattern, start_child
 
+from .devshm_helpers import names_of
 from .reliability.helpers import shmem_bytes, wait_shmem_below
 
 BACKENDS = ["memfd", "posix"]
@@ -103,6 +104,7 @@ def walk():
     w.close()
 
 
+@pytest.mark.alone  # reads the host's Shmem before and after
 @pytest.mark.parametrize("size", [4 * MiB, 256 * MiB], ids=["4MiB", "256MiB"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_seed_walkthrough(walk, backend, size):
@@ -144,7 +146,7 @@ def test_seed_walkthrough(walk, backend, size):
     # ~MapAllocator in the child: nothing holds it -> the kernel frees inode and pages
     walk.do("close")
     assert refs(kid, obj) == (0, 0) and refs(me, obj) == (0, 0)
-    assert not shm_names("shmshare_")
+    assert not names_of({me, kid})
     if size >= 256 * MiB:
         assert wait_shmem_below(shmem0 + size // 10, timeout=5.0) <= shmem0 + size // 10
     walk.do("exit")
@@ -159,7 +161,7 @@ def test_producer_sigkilled_after_sending(walk, backend):
         rx = Segment.from_fd(fd)
     walk.child.kill()
     assert walk.child.exitcode == -9
-    assert not shm_names("shmshare_")  # UNLINK at creation: nothing named survives a crash
+    assert not names_of({os.getpid(), walk.child.pid})  # UNLINK at creation: nothing named survives a crash
     arr = rx.view(np.uint64, size // 8)
     assert np.array_equal(arr, pattern(3, size // 8, np.uint64))  # the mapping, not the producer, keeps the pages
     arr[:] = 0  # and it is still ours to write
@@ -190,6 +192,7 @@ def test_consumer_sigkilled_leaves_producer_unaffected(walk, backend):
     seg.close()
 
 
+@pytest.mark.alone  # reads the host's Shmem before and after
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fds_never_received_die_with_the_socket(backend):
     size = 64 * MiB
@@ -205,6 +208,7 @@ def test_fds_never_received_die_with_the_socket(backend):
     assert wait_shmem_below(shmem0 + size // 4, timeout=5.0) <= shmem0 + size // 4
 
 
+@pytest.mark.alone  # reads the host's Shmem before and after
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fds_sent_to_a_child_that_dies_before_receiving(walk, backend):
     size = 64 * MiB

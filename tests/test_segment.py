@@ -368,6 +368,7 @@ def _crash(mode: str) -> int:
     return proc.pid
 
 
+@pytest.mark.alone  # the dead child's name would be another worker's leak, and its sweep takes theirs
 def test_sigkill_between_shm_open_and_fallocate_leaves_no_name():
     unlinked, named = _crash("unlink"), _crash("keep-name")
     try:

@@ -13,6 +13,8 @@ from shmshare.segment import sweep
 
 DIR = "/dev/shm"
 
+pytestmark = pytest.mark.alone  # the dead pids' names it plants would be another worker's leaks; its sweeps take theirs
+
 
 def _dead_pid() -> int:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])

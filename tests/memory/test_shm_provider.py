@@ -68,6 +68,7 @@ def test_limit_is_an_oom_with_the_numbers():
     prov.close()
 
 
+@pytest.mark.alone  # reads the host's Shmem before and after
 def test_unmapping_expandable_pages_gives_memory_back_to_the_host():
     prov = ShmProvider()
     alloc = CachingAllocator(prov, "expandable_segments:True")

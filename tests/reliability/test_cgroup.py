@@ -22,6 +22,8 @@ import shmshare
 
 from .helpers import Kid, MiB, exit_status, shmem_bytes, wait_shmem_below
 
+pytestmark = pytest.mark.alone  # each trial reads the host's Shmem before and after
+
 LIMIT = 160 * MiB
 
 

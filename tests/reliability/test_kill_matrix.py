@@ -27,6 +27,8 @@ from shmshare import PeerDied, Segment, _ring, segment, wire
 from .helpers import Kid, MiB, exit_status, shm_left, shmem_bytes, wait_shmem_below
 
 BACKENDS = ["memfd", "posix"]
+
+pytestmark = pytest.mark.alone  # each trial reads the host's Shmem before and after, and sweeps
 BIG = 64 * MiB
 SLACK = 48 * MiB  # Shmem others on the host may add meanwhile; a leaked 64 MiB array exceeds it
 SHORT_TRIALS, STRESS_TRIALS = [0, 1], list(range(100, 140))
