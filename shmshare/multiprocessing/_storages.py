@@ -116,16 +116,17 @@ def share(st: Any) -> tuple[Any, ...] | None:
     global _protected
     if _protected is None:
         _protected = _lock_protected()(_share)
-    return _protected(st)  # type: ignore[no-any-return]
+    return _protected(st, ow)  # type: ignore[no-any-return]
 
 
 _protected: Any = None  # _share under torch's per-storage lock, made once
 
 
-def _share(st: Any) -> tuple[Any, ...] | None:
+def _share(st: Any, ow: Any) -> tuple[Any, ...] | None:
+    if ow.closed:  # shut down while we waited for the storage's lock: this process's new one
+        ow = _owner.owner()
     n = st.nbytes()
     ptr = st.data_ptr()
-    ow = _owner.owner()
     if _torch_is_shared(st):
         try:
             fd = st._get_shared_fd()
