@@ -57,6 +57,7 @@ __all__ = ["Owner", "owner", "current_owner", "exit_linger", "set_exit_linger"]
 
 _RECHECK = 0.1  # s between two looks at slots released while still marked
 _U8 = np.dtype(np.uint8)
+Placed = tuple[int, int, int, int, int, tuple[int, ...], int, int]  # what place() returns
 
 
 
@@ -179,23 +180,34 @@ class Owner:
         seg_id, size, start, span, lo, _strides, slot, gen = placed
         return self._signer(seg_id, size, start, span, lo, slot, gen, external)
 
-    def place_moved(self, held: Held, nbytes: int) -> tuple[int, int, int, int, int, tuple[int, ...],
-                                                            int, int] | None:
-        """:meth:`place` for the first `nbytes` of a block of :meth:`take_local` that a storage's
-        bytes were just moved into (Note [A tensor's storage moves into the pool]): as place()
-        makes of those bytes, without looking the block up again; None: no slot is free."""
+    def place_bytes(self, ptr: int, nbytes: int, held: Held | None = None) -> tuple[bool, Placed | None]:
+        """:meth:`place` for `nbytes` bytes at `ptr` as bytes, one after the other (a storage's),
+        with no view made: (True, place()'s tuple, or None if no slot is free) when they lie in
+        a block of this pool, (False, None) when not. `held`: the block :meth:`take_local` gave
+        for them just now (Note [A tensor's storage moves into the pool]), not looked up again,
+        and counted as copied."""
         with self._lock:
+            copied = held is not None
+            if held is None:
+                if self.pool.local_done:
+                    self.pool.drain_local()
+                held = self.pool.find(ptr, nbytes) if self.pool.addrs else None
+                if held is None:
+                    return False, None
             if self.server is None:
                 if self.closed:
-                    return None
+                    return True, None
                 self._serve()
             self._sent += 1
             slot_gen = self._lease(held)
             if slot_gen is None:
-                return None
-            self._copied += 1
+                return True, None
+            if copied:
+                self._copied += 1
+            else:
+                self._in_place += 1
             seg = held.seg
-            return seg.id, seg.size, held.block.address - seg.address, nbytes, 0, (1,), *slot_gen
+            return True, (seg.id, seg.size, ptr - seg.address, nbytes, 0, (1,), *slot_gen)
 
     def _lease(self, rec: Held | External) -> tuple[int, int] | None:
         """A table slot for a handle to `rec`; None (and `rec` let go of) when all are out."""

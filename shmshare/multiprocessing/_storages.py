@@ -107,12 +107,9 @@ def share(st: Any) -> tuple[Any, ...] | None:
     it would silently stop being shared with those who hold it."""
     ow = _owner.owner()
     if ow.pool.addrs:  # in our pool already (mp.empty(), an earlier send): nothing moves, no lock
-        n = st.nbytes()
-        ptr = st.data_ptr()
-        with ow._lock:
-            inside = ow.pool.find(ptr, n) is not None
+        inside, got = ow.place_bytes(st.data_ptr(), st.nbytes())
         if inside:
-            return _or_raise(_ours(ow, ow.place(_raw(ptr, n))), ow)
+            return _or_raise(_ours(ow, got), ow)
     global _protected
     if _protected is None:
         _protected = _lock_protected()(_share)
@@ -147,14 +144,13 @@ def _share(st: Any, ow: Any) -> tuple[Any, ...] | None:
         if lent is not None:
             return lent
         return _or_raise(_ours(ow, ow.place(_u8(st))), ow)  # its owner is gone or refused: a copy
-    with ow._lock:
-        inside = bool(ow.pool.addrs) and ow.pool.find(ptr, n) is not None
-    if not inside and (_inherited(ptr, n) or _alive_at(_moved_at, (ptr, n))):
+    inside, got = ow.place_bytes(ptr, n) if ow.pool.addrs else (False, None)
+    if inside:  # from mp.empty(), or moved by an earlier send
+        return _or_raise(_ours(ow, got), ow)
+    if _inherited(ptr, n) or _alive_at(_moved_at, (ptr, n)):
         # a parent's block inherited at fork, or a block of an owner shut down since: a copy
         # (moving it would cut it off from whoever shares it; lending it is not ours to do)
         return _or_raise(_ours(ow, ow.place(_u8(st))), ow)
-    if inside:  # from mp.empty(), or moved by an earlier send
-        return _or_raise(_ours(ow, ow.place(_raw(ptr, n))), ow)
     if ow.table.used >= ow.table.slots:
         return None  # no slot for it: not moved, so torch's reducer may share it its own way
     got = _move(ow, st, n)
@@ -246,15 +242,10 @@ def _move(ow: Any, st: Any, n: int) -> tuple[Any, ...] | None:
     else:
         fresh.copy_(st)  # torch's, on its threads
     st._swap_data_ptr_(fresh)  # fresh now holds the old bytes, freed with it
-    return ow.place_moved(held, n)  # type: ignore[no-any-return]
+    return ow.place_bytes(held.block.address, n, held)[1]  # type: ignore[no-any-return]
 
 
 _SMALL_COPY = 1 << 20  # bytes: a storage this small is copied into the pool by memoryview
-
-
-def _raw(ptr: int, n: int) -> np.ndarray:
-    """`n` bytes at `ptr` as a uint8 array that holds nothing alive: only while the caller does."""
-    return np.ndarray((n,), _U8, buffer=_native.Lease(None, ptr, n))  # type: ignore[arg-type]
 
 
 def _u8(st: Any) -> np.ndarray:

@@ -143,6 +143,27 @@ def test_a_storage_moves_into_the_pool_with_every_byte_either_side_of_the_small_
     del got, t, kept
 
 
+def test_place_bytes_leases_bytes_of_a_pool_block_and_nothing_else():
+    a = smp.empty((4096,), np.uint8)
+    a[:] = pattern(5, 4096, np.uint8)
+    ow = _owner.current_owner()
+    assert ow is not None
+    assert ow.place_bytes(np.zeros(64, np.uint8).ctypes.data, 64) == (False, None)  # not ours
+    before = smp.statistics()
+    inside, got = ow.place_bytes(a.ctypes.data + 100, 200)  # bytes inside the block
+    assert inside and got is not None
+    seg_id, size, start, span, lo, strides, slot, gen = got
+    assert (span, lo, strides) == (200, 0, (1,)) and ow.table.state(slot)[:2] == (gen, _table.PENDING)
+    after = smp.statistics()
+    assert (after.arrays_in_place, after.arrays_copied) == (before.arrays_in_place + 1, before.arrays_copied)
+    view = _client.rebuild_array(ow.pid, ow.token, ow.path, seg_id, size, start, span, lo, strides, slot,
+                                 gen, "|u1", (200,), False, ow.sign(got, False))
+    assert bytes(view) == bytes(a[100:300])
+    block = ow.pool.find(a.ctypes.data, 1).block
+    assert ow.place_bytes(block.address + block.size - 100, 200) == (False, None)  # past its end
+    del view, a
+
+
 def _describe(inq, outq) -> None:
     got = inq.get(timeout=WAIT)
     outq.put([(str(t.dtype), tuple(t.shape), t.stride(), t.storage_offset(), t._is_view(),
