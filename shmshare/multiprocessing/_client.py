@@ -41,6 +41,7 @@ from .._errors import FdLimitError, PeerDied, ShmshareError, ShmshareTimeout
 from .._plane import WakePipe
 from .._plane.trust import check_fd, locally
 from ..segment import Flags, Segment
+from . import _layouts
 from ._common import (
     DROP,
     ERROR,
@@ -342,7 +343,7 @@ class Client:
             raise HandleError(f"a malformed handle: {span} bytes at offset {start} of a "
                               f"{size}-byte segment of pid {pid}, slot {slot}")
         # the view's own extent, in Python ints: numpy's bounds check can overflow (2**63)
-        got = _extent(dtype.itemsize, shape, strides)
+        got = _layouts.extent(dtype.itemsize, shape, strides)
         if got is None:
             raise HandleError(f"a malformed handle from pid {pid}: shape {shape}, strides {strides}")
         got_lo, got_span = got
@@ -564,31 +565,6 @@ def rebuild_array(pid: int, token: int, path: str, seg_id: int, size: int, start
 
 
 _dtypes: dict[str, np.dtype] = {}
-_extents: dict[tuple[int, tuple[int, ...], tuple[int, ...]], tuple[int, int] | None] = {}
-
-
-def _extent(itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, int] | None:
-    """``tensors.span`` of a handle's layout, or None: a malformed one. Kept per layout, as a
-    stream of arrays repeats a few."""
-    key = (itemsize, shape, strides)
-    try:
-        return _extents[key]
-    except KeyError:
-        pass
-    except TypeError:  # a list where a tuple belongs: checked all the same, not kept
-        return _extent_of(itemsize, shape, strides)
-    got = _extents[key] = _extent_of(itemsize, shape, strides)  # raises before it is kept
-    if len(_extents) > 1024:
-        _extents.clear()  # a peer sending ever new layouts: start over, never grow
-    return got
-
-
-def _extent_of(itemsize: int, shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, int] | None:
-    if len(shape) != len(strides) or len(shape) > 64 or min(shape, default=1) < 0:
-        return None
-    return tensors.span(itemsize, shape, strides)
-
-
 def _after_fork_in_child() -> None:
     global _client, _client_lock, _pid
     _pid = os.getpid()

@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from .. import _native, tensors
-from . import _storages
+from . import _layouts, _storages
 from ._client import rebuild_array
 from ._common import HandleError, env_number
 from ._owner import current_owner, exiting, owner
@@ -167,7 +167,6 @@ def reduce_tensor(t: Any) -> Any:
 
 _torch_names: dict[Any, str] = {}
 _torch_dtypes: dict[str, Any] = {}  # the inverse, filled as handles come
-_reaches: dict[tuple[tuple[int, ...], tuple[int, ...]], int | None] = {}
 
 
 def _torch_dtype(name: str) -> Any:
@@ -185,28 +184,6 @@ def _torch_dtype(name: str) -> Any:
     return got
 
 
-def _reach(size: tuple[int, ...], stride: tuple[int, ...]) -> int | None:
-    """Elements from a tensor's first to its last (-1 when it has none); None: a negative stride
-    (never sent: torch has none). Kept per layout, as a stream of tensors repeats a few."""
-    key = (size, stride)
-    try:
-        return _reaches[key]
-    except KeyError:
-        pass
-    except TypeError:  # a list where a tuple belongs: checked all the same, not kept
-        return _reach_of(size, stride)
-    got = _reaches[key] = _reach_of(size, stride)  # raises before it is kept
-    if len(_reaches) > 1024:
-        _reaches.clear()  # a peer sending ever new layouts: start over, never grow
-    return got
-
-
-def _reach_of(size: tuple[int, ...], stride: tuple[int, ...]) -> int | None:
-    if min(stride, default=0) < 0:
-        return None
-    return sum((n - 1) * d for n, d in zip(size, stride, strict=True)) if all(size) else -1
-
-
 def rebuild_tensor(handle: tuple[Any, ...], name: str, offset: int, size: tuple[int, ...],
                    stride: tuple[int, ...], requires_grad: bool, parameter: bool) -> Any:
     """Unpickle a tensor: a view of its storage's handle, as torch's ``rebuild_tensor`` makes it."""
@@ -221,7 +198,7 @@ def rebuild_tensor(handle: tuple[Any, ...], name: str, offset: int, size: tuple[
     st, whole = _storages.rebuild(rebuild_array(*handle), handle, elements)
     if dtype is None:  # claimed first, as any handle that arrived: released with `st` now
         raise HandleError(f"a tensor handle of pid {handle[0]} with no torch dtype {name!r}")
-    reach = _reach(size, stride)  # the last element's offset from the first; -1: none
+    reach = _layouts.reach(size, stride)  # the last element's offset from the first; -1: none
     if offset < 0 or reach is None or (offset + reach + 1) * dtype.itemsize > st.nbytes():
         raise HandleError(f"a tensor handle of pid {handle[0]} reaches past its {st.nbytes()}-byte "
                           f"storage: offset {offset}, sizes {size}, strides {stride}")

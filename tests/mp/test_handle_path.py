@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import shmshare.multiprocessing as smp
-from shmshare.multiprocessing import _client, _owner, _reduce, _storages, _table
+from shmshare.multiprocessing import _client, _layouts, _owner, _reduce, _storages, _table
 from shmshare.testing import pattern, wait_until
 from tests.mp import helpers
 from tests.mp.helpers import WAIT
@@ -83,7 +83,7 @@ def test_a_layout_a_peer_sent_as_lists_or_floats_changes_nothing_for_the_next_ha
     # lists: checked as tuples are, and never kept (a list cannot be a key)
     got = _client.rebuild_array(**_signed_args(ow, shape=[1 << 9], strides=[8]))
     assert got.shape == (1 << 9,) and float(got.sum()) == 1 << 9
-    assert not any(isinstance(k[1], list) for k in _client._extents)
+    assert not any(isinstance(k[1], list) for k in _layouts._extents)
     with pytest.raises(smp.HandleError):  # floats: numpy refuses them; kept, they equal the ints
         _client.rebuild_array(**_signed_args(ow, shape=(float(1 << 9),), strides=(8.0,)))
     got2 = _client.rebuild_array(**_signed_args(ow))
@@ -92,12 +92,12 @@ def test_a_layout_a_peer_sent_as_lists_or_floats_changes_nothing_for_the_next_ha
 
 
 def test_the_layouts_kept_stay_bounded(monkeypatch):
-    monkeypatch.setattr(_client, "_extents", {})
-    monkeypatch.setattr(_reduce, "_reaches", {})
+    monkeypatch.setattr(_layouts, "_extents", {})
+    monkeypatch.setattr(_layouts, "_reaches", {})
     for n in range(1, 3000):  # a peer sending ever new shapes
-        assert _client._extent(1, (n,), (1,)) == (0, n)
-        assert _reduce._reach((n,), (1,)) == n - 1
-    assert len(_client._extents) <= 1025 and len(_reduce._reaches) <= 1025
+        assert _layouts.extent(1, (n,), (1,)) == (0, n)
+        assert _layouts.reach((n,), (1,)) == n - 1
+    assert len(_layouts._extents) <= 1025 and len(_layouts._reaches) <= 1025
 
 
 def test_a_tensor_handle_with_no_torch_dtype_is_refused():
