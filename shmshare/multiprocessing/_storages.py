@@ -106,22 +106,25 @@ def share(st: Any) -> tuple[Any, ...] | None:
     instead). A storage already shared that cannot get a handle raises: moved by torch's reducer,
     it would silently stop being shared with those who hold it."""
     ow = _owner.owner()
+    missed = 0  # where the storage's bytes were when our pool was found not to hold them
     if ow.pool.addrs:  # in our pool already (mp.empty(), an earlier send): nothing moves, no lock
-        inside, got = ow.place_bytes(st.data_ptr(), st.nbytes())
+        ptr = st.data_ptr()
+        inside, got = ow.place_bytes(ptr, st.nbytes())
         if inside:
             return _or_raise(_ours(ow, got), ow)
+        missed = ptr
     global _protected
     if _protected is None:
         _protected = _lock_protected()(_share)
-    return _protected(st, ow)  # type: ignore[no-any-return]
+    return _protected(st, ow, missed)  # type: ignore[no-any-return]
 
 
 _protected: Any = None  # _share under torch's per-storage lock, made once
 
 
-def _share(st: Any, ow: Any) -> tuple[Any, ...] | None:
+def _share(st: Any, ow: Any, missed: int) -> tuple[Any, ...] | None:
     if ow.closed:  # shut down while we waited for the storage's lock: this process's new one
-        ow = _owner.owner()
+        ow, missed = _owner.owner(), 0
     n = st.nbytes()
     ptr = st.data_ptr()
     if _torch_is_shared(st):
@@ -144,7 +147,9 @@ def _share(st: Any, ow: Any) -> tuple[Any, ...] | None:
         if lent is not None:
             return lent
         return _or_raise(_ours(ow, ow.place(_u8(st))), ow)  # its owner is gone or refused: a copy
-    inside, got = ow.place_bytes(ptr, n) if ow.pool.addrs else (False, None)
+    # bytes at the address share() found outside the pool are outside it still (only a move, by
+    # whoever held the storage's lock before us, changes where they are)
+    inside, got = ow.place_bytes(ptr, n) if ow.pool.addrs and ptr != missed else (False, None)
     if inside:  # from mp.empty(), or moved by an earlier send
         return _or_raise(_ours(ow, got), ow)
     if _inherited(ptr, n) or _alive_at(_moved_at, (ptr, n)):

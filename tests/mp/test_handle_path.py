@@ -164,6 +164,23 @@ def test_place_bytes_leases_bytes_of_a_pool_block_and_nothing_else():
     del view, a
 
 
+def test_a_storage_moved_while_its_sender_waited_for_its_lock_is_not_moved_again():
+    """share() found the bytes outside the pool, then another thread moved the storage before
+    _share() had its lock: _share() looks again (the address changed) and leases it in place."""
+    t = torch.arange(1024, dtype=torch.uint8)
+    missed = t.data_ptr()
+    ow = _owner.owner()
+    first = _storages.share(t.untyped_storage())  # the other thread's move
+    moved_to = t.data_ptr()
+    assert moved_to != missed
+    before = smp.statistics()
+    again = _storages._share(t.untyped_storage(), ow, missed)
+    after = smp.statistics()
+    assert t.data_ptr() == moved_to and again is not None and again[3:6] == first[3:6]  # segment, start
+    assert (after.arrays_in_place, after.arrays_copied) == (before.arrays_in_place + 1, before.arrays_copied)
+    del t
+
+
 def _describe(inq, outq) -> None:
     got = inq.get(timeout=WAIT)
     outq.put([(str(t.dtype), tuple(t.shape), t.stride(), t.storage_offset(), t._is_view(),
