@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import resource
 import select
@@ -16,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from shmshare import wire
+from shmshare._segcalls import sealed_memfd
 from shmshare.store import Daemon, StoreError
 from shmshare.store._packing import SEALS, one_array_meta
 
@@ -29,17 +29,7 @@ _SEEK_HOLE = getattr(os, "SEEK_HOLE", 4)
 
 def _memfd(size: int, seals: int = SEALS, fill: bool = True, name: str = "hostile") -> int:
     """A memfd of `size` bytes (every page allocated when `fill`) with `seals` added."""
-    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    try:
-        os.ftruncate(fd, size)
-        if fill and size:
-            os.posix_fallocate(fd, 0, size)
-        if seals:
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    return sealed_memfd(name, size, seals, fill)
 
 
 def _meta(n: int) -> bytes:
