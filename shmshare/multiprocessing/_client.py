@@ -274,6 +274,7 @@ class Client:
         self.wake = WakePipe()
         self.armed = False
         self.closed = False
+        self.lingering = False  # close() left claims out: the flusher closes once they are back
         self._flusher = threading.Thread(target=self._flush_main, name="shmshare-mp-releases",
                                          daemon=True)
         self._flusher.start()
@@ -446,6 +447,9 @@ class Client:
         while not self.closed:
             try:
                 self._flush_loop()
+                if self.lingering:  # closed itself once the last claim was given back
+                    _lingering.discard(self)
+                    self.wake.close()
             except Exception as exc:  # noqa: BLE001  (said, then on with the next round)
                 if not self._flusher_failed:
                     self._flusher_failed = True
@@ -458,6 +462,8 @@ class Client:
         poller = select.poll()
         poller.register(wake.r, select.POLLIN)
         while not self.closed:
+            if self.lingering and self._close_idle():
+                return
             if not poller.poll(1000):
                 self._forget_the_dead()  # idle: a second without releases
                 continue
@@ -482,19 +488,30 @@ class Client:
                 pause = _MAX_AGE if self.flush() else min(2 * pause, _STUCK_PAUSE)
 
     def close(self) -> None:
-        """Send what is queued; close the links with no claim out (the rest stay till exit)."""
+        """Send what is queued and close the links with no claim out. With claims out (arrays
+        still alive), the flusher sends their releases as they come and then closes the rest:
+        its links, its pipe and itself (``close_client()`` has let go of this client by then)."""
         self.flush()
+        if self._close_idle():
+            self.wake.poke()
+            self._flusher.join(5.0)
+            self.wake.close()
+        else:
+            self.lingering = True
+            self.wake.poke()  # the flusher looks again
+
+    def _close_idle(self) -> bool:
+        """Close the links with no claim out (or whose owner is gone); True if none is left,
+        and this client is closed."""
         with self.lock:
             for key, link in list(self.links.items()):
                 if self.claims[key] <= 0 or not alive(key[0]):
                     del self.links[key]
                     link.close()
-            if not self.links and not self.pending:
-                self.closed = True
-                self.wake.poke()
-        if self.closed:
-            self._flusher.join(5.0)
-            self.wake.close()
+            if self.links or self.pending or self.released:
+                return False
+            self.closed = True
+            return True
 
 
 def _owner_error(pid: int, header: dict[Any, Any], what: str) -> ShmshareError:
@@ -519,6 +536,7 @@ def _not_claimed(pid: int, slot: int, gen: int, found: int, mine: int) -> Handle
 
 
 _client: Client | None = None
+_lingering: set[Client] = set()  # closed with claims out, until the last is given back
 _client_lock = threading.Lock()
 _pid = os.getpid()
 _PENDING_LOW = word(0, PENDING)  # the low half of a PENDING word
@@ -539,11 +557,11 @@ def client() -> Client:
 def close_client() -> None:
     global _client
     with _client_lock:
-        got = _client
+        got, _client = _client, None
         if got is not None:
             got.close()
-            if got.closed:
-                _client = None
+            if got.lingering:
+                _lingering.add(got)  # a forked child forgets it too
 
 
 def rebuild_array(pid: int, token: int, path: str, seg_id: int, size: int, start: int, span: int,
@@ -558,7 +576,7 @@ def rebuild_array(pid: int, token: int, path: str, seg_id: int, size: int, start
         if len(_dtypes) < 1024:
             _dtypes[dtype] = dt
     c = _client
-    if c is None or c.closed:
+    if c is None or c.closed:  # (a lingering one is no longer _client)
         c = client()
     return c.rebuild(pid, token, path, seg_id, size, start, span, lo, strides, slot, gen, dt,
                      shape, external, mac)
@@ -570,13 +588,14 @@ def _after_fork_in_child() -> None:
     _pid = os.getpid()
     _client_lock = threading.Lock()
     got, _client = _client, None
-    if got is not None:
-        got.closed = True  # its flusher thread is not here; nothing of it is sent from here
-        for link in got.links.values():
+    for c in [got, *_lingering] if got is not None else list(_lingering):
+        c.closed = True  # its flusher thread is not here; nothing of it is sent from here
+        for link in c.links.values():
             link.forget_in_child()  # our copies only: the parent's connection stays open
-        got.links.clear()
-        got.released.clear()
-        got.pending.clear()
+        c.links.clear()
+        c.released.clear()
+        c.pending.clear()
+    _lingering.clear()
 
 
 _fork.on_fork_in_child(6, _after_fork_in_child)

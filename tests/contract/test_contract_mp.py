@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import sys
 from multiprocessing.reduction import ForkingPickler
-from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -19,14 +18,6 @@ from .fakes import FakeOwner, Handle
 
 class TestMultiprocessing(TransportContract):
     """A Queue of a fork context: a lender and a borrower are the one Queue, in one process or two."""
-
-    known_bugs: ClassVar[dict[str, str]] = {
-        "test_a_borrower_closed_holding_arrays_leaves_nothing_once_they_go":
-            "shutdown() while received arrays are alive leaves this process's release flusher (the thread "
-            "shmshare-mp-releases and its wake pipe, 2 fds) and its link to a live owner (a socket) after those "
-            "arrays die, until exit or another shutdown(): Client.close() keeps the links with claims out and "
-            "nothing closes the client once their last claim is given back",
-    }
 
     @pytest.fixture(autouse=True)
     def reducers(self):

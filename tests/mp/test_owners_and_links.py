@@ -29,7 +29,7 @@ import pytest
 
 import shmshare.multiprocessing as smp
 from shmshare.multiprocessing import _client, _owner, _reduce
-from shmshare.testing import kill, wait_until
+from shmshare.testing import kill, wait_exit, wait_until
 
 WAIT = 30.0
 
@@ -495,3 +495,28 @@ def test_a_handle_whose_strides_overflow_is_refused(shape, strides):
     finally:
         del view
     pytest.fail(f"a handle of shape {shape}, strides {strides} was accepted: {reach}")
+
+
+def test_a_client_shut_down_with_arrays_alive_goes_once_they_die_and_a_fork_forgets_it():
+    """``shutdown()`` while a received array is alive: the array stays valid, the module serves
+    again on a new client, a forked child keeps nothing of the old one, and once the array dies
+    the old client's flusher thread, wake pipe and link go (not at exit only)."""
+    q = smp.get_context("fork").Queue()
+    q.put(np.arange(4096.0))
+    got = q.get(timeout=30)
+    old = _client._client
+    smp.shutdown()
+    assert old is not None and old.lingering and not old.closed and old in _client._lingering
+    assert float(got[4095]) == 4095.0
+    pid = os.fork()
+    if pid == 0:  # the child: nothing of the lingering client is its own
+        os._exit(0 if not _client._lingering and old.closed and not old.links else 1)
+    assert wait_exit(pid, 30) == 0
+    q.put(np.ones(8))
+    again = q.get(timeout=30)
+    assert float(again.sum()) == 8.0 and _client._client is not old
+    del got, again
+    gc.collect()
+    wait_until(lambda: old.closed and not old._flusher.is_alive(), "the old client's flusher ends "
+               "once the last array it lent out is given back", 30, between=gc.collect)
+    assert old.wake.r < 0 and not old.links and old not in _client._lingering
