@@ -452,7 +452,10 @@ class RingLink:
                 if timeout is not None:  # a flood of wake-ups must not outlast the timeout
                     if deadline is None:
                         deadline = time.monotonic() + timeout
-                    elif time.monotonic() >= deadline:
+                    elif time.monotonic() >= deadline and not ring.readable() and not (
+                            self.armed_after_read and ring.arm()):
+                        # (a WAKE taken may be for a frame pushed since our pop: the ring is
+                        # looked at, and armed for a selector, before saying nothing came)
                         return None
                 continue
             if timeout is not None and timeout <= 0:
