@@ -11,6 +11,9 @@ common lives here and they hold it, rather than each keeping a copy:
 - ``trust.py``: what a borrower checks of every fd a lender sends before
   it maps it, and the caps on what one peer may make it hold (Note [Trust
   no fd], Note [Caps per peer]).
+- :class:`Borrowed`, :class:`Lender`, :class:`Caps` (``borrow.py``): what a
+  borrower maps of each lender's segments, and what each lender may make it
+  hold (Note [One borrower]).
 - :class:`WakePipe` (``wake.py``): the release flusher's wake-up, safe to
   poke from a finalizer.
 
@@ -18,8 +21,10 @@ Services sit above this layer and import from here, never from one another's
 private modules (docs/architecture.md, the layers).
 """
 
+from .borrow import Borrowed, Caps, Charge, Lender, default_caps
 from .pool import SPARE_BYTES, Held, LendingPool, Retirer, host_cause
 from .segments import SegmentBook
 from .wake import WakePipe
 
-__all__ = ["LendingPool", "Held", "Retirer", "SegmentBook", "SPARE_BYTES", "host_cause", "WakePipe"]
+__all__ = ["Borrowed", "Caps", "Charge", "Lender", "default_caps",
+           "LendingPool", "Held", "Retirer", "SegmentBook", "SPARE_BYTES", "host_cause", "WakePipe"]

@@ -38,7 +38,7 @@ import numpy as np
 
 from .. import _fork, _native, tensors, wire
 from .._errors import FdLimitError, PeerDied, ShmshareError, ShmshareTimeout
-from .._plane import WakePipe
+from .._plane import Borrowed, Lender, WakePipe, default_caps
 from .._plane.trust import check_fd, locally
 from ..segment import Flags, Segment
 from . import _layouts
@@ -65,6 +65,7 @@ _SEND_WAIT = 0.05  # s a release frame waits for room before it is left for the 
 _REQUEST_WAIT = 30.0  # s an fd request waits for the owner (its GIL may be busy)
 _CONNECT_WAIT = 10.0
 _MAX_SLOTS = 4 * SLOTS  # a table (and claim map) an owner may make us map
+_caps = default_caps("drop received arrays sooner: each keeps its segment mapped here")
 
 
 class _Link:
@@ -77,7 +78,7 @@ class _Link:
         self.pid, self.token = pid, token
         self.lock = threading.Lock()
         self.dead = False
-        self.segments: dict[int, _native.Lease] = {}  # id -> root lease of our mapping
+        self.segments = Borrowed(Lender(f"the owner of the handles (pid {pid})"), _caps)  # our mappings
         try:
             self.conn = wire.connect(path, timeout=_CONNECT_WAIT, role="mp-peer")
         except (OSError, ShmshareTimeout) as exc:
@@ -153,7 +154,7 @@ class _Link:
                          "handles not yet unpickled are void; arrays already received stay valid")
 
     def _drop(self, header: dict[Any, Any]) -> None:
-        self.segments.pop(header.get("i"), None)  # type: ignore[arg-type]  # views keep their pages
+        self.segments.drop(header.get("i"))  # views keep their pages
 
     def check(self) -> None:
         """Take in what the owner sent meanwhile; raise OwnerGone if it hung up."""
@@ -189,16 +190,12 @@ class _Link:
                                     f"segment {seg_id} of {size} bytes")
             # torch's own shm (share_memory_()) is neither sealed nor always backed: trusted as
             # torch trusts it -- the peer that pickled it could run any code in us anyway
-            check_fd(fds[0].fileno(), size, trust_unsealed=external, writable=True,
-                     backed=0 if external else None)
-            seg = locally(Segment.from_fd, fds.pop(), size, Flags.FROMFD)
+            # (its pool's segments count against the caps; torch's storages are the user's own)
+            return self.segments.map(seg_id, fds.pop(), size, writable=True, trust_unsealed=external,
+                                     backed=0 if external else None, charged=not external)
         finally:
             for f in fds:
                 f.close()
-        mapped: _native.Lease = seg.lease
-        self.segments[seg_id] = mapped
-        seg.close()  # no fd kept: the root lease keeps the mapping while views of it live
-        return mapped
 
     def lend_again(self, slot: int, gen: int) -> tuple[int, int]:
         """A new lease on the block of our lease (slot, gen), for a handle we pickle on."""

@@ -38,11 +38,10 @@ import numpy as np
 from .. import _native, tensors
 from .._errors import FdLimitError, PeerDied, ProtocolError, ShmshareTimeout
 from .._fd import Fd
-from .._plane import WakePipe
-from .._plane.trust import check_fd
+from .._plane import Borrowed, Lender, WakePipe, default_caps
 from .._typevars import V
 from ._flusher import Queued, flush_loop
-from ._inherited import copies_made, forget_store, reused_by_daemon, track_pool_mapping, track_store
+from ._inherited import copies_made, forget_store, map_shared, track_store
 from ._packing import Plan, build, new_memfd, one_array_meta, reserve, write_memfd
 from ._protocol import (
     BUSY,
@@ -69,6 +68,7 @@ _Shape = SupportsIndex | tuple[SupportsIndex, ...] | builtins.list[SupportsIndex
 
 _MIN_ANSWER = 0.05  # s a get(timeout=...) leaves the daemon to answer, however little is left
 _WAIT_MARGIN = 0.5  # s past a wait's own end that its answer may take
+_CAPS = default_caps("delete objects, or drop what you got sooner")  # its pool's segments
 
 
 class Store(Generic[V]):
@@ -104,7 +104,7 @@ class Store(Generic[V]):
         self.daemon_pid = self._conn.peer_cred.pid
         self._lock = threading.Lock()  # one request at a time on the connection
         self._owed = 0  # replies of timed-out requests still to come (Note [Replies owed])
-        self._segs: dict[int, _native.Lease] = {}  # segment id -> its read-only mapping
+        self._segs = Borrowed(Lender(f"the store daemon (pid {self.daemon_pid})"), _CAPS)  # its segments
         self._released: collections.deque[int] = collections.deque()
         self._unmapped: collections.deque[int] = collections.deque()
         self._drops: collections.deque[int] = collections.deque()  # segments the daemon dropped
@@ -505,13 +505,13 @@ class Store(Generic[V]):
                     # mapped (the daemon sent its fd once, to whichever reply came first)
                     root = self._segs.get(seg)
                     if root is None:
+                        sent = bool(fds)
                         try:
-                            root = self._map(fds, h.get("n"), private=False)
+                            root = self._map(fds, h.get("n"), seg)  # kept in _segs
                         except BaseException:
-                            if fds:
+                            if sent:
                                 self._forget.append(seg)  # sent, not mapped: ask for it again
                             raise
-                        self._segs[seg] = root
             except BaseException:
                 for f in fds:
                     f.close()
@@ -521,7 +521,7 @@ class Store(Generic[V]):
             if size == 0:
                 return build(meta, 0, 0, None, True, done, True)
             if private:
-                root = self._map(fds, h.get("n"), private=True)
+                root = self._map(fds, h.get("n"), None)
             assert root is not None
             if not 0 <= off <= off + size <= root.nbytes:
                 raise ProtocolError(f"the store placed {size} bytes at offset {off} of a "
@@ -534,16 +534,15 @@ class Store(Generic[V]):
             for f in fds:
                 f.close()
 
-    def _map(self, fds: builtins.list[Fd], nbytes: Any, private: bool) -> _native.Lease:
+    def _map(self, fds: builtins.list[Fd], nbytes: Any, seg: Any) -> _native.Lease:
+        """Map the fd of a reply: segment `seg` shared and kept, or (None) a private copy."""
         if len(fds) != 1 or type(nbytes) is not int or nbytes <= 0:
             raise ProtocolError("the store sent an object without its segment's fd")
-        fd = fds[0].fileno()
-        check_fd(fd, nbytes, trust_unsealed=False, writable=False)
-        address = _native.mmap(nbytes, fd, 0, writable=private, shared=not private)
-        root = _native.Lease(None, address, nbytes, not private, None, unmap=True)
-        if not private and reused_by_daemon(fd):
-            track_pool_mapping(root)  # a forked child copies it (Note [Views across fork])
-        return root
+        if seg is None:
+            return self._segs.map_private(fds[0], nbytes)
+        if type(seg) is not int:
+            raise ProtocolError(f"the store named segment {seg!r}")
+        return map_shared(self._segs, seg, fds.pop(), nbytes)
 
     def _wait(self, name: str, seconds: float) -> None:
         """Wait on a connection of its own until `name` is sealed (Note [Replies owed])."""

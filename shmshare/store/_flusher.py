@@ -95,7 +95,7 @@ def _flush_locked(self: Store, gone: list[Any]) -> None:
                 for f in fds:
                     f.close()
         while self._drops:
-            root = self._segs.pop(self._drops.popleft(), None)
+            root = self._segs.drop(self._drops.popleft())
             if root is not None:
                 gone.append(root)
     except PeerDied as exc:

@@ -57,6 +57,8 @@ from .._errors import ShmshareError
 from ._packing import check_cgroup, new_memfd
 
 if TYPE_CHECKING:
+    from .._fd import Fd
+    from .._plane import Borrowed
     from ._client import Store
 
 __all__ = ["track_store", "forget_store", "track_pool_mapping", "reused_by_daemon", "copies_made"]
@@ -89,6 +91,19 @@ def reused_by_daemon(fd: int) -> bool:
 def track_pool_mapping(root: _native.Lease) -> None:
     """Note a mapping of a pool segment, to be made private in a forked child."""
     _pool_maps.add(root)
+
+
+def map_shared(segs: Borrowed, seg: int, fd: Fd, nbytes: int) -> _native.Lease:
+    """Map segment `seg` of the daemon's, read-only and shared, and keep it in `segs` (a pool
+    segment is charged to the caps, and noted for a forked child to copy)."""
+    try:
+        pool = reused_by_daemon(fd.fileno())
+    except OSError:
+        pool = False  # not shared memory at all: the check in map() says so
+    root = segs.map(seg, fd, nbytes, writable=False, charged=pool)
+    if pool:
+        track_pool_mapping(root)
+    return root
 
 
 def copies_made(wait: float = COPY_WAIT) -> None:

@@ -70,7 +70,7 @@ def _in_received_segment(arr: np.ndarray) -> bool:
     ptr, lo, span = _native.extent(arr)
     start = ptr + lo
     for link in list(c.links.values()):
-        for root in list(link.segments.values()):
+        for root in list(link.segments.roots.values()):
             if root.address <= start and start + span <= root.address + root.nbytes:
                 return True
     return False

@@ -81,7 +81,7 @@ def test_threads_getting_objects_of_one_segment_at_once_all_succeed(
             time.sleep(0.3)
         check_fd(*args, **kw)
 
-    monkeypatch.setattr("shmshare.store._client.check_fd", slow_check)
+    monkeypatch.setattr("shmshare._plane.borrow.check_fd", slow_check)
     got: dict[str, Any] = {}
 
     def get_a() -> None:
