@@ -18,6 +18,8 @@ from __future__ import annotations
 import importlib as _importlib
 import multiprocessing as _mp
 import multiprocessing.util as _util
+import numbers as _numbers
+import operator as _operator
 import sys as _sys
 from collections.abc import Iterable as _Iterable
 from multiprocessing import *  # noqa: F403  (the drop-in: everything multiprocessing exports)
@@ -122,7 +124,7 @@ def empty(shape: Any, dtype: Any = _np.float64) -> Any:
     with no copy at all: fill it in place, then send it.
     """
     np_dtype, torch_dtype = _tensors.alloc_dtypes(dtype)
-    shp = (shape,) if isinstance(shape, int) else tuple(int(n) for n in shape)
+    shp = _dims(shape)
     if any(n < 0 for n in shp):
         raise ValueError(f"negative dimensions are not allowed: {shp}")
     return _tensors.allocated(_get_owner().empty(shp, np_dtype), torch_dtype)
@@ -157,8 +159,22 @@ def shutdown(linger: float = 0.0) -> None:
     """Stop this process's fd server and links now, after serving unclaimed handles for up to
     `linger` s; give its pool back. Arrays received stay valid. Done at exit on its own
     (with :func:`exit_linger`); a later pickle starts a fresh pool."""
+    if isinstance(linger, bool) or not isinstance(linger, _numbers.Real) or not linger >= 0:
+        raise ValueError(f"shutdown(linger=...) takes seconds >= 0, got {linger!r}")
     _close_client()
     _close_owner(linger)
+
+
+def _dims(shape: Any) -> tuple[int, ...]:
+    """`shape` as numpy takes it: an int, or a sequence of ints (no floats, no strings)."""
+    try:
+        if isinstance(shape, str | bytes):
+            raise TypeError
+        if not hasattr(shape, "__iter__"):
+            return (_operator.index(shape),)
+        return tuple(_operator.index(n) for n in shape)
+    except TypeError:
+        raise TypeError(f"shape must be an int or a sequence of ints, as numpy's, got {shape!r}") from None
 
 
 def _at_exit() -> None:

@@ -494,12 +494,12 @@ class Client:
             self._flusher.join(5.0)
             self.wake.close()
         else:
+            _lingering.add(self)  # first: the flusher takes it out once it has closed itself
             self.lingering = True
             self.wake.poke()  # the flusher looks again
 
     def _close_idle(self) -> bool:
-        """Close the links with no claim out (or whose owner is gone); True if none is left,
-        and this client is closed."""
+        """Close the links with no claim out (or owner); True if none is left: closed."""
         with self.lock:
             for key, link in list(self.links.items()):
                 if self.claims[key] <= 0 or not alive(key[0]):
@@ -556,9 +556,7 @@ def close_client() -> None:
     with _client_lock:
         got, _client = _client, None
         if got is not None:
-            got.close()
-            if got.lingering:
-                _lingering.add(got)  # a forked child forgets it too
+            got.close()  # with claims out, it lingers in _lingering (a forked child forgets it)
 
 
 def rebuild_array(pid: int, token: int, path: str, seg_id: int, size: int, start: int, span: int,
@@ -592,6 +590,10 @@ def _after_fork_in_child() -> None:
         c.links.clear()
         c.released.clear()
         c.pending.clear()
+        w = c.wake  # the parent's flusher's pipe: closed here without its lock (held at the fork?)
+        fds, w.r, w.w, w.lock = [fd for fd in (w.r, w.w) if fd >= 0], -1, -1, threading.Lock()
+        for fd in fds:
+            os.close(fd)
     _lingering.clear()
 
 

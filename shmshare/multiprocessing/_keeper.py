@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import numbers
 import os
 import signal
 import time
@@ -67,6 +68,8 @@ def set_exit_linger(seconds: float) -> None:
     """Set :func:`exit_linger` for this process (children made later inherit it through
     ``SHMSHARE_MP_LINGER``, which this sets too)."""
     global _linger
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+        raise ValueError(f"exit linger must be >= 0 seconds, got {seconds!r}")
     value = float(seconds)
     if not value >= 0:
         raise ValueError(f"exit linger must be >= 0 seconds, got {seconds!r}")

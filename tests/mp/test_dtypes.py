@@ -422,3 +422,21 @@ def test_reducers_are_ours_after_torch_multiprocessing():
     assert ForkingPickler._extra_reducers[torch.nn.Parameter] is _reduce.reduce_tensor
     assert ForkingPickler._extra_reducers[torch.UntypedStorage] is _reduce.reduce_storage
     assert ForkingPickler._extra_reducers[np.ndarray] is _reduce.reduce_ndarray
+
+
+@pytest.mark.parametrize("shape", [(2.5, 1.9), 2.0, "abc", None, (3, "4")])
+def test_a_shape_of_anything_but_ints_is_a_type_error_as_numpys(shape):
+    with pytest.raises(TypeError, match=r"shape must be an int or a sequence of ints"):
+        smp.zeros(shape, np.float32)
+    with pytest.raises(TypeError):
+        np.zeros(shape, np.float32)  # what numpy says too (no silent rounding down)
+    assert smp.zeros((np.int64(2), 3)).shape == (2, 3) and smp.empty(np.int32(4)).shape == (4,)
+
+
+@pytest.mark.parametrize("linger", ["x", None, -1, True, float("nan")])
+def test_shutdown_with_a_bad_linger_says_so_and_stops_nothing(linger):
+    ForkingPickler.dumps(np.ones(4096))  # an owner and its fd server are up
+    with pytest.raises(ValueError, match=r"shutdown\(linger=\.\.\.\) takes seconds >= 0"):
+        smp.shutdown(linger=linger)
+    assert smp.statistics().pid != 0  # still this process's, and shutdown() then stops it
+    smp.shutdown()
