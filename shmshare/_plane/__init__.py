@@ -14,8 +14,10 @@ common lives here and they hold it, rather than each keeping a copy:
 - :class:`Borrowed`, :class:`Lender`, :class:`Caps` (``borrow.py``): what a
   borrower maps of each lender's segments, and what each lender may make it
   hold (Note [One borrower]).
-- :class:`WakePipe` (``wake.py``): the release flusher's wake-up, safe to
-  poke from a finalizer.
+- ``flusher.py``: the one release flusher (a thread per borrower, woken by a
+  :class:`WakePipe`, ``wake.py``, safe to poke from a finalizer) that the
+  channel's receiver, the multiprocessing client and the store's client
+  each host (Note [One release path]).
 
 Services sit above this layer and import from here, never from one another's
 private modules (docs/architecture.md, the layers).

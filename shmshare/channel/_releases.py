@@ -8,9 +8,10 @@ Note [Releases]
     takes no lock. Releases go back in one frame per sender, from two places:
     ``recv`` sends them when enough have gathered (``BATCH`` of them, or
     ``BATCH_BYTES`` of pool memory) or the last batch is older
-    than ``MAX_AGE``; the flusher thread, once armed, wakes every
-    ``MAX_AGE`` and sends what ``recv`` left (a consumer that stopped
-    calling ``recv``), and disarms when the queue is empty. So a sender
+    than ``MAX_AGE``; the flusher thread (the plane's, Note [One release
+    path]), once armed, wakes every ``MAX_AGE`` and sends what ``recv``
+    left (a consumer that stopped calling ``recv``), and disarms when the
+    queue is empty. So a sender
     blocked on a full pool never waits on releases that sit here for more
     than about ``MAX_AGE``, and a busy consumer pays one small frame per
     batch, not per array, with the flusher waking at most 1/MAX_AGE times
@@ -21,49 +22,46 @@ from __future__ import annotations
 
 import collections
 import os
-import select
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .. import _fork
 from .._errors import PeerDied, ShmshareTimeout
-from .._plane import WakePipe
+from .._plane.flusher import MAX_AGE, Waker, start_flusher
 from ._protocol import KIND, LEASES, RELEASE, RELEASE_CHUNK
 
 if TYPE_CHECKING:
     from ._books import Peer
     from ._receiver import Receiver
 
-__all__ = ["MAX_AGE", "BATCH", "BATCH_BYTES", "ReleaseQueue", "Release", "flusher_main", "current_pid"]
+__all__ = ["MAX_AGE", "BATCH", "BATCH_BYTES", "ReleaseQueue", "Release", "current_pid"]
 
-MAX_AGE = 0.002  # s a release may wait before it is sent
 BATCH = 64  # releases that make recv() send at once, ...
 BATCH_BYTES = 1 << 20  # ... or bytes released: a sender's pool should not grow by a batch of them
-_STUCK_MAX_AGE = 0.1  # s: the flusher's longest pause while a sender's socket stays full
 _pid = os.getpid()  # releases are sent only by the process that received the arrays
 
 
-class ReleaseQueue:
-    """The releases a receiver owes its senders, its flusher's wake-up pipe and thread."""
+class ReleaseQueue(Waker):
+    """The releases a receiver owes its senders, its flusher's wake-up and thread (the host of
+    the plane's flusher: Note [One release path])."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.items: collections.deque[tuple[Peer, int]] = collections.deque()  # (sender, lease)
         self.nbytes = 0  # about how many bytes the queued releases give back (a hint)
-        self.wake = WakePipe()
-        self.armed = False  # the flusher is awake and will look at the queue again
         self.last_flush = 0.0
         self.lock = threading.Lock()  # one flush at a time
         self.thread: threading.Thread | None = None
+        self.rx: Callable[[], Receiver | None] = lambda: None
 
     def add(self, peer: Peer, lease: int, nbytes: int) -> None:
         """Queue one release (from a Lease callback: any bytecode, so no lock)."""
         self.items.append((peer, lease))
         self.nbytes += nbytes  # a race only blurs the hint
-        if not self.armed:
-            self.armed = True
-            self.wake.poke()
+        self.poke()
 
     def due(self) -> bool:
         """Whether recv() sends now: enough gathered, or the oldest is MAX_AGE old."""
@@ -71,11 +69,29 @@ class ReleaseQueue:
                 or time.monotonic() - self.last_flush > MAX_AGE)
 
     def start(self, rx: Receiver) -> None:
-        """Start the flusher (at the first batch received)."""
+        """Start the flusher (at the first batch received); it holds this queue weakly, and
+        this queue the receiver."""
         if self.thread is None:
-            self.thread = threading.Thread(target=flusher_main, args=(weakref.ref(rx), self),
-                                           name="shmshare-releases", daemon=True)
-            self.thread.start()
+            self.rx = weakref.ref(rx)
+            self.thread = start_flusher(self, self, "shmshare-releases")
+
+    # -- the flusher's host (Note [One release path]) -----------------------------------------
+
+    def _flusher_flush(self) -> bool:
+        rx = self.rx()
+        if rx is None or rx._closed or time.monotonic() - self.last_flush < MAX_AGE:
+            return True  # gone, or recv() flushed just now
+        return self.flush(rx._peers)
+
+    def _flusher_pending(self) -> bool:
+        return bool(self.items)
+
+    def _flusher_idle(self) -> None:
+        pass  # a receiver's releases all come by the pipe
+
+    def _flusher_done(self) -> bool:
+        rx = self.rx()
+        return rx is None or rx._closed
 
     def flush(self, peers: list[Peer]) -> bool:
         """Send every queued release, one frame per sender (a sender not in `peers` is gone).
@@ -124,39 +140,6 @@ class Release:
         if self.pid != _pid:
             return  # an array inherited by a forked child: the lease is its parent's
         self.q.add(self.peer, self.lease, self.nbytes)
-
-
-def flusher_main(ref: weakref.ref[Receiver], q: ReleaseQueue) -> None:
-    """The flusher thread: send what recv() left behind (Note [Releases])."""
-    wake = q.wake
-    wake_r = wake.r  # the receiver closes the pipe only after this thread has returned
-    poller = select.poll()
-    poller.register(wake_r, select.POLLIN)
-    while True:
-        poller.poll(1000)  # disarmed: sleep until a release arms us (or a second passes)
-        rx = ref()
-        if rx is None or rx._closed:
-            wake.close()  # a finalized receiver leaves its pipe to us; close() joined us first
-            return
-        try:
-            os.read(wake_r, 4096)
-        except BlockingIOError:
-            pass
-        pause = MAX_AGE
-        while True:  # armed: look every MAX_AGE until the queue stays empty
-            time.sleep(pause)
-            if rx._closed:
-                wake.close()
-                return
-            if time.monotonic() - q.last_flush >= MAX_AGE:
-                # a sender that does not read: look less often (and batch more) until it does
-                pause = MAX_AGE if q.flush(rx._peers) else min(2 * pause, _STUCK_MAX_AGE)
-            q.armed = False  # disarm first, then look: a release racing with us re-arms
-            if q.items:
-                q.armed = True
-                continue
-            break
-        del rx
 
 
 def current_pid() -> int:

@@ -15,9 +15,9 @@ Note [Unpickling a handle]
        comes first: a claim made before the mapping could let an exiting
        owner go before we had its fd.
     4. The view: a ``_native.Lease`` over the bytes, whose callback clears
-       the mark and queues the release when the last view dies; a flusher
-       thread sends the releases to each owner in batches within
-       ``_MAX_AGE``.
+       the mark and queues the release when the last view dies; the
+       flusher thread (the plane's, Note [One release path]) sends the
+       releases to each owner in batches within its MAX_AGE.
     A forked child starts with no links and never sends a release for an
     array it inherited: those leases are its parent's.
 """
@@ -31,14 +31,14 @@ import os
 import select
 import threading
 import time
-import warnings
 from typing import Any
 
 import numpy as np
 
 from .. import _fork, _native, tensors, wire
 from .._errors import FdLimitError, PeerDied, ShmshareError, ShmshareTimeout
-from .._plane import Borrowed, Lender, WakePipe, default_caps
+from .._plane import Borrowed, Lender, default_caps
+from .._plane.flusher import Waker, start_flusher
 from .._plane.trust import check_fd, locally
 from ..segment import Flags, Segment
 from . import _layouts
@@ -59,8 +59,6 @@ from ._table import CLAIMED, PENDING, SLOTS, Signer, describe, word
 
 __all__ = ["client", "rebuild_array", "close_client"]
 
-_MAX_AGE = 0.002  # s a release may wait before it is sent
-_STUCK_PAUSE = 0.1  # s: the flusher's longest pause while an owner's socket stays full
 _SEND_WAIT = 0.05  # s a release frame waits for room before it is left for the next round
 _REQUEST_WAIT = 30.0  # s an fd request waits for the owner (its GIL may be busy)
 _CONNECT_WAIT = 10.0
@@ -240,9 +238,7 @@ class _Released:
         self.marks[self.slot] = 0  # first: the owner may take the block back from now on
         c = self.client
         c.released.append((self.key, self.slot, self.gen))
-        if not c.armed:
-            c.armed = True
-            c.wake.poke()
+        c.waker.poke()
 
 
 class Client:
@@ -266,15 +262,11 @@ class Client:
         self.pending: dict[tuple[int, int], list[int]] = {}  # the flusher's: not sent yet
         self._making: dict[tuple[int, int], threading.Lock] = {}  # one link being made per owner
         self._swept = 0.0  # when the flusher last let go of dead owners' links
-        self._flusher_failed = False
         self.flush_lock = threading.Lock()
-        self.wake = WakePipe()
-        self.armed = False
+        self.waker = Waker()  # the flusher's wake-up (Note [One release path])
         self.closed = False
         self.lingering = False  # close() left claims out: the flusher closes once they are back
-        self._flusher = threading.Thread(target=self._flush_main, name="shmshare-mp-releases",
-                                         daemon=True)
-        self._flusher.start()
+        self._flusher = start_flusher(self, self.waker, "shmshare-mp-releases")
 
     def link(self, pid: int, token: int, path: str) -> _Link:
         """The live link to an owner, made (again) if need be -- never under ``self.lock``:
@@ -439,50 +431,27 @@ class Client:
                 return len(pairs)
             return 0  # it dropped us but lives: a new link next round
 
-    def _flush_main(self) -> None:
-        """The flusher thread; it must outlive any error (a dead flusher strands every release)."""
-        while not self.closed:
-            try:
-                self._flush_loop()
-                if self.lingering:  # closed itself once the last claim was given back
-                    _lingering.discard(self)
-                    self.wake.close()
-            except Exception as exc:  # noqa: BLE001  (said, then on with the next round)
-                if not self._flusher_failed:
-                    self._flusher_failed = True
-                    warnings.warn(f"shmshare.multiprocessing's release flusher: {exc!r}; it "
-                                  "goes on", RuntimeWarning, stacklevel=1)
-                time.sleep(_STUCK_PAUSE)
+    # -- the flusher's host (Note [One release path]) ------------------------------------------
 
-    def _flush_loop(self) -> None:
-        wake = self.wake
-        poller = select.poll()
-        poller.register(wake.r, select.POLLIN)
-        while not self.closed:
-            if self.lingering and self._close_idle():
-                return
-            if not poller.poll(1000):
-                self._forget_the_dead()  # idle: a second without releases
-                continue
-            try:
-                os.read(wake.r, 4096)
-            except (BlockingIOError, OSError):
-                pass
-            pause = _MAX_AGE
-            if time.monotonic() - self._swept >= 1.0:  # a busy consumer of many owners too
-                self._swept = time.monotonic()
-                self._forget_the_dead()
-            # Armed (a release pokes the pipe) only while we wait in poll(): a steady stream of
-            # releases is sent every _MAX_AGE with no poke, no pipe read and no poll() for it
-            while not self.closed:
-                time.sleep(pause)
-                if not self.released and not self.pending:
-                    self.armed = False  # disarm first, then look: a release racing with us
-                    if not self.released:  # after this pokes; one before it is in the deque
-                        break
-                    self.armed = True
-                # an owner that does not read (stopped, busy): look less often until it does
-                pause = _MAX_AGE if self.flush() else min(2 * pause, _STUCK_PAUSE)
+    def _flusher_flush(self) -> bool:
+        if time.monotonic() - self._swept >= 1.0:  # a busy consumer of many owners too
+            self._swept = time.monotonic()
+            self._forget_the_dead()
+        return self.flush()  # an owner that does not read (stopped, busy): False
+
+    def _flusher_pending(self) -> bool:
+        return bool(self.released or self.pending)
+
+    def _flusher_idle(self) -> None:
+        self._forget_the_dead()  # a second without releases
+
+    def _flusher_done(self) -> bool:
+        if self.closed:
+            return True
+        if self.lingering and self._close_idle():  # closed once the last claim was given back
+            _lingering.discard(self)
+            return True
+        return False
 
     def close(self) -> None:
         """Send what is queued and close the links with no claim out. With claims out (arrays
@@ -490,13 +459,13 @@ class Client:
         its links, its pipe and itself (``close_client()`` has let go of this client by then)."""
         self.flush()
         if self._close_idle():
-            self.wake.poke()
+            self.waker.wake.poke()
             self._flusher.join(5.0)
-            self.wake.close()
+            self.waker.wake.close()
         else:
             _lingering.add(self)  # first: the flusher takes it out once it has closed itself
             self.lingering = True
-            self.wake.poke()  # the flusher looks again
+            self.waker.wake.poke()  # the flusher looks again
 
     def _close_idle(self) -> bool:
         """Close the links with no claim out (or owner); True if none is left: closed."""
@@ -590,7 +559,7 @@ def _after_fork_in_child() -> None:
         c.links.clear()
         c.released.clear()
         c.pending.clear()
-        w = c.wake  # the parent's flusher's pipe: closed here without its lock (held at the fork?)
+        w = c.waker.wake  # the parent's flusher's pipe: closed here without its lock (held at the fork?)
         fds, w.r, w.w, w.lock = [fd for fd in (w.r, w.w) if fd >= 0], -1, -1, threading.Lock()
         for fd in fds:
             os.close(fd)

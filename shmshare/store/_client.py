@@ -38,9 +38,10 @@ import numpy as np
 from .. import _native, tensors
 from .._errors import FdLimitError, PeerDied, ProtocolError, ShmshareTimeout
 from .._fd import Fd
-from .._plane import Borrowed, Lender, WakePipe, default_caps
+from .._plane import Borrowed, Lender, default_caps
+from .._plane.flusher import Waker, start_flusher
 from .._typevars import V
-from ._flusher import Queued, flush_loop
+from ._flusher import Flushing, Queued
 from ._inherited import copies_made, forget_store, map_shared, track_store
 from ._packing import Plan, build, new_memfd, one_array_meta, reserve, write_memfd
 from ._protocol import (
@@ -109,8 +110,7 @@ class Store(Generic[V]):
         self._unmapped: collections.deque[int] = collections.deque()
         self._drops: collections.deque[int] = collections.deque()  # segments the daemon dropped
         self._forget: builtins.list[int] = []  # segments sent to us that we did not map
-        self._armed = False  # the flusher is awake and will look at the queues again
-        self._wake = WakePipe()
+        self._waker = Waker()  # the flusher's wake-up (Note [One release path])
         self._out = 0  # gets whose views are still alive
         self._staging: tuple[int, int] | None = None  # (fd, address) of our staging memfd
         self._creating: dict[str, tuple[int, Any]] = {}  # name -> (oid, buffer or None)
@@ -118,9 +118,8 @@ class Store(Generic[V]):
         self._gone_as: type[StoreError] = StoreGone  # ... and what that raises
         # the thread holds the Store only weakly: a Store dropped unclosed (and with no view
         # left, since views hold it) is collected, and the thread then ends
-        self._flusher = threading.Thread(target=flush_loop, args=(weakref.ref(self), self._wake),
-                                         name="shmshare-store-flusher", daemon=True)
-        self._flusher.start()
+        self._flushing = Flushing(self)
+        self._flusher = start_flusher(self._flushing, self._waker, "shmshare-store-flusher")
         track_store(self)
 
     # -- the API -------------------------------------------------------------------
@@ -288,7 +287,7 @@ class Store(Generic[V]):
             return
         self._closed = True
         self._segs.clear()  # views keep their own mappings
-        self._wake.poke()
+        self._waker.wake.poke()
         if threading.current_thread() is not self._flusher:
             self._flusher.join(1.0 if self._idle() else 0)
 
@@ -304,7 +303,7 @@ class Store(Generic[V]):
                 self._closed = True
                 self._conn.close()
                 self._drop_staging()  # its fd and mapping are ours, not the flusher's
-                self._wake.poke()
+                self._waker.wake.poke()
         except Exception:  # noqa: BLE001, S110 - a half-built Store, or interpreter shutdown
             pass
 
@@ -469,9 +468,7 @@ class Store(Generic[V]):
         # pages (a tenth of a second per GiB), which a get must not wait for
         if type(seg) is int:
             self._drops.append(seg)
-            if not self._armed:
-                self._armed = True
-                self._wake.poke()
+            self._waker.poke()
 
     def _stage(self, plan: Plan) -> None:
         """Copy a small object's bytes into our staging memfd (under the lock)."""

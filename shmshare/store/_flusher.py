@@ -2,29 +2,25 @@
 
 Releases of views that died (Note [A client's mappings]), notices that a created object's
 writable mapping is gone, ``drop`` frames, and the replies of requests given up on (Note
-[Replies owed]) all queue here; a thread per Store sends and reads them within milliseconds
-when the client is idle, and requests carry them sooner when it is not.
+[Replies owed]) all queue here; a thread per Store (the plane's flusher, Note [One release
+path]) sends and reads them within milliseconds when the client is idle, and requests carry
+them sooner when it is not.
 """
 
 from __future__ import annotations
 
 import collections
-import os
-import select
-import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
 from .._errors import FdLimitError, PeerDied, ShmshareError
-from .._plane import WakePipe
 
 if TYPE_CHECKING:
     from ._client import Store
 
-__all__ = ["Queued", "flush", "flush_loop"]
+__all__ = ["Queued", "flush", "Flushing"]
 
-FLUSH_DELAY = 0.002  # s an idle client's releases wait for a request to carry them
-IDLE_POLL = 1.0  # s between an idle client's looks for drop frames
+IDLE_POLL = 1.0  # s a flush waits for a request in flight to end
 
 
 class Queued:
@@ -37,11 +33,8 @@ class Queued:
         self.store, self.queue, self.oid = store, queue, oid
 
     def __call__(self) -> None:
-        store = self.store
         self.queue.append(self.oid)
-        if not store._armed:
-            store._armed = True
-            store._wake.poke()
+        self.store._waker.poke()
 
 
 def flush(self: Store) -> None:
@@ -106,26 +99,32 @@ def _flush_locked(self: Store, gone: list[Any]) -> None:
         self._lock.release()
 
 
+class Flushing:
+    """The host of a Store's flusher (Note [One release path] in ``_plane/flusher.py``): it
+    holds the Store weakly, and the Store holds it; a Store collected unclosed takes it along,
+    and the flusher then ends."""
 
-def flush_loop(ref: weakref.ref[Store], wake: WakePipe) -> None:
-    """The flusher: releases of an idle client, drop frames, and the end after close()."""
-    poller = select.poll()
-    poller.register(wake.r, select.POLLIN)
-    while True:
-        ready = poller.poll(IDLE_POLL * 1000)
-        store = ref()
+    __slots__ = ("ref", "__weakref__")
+
+    def __init__(self, store: Store) -> None:
+        self.ref = weakref.ref(store)
+
+    def _flusher_flush(self) -> bool:
+        store = self.ref()
         if store is None:
-            wake.close()  # a Store collected unclosed leaves its pipe to us
-            return
-        if ready:
-            try:
-                os.read(wake.r, 4096)
-            except OSError:
-                pass
-            time.sleep(FLUSH_DELAY)  # a request may carry them sooner
-        store._armed = False  # disarm first, then look: a release racing with us re-arms
+            return True
         flush(store)
-        if store._closed and store._idle() and store._shutdown():
-            wake.close()
-            return
-        del store
+        return not (store._released or store._unmapped)  # else its socket was full
+
+    def _flusher_pending(self) -> bool:
+        store = self.ref()
+        return store is not None and bool(store._released or store._unmapped or store._drops)
+
+    def _flusher_idle(self) -> None:
+        store = self.ref()
+        if store is not None:
+            flush(store)  # the drop frames an idle client was sent
+
+    def _flusher_done(self) -> bool:
+        store = self.ref()
+        return store is None or (store._closed and store._idle() and store._shutdown())

@@ -235,7 +235,7 @@ def test_releases_go_back_whether_the_flusher_was_idle_or_sending():
     _drop_and_count(1)  # an idle flusher, woken
     _drop_and_count(300)  # many at once
     c = _client.client()
-    wait_until(lambda: not c.armed, "the flusher back in poll(), disarmed", WAIT)
+    wait_until(lambda: not c.waker.armed, "the flusher back in poll(), disarmed", WAIT)
     _drop_and_count(1)  # idle again: the next release must still wake it
     # a stream: each release while the flusher sleeps between sends
     held = [ForkingPickler.loads(ForkingPickler.dumps(np.full(1 << 10, k, np.uint8))) for k in range(64)]

@@ -510,7 +510,7 @@ def test_a_client_shut_down_with_arrays_alive_goes_once_they_die_and_a_fork_forg
     assert float(got[4095]) == 4095.0
     pid = os.fork()
     if pid == 0:  # the child: nothing of the lingering client is its own
-        os._exit(0 if not _client._lingering and old.closed and not old.links and old.wake.r < 0 else 1)
+        os._exit(0 if not _client._lingering and old.closed and not old.links and old.waker.wake.r < 0 else 1)
     assert wait_exit(pid, 30) == 0
     q.put(np.ones(8))
     again = q.get(timeout=30)
@@ -519,4 +519,4 @@ def test_a_client_shut_down_with_arrays_alive_goes_once_they_die_and_a_fork_forg
     gc.collect()
     wait_until(lambda: old.closed and not old._flusher.is_alive(), "the old client's flusher ends "
                "once the last array it lent out is given back", 30, between=gc.collect)
-    assert old.wake.r < 0 and not old.links and old not in _client._lingering
+    assert old.waker.wake.r < 0 and not old.links and old not in _client._lingering

@@ -73,7 +73,7 @@ def test_releases_carried_by_a_request_whose_fd_the_daemon_could_not_take_are_ke
     that request carried are dropped with it: the client counts them sent, so the reference
     of a view it let go of is never given back and the object is never freed while it stays
     connected. A fix must apply err.header's "rl" and "fg" before answering the error."""
-    monkeypatch.setattr("shmshare.store._flusher.FLUSH_DELAY", 0.5)  # the put carries the rel
+    monkeypatch.setattr("shmshare._plane.flusher.MAX_AGE", 0.5)  # the put carries the rel
     path = os.path.join(sockdir, f"nofile4-{os.getpid()}.sock")
     d = _start_with_nofile(path, 64)
     try:
@@ -112,7 +112,7 @@ def test_drop_frames_queued_for_a_client_leave_room_for_its_reply(
     fix must keep the daemon's own unsolicited frames from costing a client its connection
     (bound them per client and carry the rest in replies' "d"). The flusher's idle look is
     slowed to 5 s so that it does not drain the frames first (unpatched: once a second)."""
-    monkeypatch.setattr("shmshare.store._flusher.IDLE_POLL", 5.0)
+    monkeypatch.setattr("shmshare._plane.flusher.IDLE", 5.0)
     n = 720
     with Store(own_daemon.path) as b:
         for i in range(n):

@@ -153,8 +153,8 @@ def _drop_unclosed(path: str) -> tuple[int, int, str, threading.Thread, Any]:
     # __del__'s poke could wake the flusher while the Store is being finalized, and it would
     # then shut the Store down itself (a race the common case loses): taking the pipe's lock
     # makes that poke a no-op, so the flusher finds the Store gone at its next idle look
-    s._wake.lock.acquire()
-    return fd, address, os.readlink(f"/proc/self/fd/{fd}"), s._flusher, s._wake.lock
+    s._waker.wake.lock.acquire()
+    return fd, address, os.readlink(f"/proc/self/fd/{fd}"), s._flusher, s._waker.wake.lock
 
 
 def test_a_store_collected_unclosed_closes_its_staging_memfd(daemon: Daemon) -> None:
