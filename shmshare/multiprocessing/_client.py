@@ -266,6 +266,7 @@ class Client:
         self.waker = Waker()  # the flusher's wake-up (Note [One release path])
         self.closed = False
         self.lingering = False  # close() left claims out: the flusher closes once they are back
+        self.rebuilding = 0  # unpickles under way (under lock): none may find this client closed
         self._flusher = start_flusher(self, self.waker, "shmshare-mp-releases")
 
     def link(self, pid: int, token: int, path: str) -> _Link:
@@ -326,9 +327,22 @@ class Client:
             if link.dead:
                 self._forget(key)
 
-    def rebuild(self, pid: int, token: int, path: str, seg_id: int, size: int, start: int,
-                span: int, lo: int, strides: tuple[int, ...], slot: int, gen: int,
-                dtype: np.dtype, shape: tuple[int, ...], external: bool, mac: bytes) -> np.ndarray:
+    def rebuild(self, *args: Any) -> np.ndarray | None:
+        """An array of a handle; None if this client closed meanwhile (a shutdown() on another
+        thread): then a new one rebuilds it. A client never closes while one is under way."""
+        with self.lock:
+            if self.closed:
+                return None
+            self.rebuilding += 1
+        try:
+            return self._rebuild(*args)
+        finally:
+            with self.lock:
+                self.rebuilding -= 1
+
+    def _rebuild(self, pid: int, token: int, path: str, seg_id: int, size: int, start: int,
+                 span: int, lo: int, strides: tuple[int, ...], slot: int, gen: int,
+                 dtype: np.dtype, shape: tuple[int, ...], external: bool, mac: bytes) -> np.ndarray:
         if not (start >= 0 and span > 0 and start + span <= size and lo <= 0 and slot >= 0):
             raise HandleError(f"a malformed handle: {span} bytes at offset {start} of a "
                               f"{size}-byte segment of pid {pid}, slot {slot}")
@@ -470,6 +484,8 @@ class Client:
     def _close_idle(self) -> bool:
         """Close the links with no claim out (or owner); True if none is left: closed."""
         with self.lock:
+            if self.rebuilding:
+                return False  # its link is in use, its claim not counted yet
             for key, link in list(self.links.items()):
                 if self.claims[key] <= 0 or not alive(key[0]):
                     del self.links[key]
@@ -540,10 +556,12 @@ def rebuild_array(pid: int, token: int, path: str, seg_id: int, size: int, start
         if len(_dtypes) < 1024:
             _dtypes[dtype] = dt
     c = _client
-    if c is None or c.closed:  # (a lingering one is no longer _client)
-        c = client()
-    return c.rebuild(pid, token, path, seg_id, size, start, span, lo, strides, slot, gen, dt,
-                     shape, external, mac)
+    args = (pid, token, path, seg_id, size, start, span, lo, strides, slot, gen, dt, shape, external, mac)
+    while True:
+        got = (c if c is not None and not c.closed else client()).rebuild(*args)
+        if got is not None:
+            return got
+        c = None  # closed by a shutdown() on another thread since we took it: a new client
 
 
 _dtypes: dict[str, np.dtype] = {}

@@ -520,3 +520,61 @@ def test_a_client_shut_down_with_arrays_alive_goes_once_they_die_and_a_fork_forg
     wait_until(lambda: old.closed and not old._flusher.is_alive(), "the old client's flusher ends "
                "once the last array it lent out is given back", 30, between=gc.collect)
     assert old.waker.wake.r < 0 and not old.links and old not in _client._lingering
+
+
+def _owner_child(conn) -> None:
+    """A forked owner: pickle an array, send the handle, answer how many are claimed until told."""
+    conn.send_bytes(bytes(ForkingPickler.dumps(np.arange(512.0))))
+    while conn.recv() == "claimed?":
+        conn.send(smp.statistics().handles_claimed)
+
+
+def test_a_shutdown_while_another_thread_unpickles_leaves_that_array_a_client_that_sends_its_release():
+    """shutdown() on one thread while another is inside an unpickle: the client is not closed
+    under it (its claim would be counted in a client with no flusher, and the owner would never
+    get the block back); it lingers until that array, too, is given back."""
+    import multiprocessing as mp
+
+    ours, theirs = mp.Pipe()
+    child = mp.get_context("fork").Process(target=_owner_child, args=(theirs,), daemon=True)
+    child.start()
+    theirs.close()
+
+    def claimed() -> int:
+        ours.send("claimed?")
+        return ours.recv()
+
+    try:
+        handle = ours.recv_bytes()
+        inside, go = threading.Event(), threading.Event()
+        real = _client._Link.segment
+
+        def segment(link, *args):
+            inside.set()
+            assert go.wait(30)
+            return real(link, *args)
+
+        got: list = []
+        t = threading.Thread(target=lambda: got.append(ForkingPickler.loads(handle)))
+        with pytest.MonkeyPatch.context() as mp_:
+            mp_.setattr(_client._Link, "segment", segment)
+            t.start()
+            assert inside.wait(30)
+            old = _client._client
+            smp.shutdown()  # while the unpickle is under way
+            assert old is not None and not old.closed and old.lingering
+            go.set()
+            t.join(30)
+        assert got and float(got[0][511]) == 511.0
+        assert claimed() == 1
+        got.clear()
+        gc.collect()
+        wait_until(lambda: old.closed and not old._flusher.is_alive(), "the old client closed "
+                   "once the array unpickled during the shutdown was given back", 30)
+        wait_until(lambda: claimed() == 0, "the owner got its block back", 30)
+    finally:
+        ours.send("stop")
+        child.join(10)
+        kill(child.pid)
+        child.close()
+        ours.close()
