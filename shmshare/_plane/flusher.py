@@ -63,8 +63,9 @@ class Waker:
 class Host(Protocol):
     """What a borrower tells its flusher (Note [One release path])."""
 
-    def _flusher_flush(self) -> bool:
-        """Send what is queued; False if a lender's socket was full (some stay queued)."""
+    def _flusher_flush(self) -> bool | None:
+        """Send what is queued; False if a lender's socket was full (some stay queued); None
+        if there was no need now (sent by another path just before: the pace stays)."""
 
     def _flusher_pending(self) -> bool:
         """Whether releases are queued still."""
@@ -110,9 +111,9 @@ def _armed(host: Host, waker: Waker, said: list[bool]) -> bool:
     pause = MAX_AGE
     while True:
         time.sleep(pause)
-        sent = _call(host._flusher_flush, said, default=False)
-        # a lender that does not read: look less often (and batch more) until it does
-        pause = MAX_AGE if sent else min(2 * pause, STUCK_MAX_AGE)
+        sent = _call(host._flusher_flush, said, default=False, keep_none=True)
+        if sent is not None:  # a lender that does not read: look less often (and batch more)
+            pause = MAX_AGE if sent else min(2 * pause, STUCK_MAX_AGE)
         if _call(host._flusher_done, said):
             return True
         waker.armed = False  # disarm first, then look: a release racing with us re-arms
@@ -121,9 +122,11 @@ def _armed(host: Host, waker: Waker, said: list[bool]) -> bool:
         waker.armed = True
 
 
-def _call(fn: Callable[[], bool | None], said: list[bool], default: bool = False) -> bool:
+def _call(fn: Callable[[], bool | None], said: list[bool], default: bool = False,
+          keep_none: bool = False) -> bool | None:
     try:
-        return bool(fn())
+        got = fn()
+        return None if got is None and keep_none else bool(got)
     except Exception as exc:  # noqa: BLE001  (said once, then on: a dead flusher strands releases)
         if not said[0]:
             said[0] = True

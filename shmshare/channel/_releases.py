@@ -77,10 +77,12 @@ class ReleaseQueue(Waker):
 
     # -- the flusher's host (Note [One release path]) -----------------------------------------
 
-    def _flusher_flush(self) -> bool:
+    def _flusher_flush(self) -> bool | None:
         rx = self.rx()
-        if rx is None or rx._closed or time.monotonic() - self.last_flush < MAX_AGE:
-            return True  # gone, or recv() flushed just now
+        if rx is None or rx._closed:
+            return True
+        if time.monotonic() - self.last_flush < MAX_AGE:
+            return None  # recv() flushed just now: the pace stays (backed off, if it was)
         return self.flush(rx._peers)
 
     def _flusher_pending(self) -> bool:

@@ -45,6 +45,14 @@ def flush(self: Store) -> None:
     finally:
         del gone  # unmapped here (unless a view still holds one)
 
+def _drain_drops(self: Store, gone: list[Any]) -> None:
+    """Forget the segments the daemon dropped; their roots go to `gone` (unmapped after)."""
+    while self._drops:
+        root = self._segs.drop(self._drops.popleft())
+        if root is not None:
+            gone.append(root)
+
+
 def _flush_locked(self: Store, gone: list[Any]) -> None:
     if not self._lock.acquire(timeout=IDLE_POLL):
         return
@@ -52,6 +60,7 @@ def _flush_locked(self: Store, gone: list[Any]) -> None:
         if self._gone is not None:
             self._released.clear()
             self._unmapped.clear()
+            _drain_drops(self, gone)  # (a drop read just before the end: its mapping goes too)
             return
         conn = self._conn
         if self._released:
@@ -87,10 +96,7 @@ def _flush_locked(self: Store, gone: list[Any]) -> None:
             else:
                 for f in fds:
                     f.close()
-        while self._drops:
-            root = self._segs.drop(self._drops.popleft())
-            if root is not None:
-                gone.append(root)
+        _drain_drops(self, gone)
     except PeerDied as exc:
         self._died(exc)
     except (ShmshareError, OSError, ValueError):

@@ -264,3 +264,23 @@ def test_a_parents_store_used_in_a_forked_child_says_fork(store: Store) -> None:
     assert rc == 0, ("the child's error did not say the Store was made before fork()"
                      if rc == 1 else f"the child's use of the parent's Store: status {rc}")
     assert store.stats()["connected"] >= 1  # the parent's Store is still its own
+
+
+def test_a_drop_read_just_before_the_daemon_ended_leaves_nothing_pending(own_daemon: Daemon) -> None:
+    """A drop frame and the daemon's end queued together, read by an idle client's flush: the
+    drop was left in the queue of a Store whose daemon is gone, so its flusher saw releases
+    pending for good and flushed every 2 ms until close() (5 % of a core; the hostile review
+    of the one release path). Its mapping goes with the rest."""
+    with Store(own_daemon.path) as a, Store(own_daemon.path) as b:
+        a.put("x", np.ones(1 << 20))
+        del_view = b.get("x")  # b maps x's segment
+        del del_view
+        gc.collect()
+        wait_until(lambda: a.info("x").refs == 0, "b's reference back", 10)
+        with b._lock:  # b's flusher reads nothing until both the drop and the end are queued
+            a.delete("x")  # the daemon sends b a drop
+            wait_until(lambda: b._conn.poll(0), "the drop queued for b", 10)
+            assert own_daemon.stop() == 0
+        wait_until(lambda: b._gone is not None, "b's idle flush saw the daemon gone", 10)
+        wait_until(lambda: not b._drops and not b._flushing._flusher_pending(), "nothing pending "
+                   "in a Store whose daemon is gone", 10)
