@@ -21,27 +21,30 @@ class WakePipe(Closeable):
     """The flusher's wake-up pipe.
 
     ``poke`` runs in Lease callbacks, at any bytecode (the garbage collector):
-    it only *tries* the lock, so it can never deadlock with ``close`` on the
-    same thread, and it never writes after ``close`` -- into a fd number that
-    may belong to someone else by then.
+    its lock is reentrant, so a poke (or a ``close``) interrupted by another
+    poke on the same thread never deadlocks, and it never writes after
+    ``close`` -- into a fd number that may belong to someone else by then.
+    It waits for the lock held by another thread (only ever for a write or
+    for ``close``'s swap of the fds): a poke that gave up when the lock was
+    busy lost its wake-up whenever the holder's byte had been read already
+    (a poke on another thread descheduled between its write and its
+    release; releases of the multiprocessing client stranded for good).
     """
 
     __slots__ = ("r", "w", "lock")
 
     def __init__(self) -> None:
         self.r, self.w = making_fds("pipe2", os.pipe2, os.O_NONBLOCK | os.O_CLOEXEC)
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
 
     def poke(self) -> None:
-        """Write one byte, unless the pipe is closed or being closed."""
-        if self.lock.acquire(blocking=False):
+        """Write one byte, unless the pipe is closed."""
+        with self.lock:
             try:
                 if self.w >= 0:
                     os.write(self.w, b"\0")
             except OSError:  # full: the flusher has bytes to read anyway
                 pass
-            finally:
-                self.lock.release()
 
     def close(self) -> None:
         """Close both ends. Idempotent."""

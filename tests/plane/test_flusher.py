@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import collections
 import gc
+import os
+import threading
 import warnings
 
 import pytest
@@ -114,3 +116,32 @@ def test_an_idle_flusher_does_its_hosts_idle_work(monkeypatch, host):
     monkeypatch.setattr(flusher, "IDLE", 0.01)
     h.waker.wake.poke()  # its poll() of IDLE s starts anew with the new value
     wait_until(lambda: h.idle >= 2, "the idle work done", 10)
+
+
+def test_a_poke_while_another_thread_holds_the_pipes_lock_is_not_lost():
+    """A poke on another thread holds the lock between its write and its release; the flusher
+    reads that byte meanwhile; a second poke then came to a busy lock and gave up: the flusher
+    slept with releases queued and armed set, for good (the multiprocessing client's releases
+    stranded, 5 runs in 12 of eight threads pickling at once)."""
+    pipe = flusher.Waker().wake
+    try:
+        pipe.lock.acquire()  # the first poke, descheduled after its write (read already)
+        second = threading.Thread(target=pipe.poke)
+        second.start()
+        second.join(0.2)  # it waits for the lock (the old poke returned at once, writing nothing)
+        pipe.lock.release()
+        second.join(10)
+        assert not second.is_alive()
+        assert os.read(pipe.r, 16) == b"\0", "the second poke's byte"
+    finally:
+        pipe.close()
+
+
+def test_a_poke_from_a_finalizer_inside_a_poke_on_the_same_thread_does_not_deadlock():
+    pipe = flusher.Waker().wake
+    try:
+        with pipe.lock:  # a poke or a close of this thread, interrupted by a Lease callback
+            pipe.poke()
+        assert os.read(pipe.r, 16) == b"\0"
+    finally:
+        pipe.close()

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from typing import Any
 
 import numpy as np
@@ -151,10 +152,11 @@ def _drop_unclosed(path: str) -> tuple[int, int, str, threading.Thread, Any]:
     s.delete("staged")
     fd, address = s._staging  # type: ignore[misc]
     # __del__'s poke could wake the flusher while the Store is being finalized, and it would
-    # then shut the Store down itself (a race the common case loses): taking the pipe's lock
-    # makes that poke a no-op, so the flusher finds the Store gone at its next idle look
-    s._waker.wake.lock.acquire()
-    return fd, address, os.readlink(f"/proc/self/fd/{fd}"), s._flusher, s._waker.wake.lock
+    # then shut the Store down itself (a race the common case loses): __del__ pokes a stand-in
+    # (the flusher keeps the real pipe), and the test wakes the flusher once the Store is gone
+    real = s._waker.wake
+    s._waker.wake = types.SimpleNamespace(poke=lambda: None)  # type: ignore[assignment]
+    return fd, address, os.readlink(f"/proc/self/fd/{fd}"), s._flusher, real
 
 
 def test_a_store_collected_unclosed_closes_its_staging_memfd(daemon: Daemon) -> None:
@@ -163,9 +165,9 @@ def test_a_store_collected_unclosed_closes_its_staging_memfd(daemon: Daemon) -> 
     flusher, finding the Store gone, ends without _shutdown. A fix must close the staging
     memfd and unmap it when the Store is collected (a finalizer that does not need the
     Store, e.g. weakref.finalize on the fd and address)."""
-    fd, address, target, flusher, lock = _drop_unclosed(daemon.path)  # the Store goes here
+    fd, address, target, flusher, wake = _drop_unclosed(daemon.path)  # the Store goes here
     gc.collect()
-    lock.release()
+    wake.poke()
     flusher.join(3)
     try:
         leaked = os.readlink(f"/proc/self/fd/{fd}") == target
