@@ -64,9 +64,11 @@ class DeviceCopier:
 
     def __init__(self, device: int, use_torch: bool) -> None:
         from .. import cuda
+        from ..cuda._deferred import release_later
         from ..memory import CachingAllocator
 
         self._cuda = cuda
+        self._release_later = release_later  # imported here, not in a finalizer
         self.context = cuda.Context.primary(device)
         self.stream = cuda.Stream(self.context)
         self.provider = cuda.CudaDeviceProvider(device, context=self.context)
@@ -109,17 +111,20 @@ class DeviceCopier:
         return t if t.dtype == torch_dtype else t.view(torch_dtype)
 
     def _dropped(self, block: Any) -> None:
-        """A device array's finalizer (any bytecode): queue its block, or free it once closed."""
+        """A device array's finalizer (any bytecode): queue its block for the next copy, or, once
+        closed, for the next drain of the deferred releases (Note [Deferred releases]). Never
+        freed here: a collection inside a driver or allocator call of this thread would call
+        back into it (a deadlock seen with the test's driver model)."""
         self.live -= 1
         if not self.closed:
             self.dead.append(block)
             return
-        try:  # closed: nothing else uses this pool any more
-            self._free(block)
-            if not self.live:
-                self.alloc.empty_cache()
-        except Exception:  # noqa: BLE001, S110 - a finalizer has no caller; at exit the driver goes first
-            pass
+        self._release_later("a closed loader's device block", lambda: self._free_closed(block))
+
+    def _free_closed(self, block: Any) -> None:
+        self._free(block)  # closed: nothing else uses this pool any more
+        if not self.live:
+            self.alloc.empty_cache()
 
     def _free(self, block: Any) -> None:
         self.alloc.record_stream(block, self.provider.default_stream())
