@@ -8,13 +8,7 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 from .cgroup_helpers import memory_cgroup
-
-# Its processes fill a memory cgroup and stall in reclaim; a store test beside it in the other
-# worker missed its 10 s deadline (Note [The suite under pytest-xdist])
-pytestmark = pytest.mark.alone
 
 MiB = 1 << 20
 LIMIT = 160 * MiB

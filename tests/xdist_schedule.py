@@ -11,9 +11,7 @@ Note [The suite under pytest-xdist]
     - A test marked ``alone`` runs while the other workers wait between two tests (the
       ``alone_under_xdist`` fixture in tests/conftest.py): it reads the host's Shmem, which
       their arrays move, or it leaves a /dev/shm name of a dead process for a while, which their
-      leak checks would take for their own and their sweeps remove, or it fills a memory cgroup,
-      whose processes stall in reclaim (a store test in the other worker missed its 10 s deadline
-      while one ran: 2 runs in 14 of the two files under ``-n 2``).
+      leak checks would take for their own and their sweeps remove.
     - The leak check and the tests that look for names left in /dev/shm count the names of their
       own processes only (tests/devshm_helpers.py), and tests that make Unix sockets make them in
       short directories (the ``short_tmp`` fixture; a worker's tmp_path is 10 bytes deeper).

@@ -19,10 +19,6 @@ from shmshare.testing import wait_until
 from .helpers import WAIT, memory_cgroup
 from .hostile_helpers import _fresh_daemon
 
-# Its processes fill a memory cgroup and stall in reclaim; a store test beside it in the other
-# worker missed its 10 s deadline (Note [The suite under pytest-xdist])
-pytestmark = pytest.mark.alone
-
 MiB = 1 << 20
 CLIENT_LIMIT = 160 * MiB
 OBJECT = 32 * MiB

@@ -8,8 +8,6 @@ import os
 import threading
 import warnings
 
-import pytest
-
 import shmshare.multiprocessing  # noqa: F401 - its fork handlers are registered after the store's
 from shmshare import _cgroup
 from shmshare.multiprocessing import _client as mp_client
@@ -45,7 +43,6 @@ def _fork_into_a_full_cgroup(procs_file: str) -> int:
     return pid
 
 
-@pytest.mark.alone  # it fills a memory cgroup (Note [The suite under pytest-xdist])
 def test_a_failed_copy_under_warnings_as_errors_does_not_skip_the_other_layers_handlers(
         own_daemon: Daemon) -> None:
     """warnings as errors (pytest -W error, filterwarnings=error): the store's fork handler's
