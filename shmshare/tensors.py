@@ -439,6 +439,10 @@ def as_numpy(t: Any) -> tuple[np.ndarray, str | None]:
     if t.device.type != "cpu":
         raise TypeError(f"a torch tensor on {t.device} cannot go through shared memory; "
                         "move it to the CPU first (or use the CUDA pool)")
+    if t.layout is not _strided(t):
+        raise TypeError(f"a {t.layout} tensor has no one block of memory to share; send "
+                        ".to_dense(), or its parts (for a sparse COO tensor: .indices() and "
+                        ".values(), with its shape)")
     if t.requires_grad:
         t = t.detach()
     name = str(t.dtype).removeprefix("torch.")
@@ -449,6 +453,12 @@ def as_numpy(t: Any) -> tuple[np.ndarray, str | None]:
 
         as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
         return t.view(as_int).numpy(), name
+
+
+def _strided(t: Any) -> Any:
+    import torch
+
+    return torch.strided
 
 
 def torch_imported() -> bool:

@@ -53,10 +53,11 @@ from ._protocol import (
     StoreError,
     StoreGone,
     check_name,
+    check_timeout,
     connect,
-    default_path,
     raise_for,
     refusal,
+    socket_path,
 )
 
 __all__ = ["Store", "ObjectInfo"]
@@ -94,9 +95,8 @@ class Store(Generic[V]):
 
     def __init__(self, path: str | os.PathLike[str] | None = None,
                  timeout: float | None = 10.0) -> None:
-        if timeout is not None and not float(timeout) > 0:  # 0: no request could be answered
-            raise ValueError(f"Store(timeout=...) takes None or seconds > 0, got {timeout!r}")
-        self.path = os.fspath(path) if path is not None else default_path()
+        check_timeout(timeout, "Store", zero=False)  # 0: no request could be answered
+        self.path = socket_path(path)
         self.timeout = timeout
         self._closed = False
         self._conn = connect(self.path, timeout, "store-client")
@@ -220,8 +220,7 @@ class Store(Generic[V]):
         there); else it waits that many seconds for one to be put or sealed (ShmshareTimeout after).
         """
         check_name(name)
-        if timeout is not None and not float(timeout) >= 0:  # NaN and negatives
-            raise ValueError(f"get(timeout=...) takes None or seconds >= 0, got {timeout!r}")
+        check_timeout(timeout, "get", zero=True)  # NaN and negatives too
         deadline = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
         while True:
             try:

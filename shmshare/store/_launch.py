@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import select
 import signal
@@ -35,12 +36,13 @@ class Daemon:
         self.path = path
 
     @classmethod
-    def start(cls, path: str | os.PathLike[str] | None = None, limit: int | None = None,
+    def start(cls, path: str | os.PathLike[str] | None = None, limit: int | str | None = None,
               evict: bool = False, timeout: float = 10.0, log_level: str = "warning",
               env: dict[str, str] | None = None, die_with_parent: bool = True,
               max_clients: int | None = None) -> Daemon:
         """Run a daemon and wait (at most `timeout` s) until it listens.
 
+        `limit` is bytes, or a size as ``serve --limit`` takes it ("8M", "64MiB", "1G").
         `max_clients` caps the clients connected at once (``SHMSHARE_STORE_MAX_CLIENTS``
         in its environment; 4096 by default).
 
@@ -53,7 +55,7 @@ class Daemon:
         if path is not None:
             cmd += ["--socket", os.fspath(path)]
         if limit is not None:
-            cmd += ["--limit", str(int(limit))]
+            cmd += ["--limit", str(_limit_bytes(limit))]
         if evict:
             cmd.append("--evict")
         child_env = dict(os.environ if env is None else env)
@@ -210,3 +212,20 @@ def _detach(socket_path: str | None, limit: int | None, evict: bool, max_clients
             pass
         os._exit(1)
     os._exit(0)
+
+
+def _limit_bytes(limit: Any) -> int:
+    """Daemon.start's `limit`: bytes (an int) or a size string, as the command line takes it."""
+    import argparse
+
+    from ..cli import _parse_size
+
+    try:
+        if isinstance(limit, str):
+            return _parse_size(limit)
+        if isinstance(limit, bool) or not isinstance(limit, numbers.Integral):
+            raise argparse.ArgumentTypeError(f"not a size: {limit!r}")
+        return _parse_size(str(int(limit)))
+    except argparse.ArgumentTypeError as exc:
+        raise ValueError(f"Daemon.start(limit=...) takes bytes or a size such as '8M', '64MiB' "
+                         f"or '1G': {exc}") from None

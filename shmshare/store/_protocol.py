@@ -41,6 +41,7 @@ Note [The store's frames]
 
 from __future__ import annotations
 
+import numbers
 import os
 import stat
 from dataclasses import dataclass
@@ -246,3 +247,25 @@ def refusal(conn: wire.Connection) -> str | None:
 for _cls in (StoreError, StoreFull, StoreGone, StoreBusy, BadRequest, ObjectExists, ObjectNotFound):
     _cls.__module__ = "shmshare.store"
 del _cls
+
+
+def check_timeout(value: Any, what: str, zero: bool) -> None:
+    """Refuse a timeout that is not None or a number of seconds (>= 0 with `zero`, else > 0),
+    naming the call and the value."""
+    if value is None:
+        return
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and (
+        float(value) >= 0 if zero else float(value) > 0)
+    if not ok:
+        raise ValueError(f"{what}(timeout=...) takes None or seconds {'>=' if zero else '>'} 0, "
+                         f"got {value!r}")
+
+
+def socket_path(path: Any) -> str:
+    """The daemon's socket path a Store was given (None: the default one)."""
+    if path is None:
+        return default_path()
+    if not isinstance(path, str | os.PathLike):
+        raise TypeError(f"Store(path=...) takes the daemon's socket path (a str or an "
+                        f"os.PathLike) or None for the default one, got {path!r}")
+    return os.fspath(path)

@@ -227,3 +227,23 @@ def test_store_is_exported_at_the_top() -> None:
 def test_a_get_timeout_that_is_not_seconds_is_refused(store: Store, bad: float) -> None:
     with pytest.raises(ValueError, match="seconds >= 0"):
         store.get("x", timeout=bad)
+
+
+@pytest.mark.parametrize("timeout", ["x", True, -1, float("nan"), [1]])
+def test_a_timeout_that_is_not_seconds_names_the_call_and_the_value(store: Store, timeout) -> None:
+    with pytest.raises(ValueError, match=r"Store\(timeout=\.\.\.\) takes None or seconds > 0, got"):
+        Store(store.path, timeout=timeout)
+    with pytest.raises(ValueError, match=r"get\(timeout=\.\.\.\) takes None or seconds >= 0, got"):
+        store.get("anything", timeout=timeout)
+
+
+def test_a_path_that_is_not_a_path_says_what_a_store_takes() -> None:
+    with pytest.raises(TypeError, match=r"Store\(path=\.\.\.\) takes the daemon's socket path.*got 123"):
+        Store(123)  # type: ignore[arg-type]
+
+
+def test_a_sparse_tensor_is_refused_with_what_to_send_instead(store: Store) -> None:
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"sparse_coo tensor has no one block.*to_dense\(\)"):
+        store.put("s", torch.eye(3).to_sparse())
+    assert "s" not in store

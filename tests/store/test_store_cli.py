@@ -73,3 +73,15 @@ def test_the_default_socket_is_made_private_and_a_loose_directory_refused(sockdi
     os.chmod(os.path.join(sockdir, "shmshare"), 0o755)
     got = _serve(env=env)
     assert got.returncode == 1 and "chmod 700" in got.stderr, got.stderr
+
+
+def test_daemon_start_takes_a_limit_as_the_command_line_does(sockdir: str) -> None:
+    for bad in ["abc", "-5", 1.5, True, 100]:
+        with pytest.raises(ValueError, match=r"Daemon.start\(limit=\.\.\.\) takes bytes or a size"):
+            Daemon.start(os.path.join(sockdir, "never.sock"), limit=bad)  # type: ignore[arg-type]
+    d = Daemon.start(os.path.join(sockdir, f"limit-{os.getpid()}.sock"), limit="8M")
+    try:
+        with Store(d.path) as s:
+            assert s.stats()["limit"] == 8 << 20
+    finally:
+        assert d.stop() == 0
