@@ -8,17 +8,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 
 from ._demo import demo
 from ._doctor import doctor
+from ._sizes import parse_size
 from ._stat import main_stat
 from .segment import sweep
 
 __all__ = ["main"]
 
-_GiB, _MiB = 1 << 30, 1 << 20
+_MiB = 1 << 20
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,13 +106,10 @@ def _parse_seconds(text: str) -> float:
 
 def _parse_size(text: str) -> int:
     """Parse a size such as ``4096``, ``8M``, ``64MiB`` or ``1G`` (binary units) into bytes."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgG]?)(?:i?[bB])?\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 4096, 8M, 64MiB, 1G)")
-    nbytes = int(float(m.group(1)) * {"": 1, "k": 1 << 10, "m": _MiB, "g": _GiB}[m.group(2).lower()])
-    if nbytes < 4096:
-        raise argparse.ArgumentTypeError(f"size must be at least 4 KiB (one page), got {text!r}")
-    return nbytes
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _version() -> str:

@@ -12,6 +12,7 @@ import sys
 import time
 from typing import Any
 
+from .._sizes import parse_size
 from ._daemon import MAX_CLIENTS, Server, serve
 from ._protocol import StoreError
 
@@ -216,16 +217,12 @@ def _detach(socket_path: str | None, limit: int | None, evict: bool, max_clients
 
 def _limit_bytes(limit: Any) -> int:
     """Daemon.start's `limit`: bytes (an int) or a size string, as the command line takes it."""
-    import argparse
-
-    from ..cli import _parse_size
-
     try:
         if isinstance(limit, str):
-            return _parse_size(limit)
+            return parse_size(limit)
         if isinstance(limit, bool) or not isinstance(limit, numbers.Integral):
-            raise argparse.ArgumentTypeError(f"not a size: {limit!r}")
-        return _parse_size(str(int(limit)))
-    except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"not a size: {limit!r}")
+        return parse_size(str(int(limit)))
+    except ValueError as exc:
         raise ValueError(f"Daemon.start(limit=...) takes bytes or a size such as '8M', '64MiB' "
                          f"or '1G': {exc}") from None
