@@ -64,9 +64,9 @@ __all__ = [
 
 MAX_FRAME = 128 * 1024  # bytes in one frame; SEQPACKET messages must fit the socket buffer
 MAX_FDS = 64  # fds in one message (the kernel's SCM_MAX_FD is 253)
-_KIND_HELLO, _KIND_MSG = _ring.KIND_HELLO, _ring.KIND_MSG
-# socket.MSG_* are IntFlag members: arithmetic on them costs ~1 us, so keep plain ints.
+_KIND_HELLO, _KIND_MSG = _ring.KIND_HELLO, _ring.KIND_MSG  # socket.MSG_*: plain ints below (IntFlag costs ~1 us)
 _CLOSE_CHECK = 0.1  # s: how often a wait looks whether another thread closed the connection
+_CONTROLS_NOWAIT = 64  # control frames one recv_nowait() takes at most (a selector calls again)
 _NO_FDS: list[int] = []
 _NO_ANC: list[Any] = []
 _NOSIGNAL, _DONTWAIT, _CTRUNC, _TRUNC, _CMSG_CLOEXEC = map(int, (
@@ -263,7 +263,7 @@ class Connection(Closeable):
         return got
 
     def recv_nowait(self) -> tuple[dict[Any, Any], list[Fd]] | None:
-        """Return the next message if one is queued, else None, without waiting."""
+        """The next message if queued, else None, at once (None after 64 control frames too)."""
         return self._recv(0.0)
 
     def _recv(self, timeout: float | None) -> tuple[dict[Any, Any], list[Fd]] | None:
@@ -275,7 +275,7 @@ class Connection(Closeable):
             raise ValueError(f"this connection's peer writes into rings that process {self._rings_of} "
                              "set up and reads; a forked copy cannot receive on it. Hand the end "
                              "to a child before the parent uses it, or connect anew in the child")
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline, controls = None if timeout is None else time.monotonic() + timeout, 0
         while True:
             if self.state is State.CLOSED:
                 self._check_open()
@@ -288,9 +288,10 @@ class Connection(Closeable):
             if frame is None:
                 return None
             kind, body, fds = frame
-            if kind != _KIND_MSG:
+            if kind != _KIND_MSG:  # a flood of them must not outlast a timeout, nor hold a recv_nowait()
                 self._control(kind, body, fds)
-                if left == 0.0 and timeout != 0:  # a flood of control frames must not outlast a timeout
+                controls += 1
+                if (left == 0.0 and timeout != 0) or (timeout == 0 and controls >= _CONTROLS_NOWAIT):
                     return None
                 continue
             if self.peer_hello is None and self._shared:  # a forked copy of ours read the HELLO
@@ -595,6 +596,5 @@ def _pack_error(exc: Exception) -> None:
         raise TypeError(f"cannot send this header: {exc}") from exc
 
 
-# Listener builds the Connections defined above, so it comes last (and lives in _listen.py).
 from . import _handover  # noqa: E402  (fork and spawn: what an end does in another process)
-from ._listen import Listener, connect  # noqa: E402
+from ._listen import Listener, connect  # noqa: E402  (it builds the Connections above: last)

@@ -15,7 +15,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from shmshare import FdLimitError, PeerDied, PeerRefused, ProtocolError, Segment, ShmshareTimeout, wire
+from shmshare import FdLimitError, PeerDied, PeerRefused, ProtocolError, Segment, ShmshareTimeout, _handshake, wire
 from shmshare.testing import start_child
 
 
@@ -440,3 +440,29 @@ def test_a_farewell_goes_out_whichever_finalizer_runs_first():
     with pytest.raises(PeerDied):
         b.recv(timeout=5)
     b.close()
+
+
+def test_a_flood_of_control_frames_does_not_hold_recv_nowait():
+    """A peer that keeps its socket full of HELLO frames (each a control frame, handled and
+    dropped) held a recv_nowait() -- the store daemon's, serving one client at a time from one
+    thread -- for as long as it kept writing (the hostile review of the ring fix). One call takes
+    at most _CONTROLS_NOWAIT of them and answers None; the socket stays readable, and the next
+    call goes on; the message behind them arrives."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    conn = wire.Connection(a)
+    try:
+        hello = msgpack.packb([0, _handshake.hello("x")])
+        for _ in range(3 * wire._CONTROLS_NOWAIT):
+            b.send(hello)
+        b.send(msgpack.packb([1, {"n": 1}]))
+        calls, got = 0, None
+        while got is None:
+            calls += 1
+            assert calls <= 4, "more calls than the flood needs"
+            got = conn.recv_nowait()
+            if got is None:
+                assert conn.poll(0), "None with frames queued, and the socket not readable"
+        assert got[0] == {"n": 1} and calls == 4
+    finally:
+        conn.close()
+        b.close()
