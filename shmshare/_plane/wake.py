@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 
+from .. import _fork
 from .._errors import making_fds
 from .._lifetime import Closeable
 
@@ -31,11 +33,12 @@ class WakePipe(Closeable):
     release; releases of the multiprocessing client stranded for good).
     """
 
-    __slots__ = ("r", "w", "lock")
+    __slots__ = ("r", "w", "lock", "__weakref__")
 
     def __init__(self) -> None:
         self.r, self.w = making_fds("pipe2", os.pipe2, os.O_NONBLOCK | os.O_CLOEXEC)
         self.lock = threading.RLock()
+        _pipes.add(self)
 
     def poke(self) -> None:
         """Write one byte, unless the pipe is closed."""
@@ -53,3 +56,16 @@ class WakePipe(Closeable):
         for fd in (r, w):
             if fd >= 0:
                 os.close(fd)
+
+
+_pipes: weakref.WeakSet[WakePipe] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """Each pipe's lock anew: one held by another thread of the parent at the fork would be
+    held for good in the child, and a finalizer's poke there would wait on it forever."""
+    for pipe in list(_pipes):
+        pipe.lock = threading.RLock()
+
+
+_fork.on_fork_in_child(4, _after_fork_in_child)

@@ -116,13 +116,13 @@ class DeviceCopier:
         freed here: a collection inside a driver or allocator call of this thread would call
         back into it (a deadlock seen with the test's driver model)."""
         self.live -= 1
-        if not self.closed:
-            self.dead.append(block)
-            return
-        self._release_later("a closed loader's device block", lambda: self._free_closed(block))
+        self.dead.append(block)
+        if self.closed:  # (checked after the append: a close() meanwhile has drained no more)
+            self._release_later("a closed loader's device blocks", self._free_closed)
 
-    def _free_closed(self, block: Any) -> None:
-        self._free(block)  # closed: nothing else uses this pool any more
+    def _free_closed(self) -> None:
+        while self.dead:  # closed: nothing else uses this pool any more; each block freed once
+            self._free(self.dead.popleft())
         if not self.live:
             self.alloc.empty_cache()
 

@@ -577,10 +577,7 @@ def _after_fork_in_child() -> None:
         c.links.clear()
         c.released.clear()
         c.pending.clear()
-        w = c.waker.wake  # the parent's flusher's pipe: closed here without its lock (held at the fork?)
-        fds, w.r, w.w, w.lock = [fd for fd in (w.r, w.w) if fd >= 0], -1, -1, threading.RLock()
-        for fd in fds:
-            os.close(fd)
+        c.waker.wake.close()  # the parent's flusher's pipe (its lock is new in a child: wake.py)
     _lingering.clear()
 
 

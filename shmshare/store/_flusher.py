@@ -10,9 +10,11 @@ them sooner when it is not.
 from __future__ import annotations
 
 import collections
+import os
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from .. import _fork
 from .._errors import FdLimitError, PeerDied, ShmshareError
 
 if TYPE_CHECKING:
@@ -21,18 +23,21 @@ if TYPE_CHECKING:
 __all__ = ["Queued", "flush", "Flushing"]
 
 IDLE_POLL = 1.0  # s a flush waits for a request in flight to end
+_pid = os.getpid()  # the process whose views queue releases (a forked child's do not)
 
 
 class Queued:
     """on_release of a lease: queue `oid` for the flusher (any bytecode: no lock). A get's
     views going queue a release; a created object's writable mapping going, an unmapped."""
 
-    __slots__ = ("store", "queue", "oid")
+    __slots__ = ("store", "queue", "oid", "pid")
 
     def __init__(self, store: Store, queue: collections.deque[int], oid: int) -> None:
-        self.store, self.queue, self.oid = store, queue, oid
+        self.store, self.queue, self.oid, self.pid = store, queue, oid, _pid
 
     def __call__(self) -> None:
+        if self.pid != _pid:
+            return  # a view a forked child inherited: the reference is its parent's
         self.queue.append(self.oid)
         self.store._waker.poke()
 
@@ -134,3 +139,11 @@ class Flushing:
     def _flusher_done(self) -> bool:
         store = self.ref()
         return store is None or (store._closed and store._idle() and store._shutdown())
+
+
+def _after_fork_in_child() -> None:
+    global _pid
+    _pid = os.getpid()
+
+
+_fork.on_fork_in_child(6, _after_fork_in_child)

@@ -13,7 +13,7 @@ import warnings
 import pytest
 
 from shmshare._plane import flusher
-from shmshare.testing import wait_until
+from shmshare.testing import wait_exit, wait_until
 
 
 class _Host:
@@ -144,4 +144,35 @@ def test_a_poke_from_a_finalizer_inside_a_poke_on_the_same_thread_does_not_deadl
             pipe.poke()
         assert os.read(pipe.r, 16) == b"\0"
     finally:
+        pipe.close()
+
+
+def test_a_fork_while_another_thread_holds_a_pipes_lock_leaves_the_child_a_lock_it_can_take():
+    """A forked child inherits the lock as the fork found it: held by a thread of the parent that
+    the child does not have, it would be held for good, and a finalizer's poke in the child
+    would wait on it forever."""
+    pipe = flusher.Waker().wake
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with pipe.lock:
+            held.set()
+            release.wait(30)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    try:
+        assert held.wait(30)
+        pid = os.fork()
+        if pid == 0:  # the child: its poke must take the lock and write
+            code = 1
+            try:
+                pipe.poke()
+                code = 0
+            finally:
+                os._exit(code)
+        assert wait_exit(pid, 30) == 0
+    finally:
+        release.set()
+        t.join(30)
         pipe.close()
