@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -60,9 +61,12 @@ def test_ping_pong_of_thousands_of_arrays_stays_bounded_in_both_processes():
         outq.close()
     assert theirs.handles_claimed == 0 and theirs.handles_unclaimed == 0
     assert theirs.segments_sent <= 2 and theirs.reserved_bytes <= 4 << 20
-    # the most fds open at once late on against early on, not one sample: a fd open for an
-    # instant (a flush's socket, a listdir) is no growth; a leak per message is thousands
-    assert their_fds_late <= their_fds_early and max(mine[-500:]) <= max(mine[250:1000])
+    # the fds open late on against early on, not one sample each: a fd open for an instant (a
+    # flush's socket, a listdir; the most of a window caught one, 36 against 35, under load) is
+    # no growth, so the windows' medians; a leak per message is thousands
+    assert their_fds_late <= their_fds_early
+    assert statistics.median(mine[-500:]) <= statistics.median(mine[250:1000]), (
+        f"fds late {sorted(set(mine[-500:]))} against early {sorted(set(mine[250:1000]))}")
     wait_until(lambda: smp.statistics().handles_claimed == 0, "every handle released", between=gc.collect)
     s = smp.statistics()
     assert s.handles_pickled == 3000 and s.segments_sent <= 2 and s.reserved_bytes <= 4 << 20
