@@ -15,7 +15,9 @@ Note [One release path]
     pipe read and no ``poll()`` for them; while a lender does not read (its
     socket full) it looks less often, doubling up to STUCK_MAX_AGE, and
     batches more. It disarms first, then looks at the queue again: a
-    release racing with it re-arms. It ends when its borrower is collected
+    release racing with it re-arms (and an idle look that finds releases
+    queued flushes them: a lost wake-up costs a second, never the releases).
+    It ends when its borrower is collected
     or says it is done, and closes the pipe then. An error in a flush is
     said once, as a RuntimeWarning, and the flusher goes on: a dead flusher
     would strand every release after it.
@@ -26,6 +28,7 @@ Note [One release path]
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import threading
@@ -97,9 +100,10 @@ def _main(ref: Callable[[], Host | None], waker: Waker) -> None:
                 return  # collected unclosed: the pipe is ours to close
             if ready:
                 _drain(wake)
-                if _armed(host, waker, said):
-                    return
             elif _call(host._flusher_idle, said) or _call(host._flusher_done, said):
+                return
+            # woken, or releases queued with no wake-up come (a second late, never lost)
+            if (ready or _call(host._flusher_pending, said)) and _armed(host, waker, said):
                 return
             del host
     finally:
@@ -130,8 +134,9 @@ def _call(fn: Callable[[], bool | None], said: list[bool], default: bool = False
     except Exception as exc:  # noqa: BLE001  (said once, then on: a dead flusher strands releases)
         if not said[0]:
             said[0] = True
-            warnings.warn(f"shmshare's release flusher: {exc!r}; it goes on", RuntimeWarning,
-                          stacklevel=1)
+            with contextlib.suppress(Exception):  # warnings as errors must not end the thread
+                warnings.warn(f"shmshare's release flusher: {exc!r}; it goes on", RuntimeWarning,
+                              stacklevel=1)
         time.sleep(STUCK_MAX_AGE)
         return default
 

@@ -176,3 +176,14 @@ def test_a_fork_while_another_thread_holds_a_pipes_lock_leaves_the_child_a_lock_
         release.set()
         t.join(30)
         pipe.close()
+
+
+def test_releases_queued_with_no_wake_up_go_at_the_next_idle_look(monkeypatch, host):
+    """Whatever loses a wake-up (a bug of a service's, a poke that failed) costs a second, not
+    the releases: the idle look flushes what it finds queued."""
+    h, _ = host
+    monkeypatch.setattr(flusher, "IDLE", 0.01)
+    h.waker.wake.poke()  # its poll() of IDLE s starts anew with the new value
+    wait_until(lambda: h.idle >= 1, "an idle look", 10)
+    h.queue.append(5)  # queued, never poked
+    wait_until(lambda: h.sent == [5], "the release found at an idle look and sent", 10)
