@@ -43,6 +43,10 @@ class ForkBook:
         for addr in addrs:
             self._marked[addr] = self._marked.get(addr, frozenset()) | kids
 
+    def busy(self) -> bool:
+        """Whether any block is marked or retired (else :meth:`retire` and :meth:`free_now` do nothing)."""
+        return bool(self._marked or self._retired)
+
     def retire(self, addr: int, block: Any) -> bool:
         """True if the block at `addr`, dropped here, must wait for children that may map it."""
         kids = self._marked.pop(addr, None)

@@ -67,6 +67,7 @@ class Held:
 class Retirer(Protocol):
     """Blocks a forked child may still map: kept out of the pool until the child is gone."""
 
+    def busy(self) -> bool: ...  # anything marked or retired: else retire() is False, free_now() []
     def retire(self, address: int, block: Any) -> bool: ...  # kept back: not freed now
     def free_now(self) -> list[Any]: ...  # blocks whose children are gone
 
@@ -230,7 +231,7 @@ class LendingPool:
         if self.held.get(addr) is not held:
             return
         retirer = self.retirer
-        if retirer is None:
+        if retirer is None or not retirer.busy():  # the usual case, kept short: it runs per message
             self._spare_or_free(held)
             return
         if retirer.retire(addr, held.block):
@@ -247,11 +248,13 @@ class LendingPool:
             spares = self.spares.get(held.want)
             if spares is None:
                 spares = self.spares[held.want] = []
-            if len(spares) < _SPARES_PER_SIZE:
-                spares.append(held)  # stays in held: no view of it is alive anywhere
-                held.spare = True
-                self.spare_bytes += size
+            elif len(spares) >= _SPARES_PER_SIZE:
+                self.free_held(held)
                 return
+            spares.append(held)  # stays in held: no view of it is alive anywhere
+            held.spare = True
+            self.spare_bytes += size
+            return
         self.free_held(held)
 
     def free_held(self, held: Held) -> None:

@@ -185,17 +185,26 @@ class Sender(Closeable):
         np_dtype, torch_dtype = tensors.alloc_dtypes(dtype)
         shp, nbytes = tensors.alloc_shape(shape, np_dtype.itemsize)
         want = nbytes or 1
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # not `with`: this is the hot path, and `with` costs twice the calls
+        try:
             if self._closed or self._peer_dead:
                 self._check_usable()
-            if self._pool.local_done:
-                self._pool.drain_local()  # releases from the receiver are taken in by send()
-            deadline = None if timeout is None else time.monotonic() + timeout
-            held = self._pool.take(want, self._sent, lambda n: self._malloc(n, deadline), True,
-                                   self._drain_for_room())
+            pool = self._pool
+            if pool.local_done:
+                pool.drain_local()  # releases from the receiver are taken in by send()
+            held = pool.spare(want, self._sent)  # no drain: send() takes releases in often enough
+            if held is None:
+                deadline = None if timeout is None else time.monotonic() + timeout
+                held = pool.take(want, self._sent, lambda n: self._malloc(n, deadline), True,
+                                 self._drain_for_room())
+            else:
+                held.local = True
+        finally:
+            lock.release()
         # positional: keyword parsing costs more than the rest of the call
         lease = _native.Lease(self._alloc if held.free_to is None else held.free_to.alloc,
-                              held.block.address, nbytes, False, ViewDied(self._pool.local_done, self, held))
+                              held.block.address, nbytes, False, ViewDied(pool.local_done, self, held))
         arr = np.ndarray(shp, np_dtype, lease)  # type: ignore[arg-type]  # positional: keywords cost
         return arr if torch_dtype is None else tensors.allocated(arr, torch_dtype)
 
@@ -374,41 +383,46 @@ class Sender(Closeable):
     def _send_now(self, arr: np.ndarray) -> bool:
         """The fast lane (Note [Fast lane]): `arr` lies in a block of an announced segment and
         the ring has room now. False: nothing was lent or sent; send() it the usual way."""
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # not `with`: the hot path (as empty())
+        try:
             if self._closed or self._peer_dead or self._in_send or not self._offered:
                 return False
+            pool = self._pool
             now = time.monotonic()
             if now - self._last_drain >= _DRAIN_EVERY:
                 self._last_drain = now
                 self._drain()
                 if self._peer_dead:
                     return False
-            elif self._pool.local_done:
-                self._pool.drain_local()
+            elif pool.local_done:
+                pool.drain_local()
             dt = _DTYPE_BYTES.get(arr.dtype)
             ptr, lo, span = _native.extent(arr)
-            held = self._pool.held.get(ptr + lo)  # the whole block, as empty() gave it: no search
+            held = pool.held.get(ptr + lo)  # the whole block, as empty() gave it: no search
             if held is None or held.spare or span > held.block.size or not span or dt is None:
-                held = self._pool.find(ptr + lo, span) if span and dt is not None else None
+                held = pool.find(ptr + lo, span) if span and dt is not None else None
             ann = self._ann
             if held is None or held.seg.id not in ann.announced or ann.to_announce or ann.grow \
                     or ann.drop:
                 return False
-            seg, lease = held.seg, self._pool.lend(held)
+            seg, lease = held.seg, pool.lend(held)
             try:
                 sent = self._conn.send_now(_lane.frame, seg.id, lease, ptr - seg.address, dt,
                                            arr.shape, arr.strides)
             except BrokenRing as exc:
-                self._pool.give_back((lease,))  # nothing went out
+                pool.give_back((lease,))  # nothing went out
                 raise self._broken(exc) from None
             if not sent:
-                self._pool.give_back((lease,))  # nothing went out
+                pool.give_back((lease,))  # nothing went out
                 return False
             self._in_place += 1
             if not self._sent:
                 self._conn.set_farewell({KIND: BYE})
             self._sent += 1
             return True
+        finally:
+            lock.release()
 
     def _drain_for_room(self) -> Callable[[], None] | None:
         """What the pool runs for want of a spare: take in the releases queued (if any can come)."""

@@ -119,6 +119,9 @@ class _Retirer:
         self.kept: list = []
         self.child_alive = True
 
+    def busy(self) -> bool:  # as ForkBook's: something marked (every block here) or kept
+        return self.child_alive or bool(self.kept)
+
     def retire(self, address: int, block) -> bool:
         if self.child_alive:
             self.kept.append(block)
