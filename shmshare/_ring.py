@@ -95,6 +95,11 @@ __all__ = ["COUNT", "SLOT", "MAX_CARRIED", "spin_ns", "enabled", "check_settings
            "check_memfd", "RingLink", "BrokenRing"]
 
 MAX_CARRIED = 4  # carried frames read ahead of their markers, at most (they hold fds); 1 is honest
+# Socket frames read looking for the carried frame a marker names, and messages kept for later meanwhile,
+# at most: an honest peer's are what its socket buffer held when it pushed the marker (about 280 frames at
+# the default 208 KiB), so past these it is flooding us (a hang, or memory without bound, otherwise)
+RESOLVE_FRAMES = 1 << 14
+MAX_STASH = 512
 CARRIED_EXTRA = 16  # bytes [CARRIED, [number, header]] takes beyond [MSG, header] (at most 10)
 SPIN_MISSES, SPIN_PROBE = 4, 32  # see RingLink._spin_worth_it
 ROOM_BACKOFF = (50e-6, 20e-3)  # s: a writer's first and longest sleep while its ring is full
@@ -505,7 +510,12 @@ class RingLink:
         and the FdLimitError that said so was raised when it was read."""
         seq = self.resolving
         assert seq is not None
+        read = 0
         while seq not in self.carried and seq not in self.lost:
+            read += 1
+            if read > RESOLVE_FRAMES:
+                raise ProtocolError(f"the peer sent more than {RESOLVE_FRAMES} frames on the socket "
+                                    f"without the carried frame {seq} its ring names")
             got = self._socket_frame()
             if got is None and self.conn._shared:  # a forked copy of ours took it (as it could
                 self.lost.add(seq)  # any frame of this socket): passed over, as it would be lost
@@ -518,6 +528,11 @@ class RingLink:
             if got[0] == KIND_CARRIED:
                 self.take_carried(got[1], got[2])
             elif got[0] == KIND_MSG:  # another process's, read on the way: delivered next
+                if len(self.stash) >= MAX_STASH:
+                    for f in got[2]:
+                        f.close()
+                    raise ProtocolError(f"the peer sent more than {MAX_STASH} messages on the socket, "
+                                        f"kept for later, without the carried frame {seq} its ring names")
                 self.stash.append((got[1], got[2]))
             else:
                 self.conn._control(got[0], got[1], got[2])

@@ -559,3 +559,63 @@ def test_a_peer_writing_the_offerers_ring_before_accepting_keeps_the_order():
             m.close()
         victim.close()
         s2.close()
+
+
+# A marker in the ring whose carried frame never comes, and the socket flooded meanwhile: with
+# wake-ups (the reader skipped them for as long as they came: a hang), or with messages (each
+# kept for later: memory without bound). Where: RingLink._resolve. Fix: at most RESOLVE_FRAMES
+# socket frames are read looking for one carried frame, and at most MAX_STASH kept: past either,
+# the peer broke the protocol. The bounds are lowered here so that a socket's worth of frames
+# (what this test can queue before the victim reads) crosses them: a flood from another process
+# outrunning the reader is the same loop, for longer.
+@pytest.mark.parametrize("flood", ["wake", "msg"])
+def test_a_marker_whose_frame_never_comes_cannot_hold_the_reader_under_a_flood(flood, monkeypatch):
+    monkeypatch.setattr(_ring, "RESOLVE_FRAMES", 100)
+    monkeypatch.setattr(_ring, "MAX_STASH", 10)
+    s1, s2 = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    victim = wire.Connection(s1)
+    m = _offer_hostile(s2)
+    frame = msgpack.packb([_ring.KIND_WAKE, None] if flood == "wake" else [1, {"n": 1}])
+    try:
+        _send(s2, [1, {"n": 0}])
+        assert victim.recv(timeout=WAIT)[0] == {"n": 0}  # the OFFER and SWITCH were read
+        for _ in range(200):
+            s2.send(frame)
+        _put(m, 0, msgpack.packb([_ring.KIND_MARK, 0]))
+        with pytest.raises(ProtocolError, match="without the carried frame"):
+            victim.recv(timeout=WAIT)
+        assert victim._rings is None or len(victim._rings.stash) <= 10
+    finally:
+        victim.close()
+        s2.close()
+        m.close()
+
+
+def test_a_socket_full_of_wake_ups_before_a_carried_frame_is_honest():
+    """What the bounds above must let through: every frame an honest peer's socket can hold, then
+    the carried frame, behind the marker (RESOLVE_FRAMES and MAX_STASH as shipped)."""
+    s1, s2 = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    victim = wire.Connection(s1)
+    m = _offer_hostile(s2)
+    try:
+        _send(s2, [1, {"n": 0}])
+        assert victim.recv(timeout=WAIT)[0] == {"n": 0}
+        s2.setblocking(False)
+        wake, queued = msgpack.packb([_ring.KIND_WAKE, None]), 0
+        try:
+            while True:
+                s2.send(wake)
+                queued += 1
+        except BlockingIOError:
+            pass
+        assert queued < _ring.RESOLVE_FRAMES
+        with pytest.raises(ShmshareTimeout):  # room for the carried frame: a wake-up or two read
+            victim.recv(timeout=0)
+        s2.setblocking(True)
+        _send(s2, [_ring.KIND_CARRIED, [0, {"n": 1}]])
+        _put(m, 0, msgpack.packb([_ring.KIND_MARK, 0]))
+        assert victim.recv(timeout=WAIT)[0] == {"n": 1}
+    finally:
+        victim.close()
+        s2.close()
+        m.close()
