@@ -19,6 +19,15 @@ Note [At fork]
     with a lock held by a thread it does not have (``hold_across_fork``).
     Such locks are taken in layer order, highest first, and given back in
     both processes right after.
+
+    A pool block an array of the parent's views at the fork is mapped by the
+    child too, and must not be handed out again while the child lives: each
+    lender marks such blocks in its parent handler (Note [Blocks a child
+    inherits] in ``_plane/forks.py``). Other threads run meanwhile; one that
+    let go of such a block between the fork and its mark would free it
+    unmarked. So from the first "before" hook to the end of the parent's
+    handlers :func:`forking` is true, and lenders free no local view's block
+    then (it stays queued, and marked, for the next look).
 """
 
 from __future__ import annotations
@@ -27,13 +36,19 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["on_fork_in_child", "on_fork_in_parent", "hold_across_fork"]
+__all__ = ["on_fork_in_child", "on_fork_in_parent", "hold_across_fork", "forking"]
 
 _handlers: list[tuple[int, int, Callable[[], None]]] = []  # (layer, order registered, handler)
 _parent_handlers: list[Callable[[], None]] = []
 # (layer, order registered, a function returning the locks to take now, in that order)
 _holders: list[tuple[int, int, Callable[[], list[Any]]]] = []
 _taken: list[Any] = []  # what the forking thread took, to give back after
+_forking = False  # a fork is under way: from its first "before" hook to its parent's handlers' end
+
+
+def forking() -> bool:
+    """Whether this process is forking now (Note [At fork]): blocks of local views stay held."""
+    return _forking
 
 
 def hold_across_fork(layer: int, locks: Callable[[], list[Any]]) -> None:
@@ -55,6 +70,8 @@ def on_fork_in_parent(handler: Callable[[], None]) -> None:
 
 
 def _before() -> None:
+    global _forking
+    _forking = True
     for _, _, locks in _holders:
         for lock in locks():
             lock.acquire()
@@ -67,6 +84,8 @@ def _give_back() -> None:
 
 
 def _run() -> None:
+    global _forking
+    _forking = False
     _give_back()
     for _, _, handler in _handlers:
         try:
@@ -83,9 +102,13 @@ def _say(text: str) -> None:
 
 
 def _run_in_parent() -> None:
+    global _forking
     _give_back()
-    for handler in _parent_handlers:
-        handler()
+    try:
+        for handler in _parent_handlers:
+            handler()
+    finally:
+        _forking = False
 
 
 os.register_at_fork(before=_before, after_in_child=_run, after_in_parent=_run_in_parent)

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from .. import _native
+from .. import _fork, _native
 from .._errors import SegmentError
 from ..memory import CachingAllocator, InvariantError, ShmProvider, ShmSegment
 from .segments import SegmentBook
@@ -216,8 +216,10 @@ class LendingPool:
         return held
 
     def drain_local(self) -> None:
-        """Take in the blocks whose local views died."""
+        """Take in the blocks whose local views died (not while this process forks: Note [At fork])."""
         done = self.local_done
+        if done and _fork.forking():
+            return  # a child may map them: its parent handler marks them first
         while done:
             held = done.popleft()
             held.local = False
@@ -239,7 +241,7 @@ class LendingPool:
             return
         self._spare_or_free(held)
         for block in retirer.free_now():
-            self.alloc.free(block)
+            self.free_block(block)
 
     def _spare_or_free(self, held: Held) -> None:
         size = held.block.size
@@ -256,6 +258,11 @@ class LendingPool:
             self.spare_bytes += size
             return
         self.free_held(held)
+
+    def free_block(self, block: Any) -> None:
+        """Give back a block no longer held (a retired one): to the overflow it came from, if any."""
+        overflow = self.overflow
+        (overflow if overflow is not None and overflow.owns(block.address) else self.alloc).free(block)
 
     def free_held(self, held: Held) -> None:
         """Give a held block back to the allocator (or the overflow it came from)."""

@@ -457,7 +457,7 @@ class Owner:
             self.pool.drain_local()
             self.pool.free_spares()
             for block in self._forks.free_now(force=True):  # a child's mapping keeps its pages
-                self._alloc.free(block)
+                self.pool.free_block(block)
             self._alloc.empty_cache()
             self.table.close()
             self.claims.close()

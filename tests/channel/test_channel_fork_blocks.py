@@ -71,3 +71,151 @@ def test_a_zero_byte_string_dtype_is_widened_as_numpy_widens_it(dtype):
         assert list(got) == list(a)
         tx.send(np.arange(3), timeout=WAIT)  # the channel is still up
         assert list(rx.recv(timeout=WAIT)) == [0, 1, 2]
+
+
+def test_a_view_dying_while_the_process_forks_keeps_its_block_until_it_is_marked():
+    # Found by review: a thread letting go of an array between a fork of another thread and the
+    # parent's marking freed the block unmarked, and empty() handed it out again while the child
+    # wrote into its copy (150-370 arrays of 56k overwritten in 20 forks). Fix: no local view's
+    # block is freed from the first "before" hook to the end of the parent's handlers (_fork.forking).
+    # The fork's two halves are called here as os.fork() calls them, the death in between.
+    from shmshare import _fork
+
+    tx, rx = channel(limit=64 << 20)
+    try:
+        a = tx.empty(N, np.uint32)
+        inherited = a.__array_interface__["data"][0]
+        _fork._before()
+        try:
+            del a  # dies "during the fork": queued, not freed
+            gc.collect()
+            b = tx.empty(N, np.uint32)
+            assert b.__array_interface__["data"][0] != inherited
+            assert tx._pool.held[inherited].local  # still held for the marking
+        finally:
+            _fork._run_in_parent()
+        del b
+        tx.empty(N, np.uint32)  # after the fork: taken in now (no child was made: back to the pool)
+        assert inherited not in tx._pool.held or not tx._pool.held[inherited].local
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_a_producer_thread_never_reuses_a_block_a_child_forked_from_another_thread_maps():
+    """The race itself: a producer thread sends from a window of live arrays while the main thread
+    forks children that overwrite the arrays they inherited; no array sent after a fork may show
+    a child's bytes (those sent just before it may: the child wrote into what it was sent)."""
+    import threading
+
+    tx, rx = channel(limit=64 << 20)
+    window: list = []
+    sent, stop, bad, forks = [0], threading.Event(), [], []
+
+    def produce() -> None:
+        n = 0
+        while not stop.is_set():
+            a = tx.empty(4096, np.uint8)
+            a[:] = n % 200 + 3
+            tx.send({"i": n, "a": a}, timeout=WAIT)
+            window.append(a)
+            del a
+            if len(window) > 4:
+                window.pop(0)
+            n += 1
+            sent[0] = n
+
+    def consume() -> None:
+        while not stop.is_set():
+            try:
+                d = rx.recv(timeout=0.2)
+            except Exception:  # noqa: BLE001 - a timeout, or the end
+                continue
+            if d["a"][0] == 0xEE and not any(n0 - 8 <= d["i"] <= n0 + 8 for n0 in forks):
+                bad.append(d["i"])
+
+    threads = [threading.Thread(target=produce), threading.Thread(target=consume)]
+    for t in threads:
+        t.start()
+    pids = []
+    try:
+        for _ in range(6):
+            forks.append(sent[0])
+            pid = os.fork()
+            if pid == 0:  # the child: overwrite what it inherited for a while
+                try:
+                    mine = list(window)
+                    for _ in range(2000):
+                        for arr in mine:
+                            arr[:] = 0xEE
+                finally:
+                    os._exit(0)
+            pids.append(pid)
+            wait_exit(pid, WAIT)
+        stop.set()
+        for t in threads:
+            t.join(WAIT)
+        assert not bad, f"arrays sent after a fork carried a child's bytes: {bad[:5]}"
+    finally:
+        stop.set()
+        kill(*pids)
+        window.clear()
+        tx.close()
+        rx.close()
+
+
+def test_a_retired_block_past_the_pool_goes_back_to_its_overflow(monkeypatch):
+    # Found by review: once the child was gone, a retired block of the overflow (on_overflow) was
+    # freed into the pool's own allocator: ValueError ("this allocator has not allocated") from
+    # every later send. Fix: LendingPool.free_block gives a block back to the overflow it came from.
+    from shmshare import wire
+    from shmshare._plane import forks
+    from shmshare.channel import Receiver, Sender
+
+    monkeypatch.setattr(forks, "_SWEEP", 0.0)  # look at retired blocks' children at every free
+    a, b = wire.pipe()
+    tx, rx = Sender(a, limit=4 << 20, on_overflow=lambda n: None), Receiver([b])
+    r, w = os.pipe()
+    pid = 0
+    try:
+        x = tx.empty(2 << 20, np.uint8)
+        tx.send(x)
+        del x
+        first = rx.recv(timeout=WAIT)
+        over = tx.empty(2 << 20, np.uint8, timeout=WAIT)  # past the pool: the first is still held
+        assert tx._pool.overflow.owns(over.__array_interface__["data"][0])
+        tx.send(over)
+        del over
+        second = rx.recv(timeout=WAIT)
+        pid = os.fork()
+        if pid == 0:  # the child maps the overflow's block until told to go
+            try:
+                os.read(r, 1)
+            finally:
+                os._exit(0)
+        del second
+        gc.collect()
+        rx.flush_releases()
+        from shmshare.testing import wait_until
+
+        wait_until(lambda: tx.poll_releases() == 1 and tx._forks._retired, "the block retired", WAIT)
+        os.write(w, b"x")
+        wait_exit(pid, WAIT)
+        pid = 0
+        monkeypatch.setattr(forks, "alive", lambda p: False)  # and any other child this process has
+        del first
+        gc.collect()
+        rx.flush_releases()
+        wait_until(lambda: tx.poll_releases() == 0 and not tx._forks._retired,
+                   lambda: f"the block freed: {tx.poll_releases()} out, retired {tx._forks._retired}", WAIT)
+        tx._pool.check_invariants()
+        tx._pool.overflow.alloc.check_invariants()
+        tx.send(np.ones(1 << 10), timeout=WAIT)  # sends still work
+        rx.recv(timeout=WAIT)
+    finally:
+        if pid:
+            kill(pid)
+        os.close(r)
+        os.close(w)
+        tx.close()
+        rx.close()
