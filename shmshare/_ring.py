@@ -72,9 +72,12 @@ Note [Rings]
 from __future__ import annotations
 
 import collections
+import fcntl
 import os
 import select
 import socket
+import sys
+import termios
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -95,11 +98,6 @@ __all__ = ["COUNT", "SLOT", "MAX_CARRIED", "spin_ns", "enabled", "check_settings
            "check_memfd", "RingLink", "BrokenRing"]
 
 MAX_CARRIED = 4  # carried frames read ahead of their markers, at most (they hold fds); 1 is honest
-# Socket frames read looking for the carried frame a marker names, and messages kept for later meanwhile,
-# at most: an honest peer's are what its socket buffer held when it pushed the marker (about 280 frames at
-# the default 208 KiB), so past these it is flooding us (a hang, or memory without bound, otherwise)
-RESOLVE_FRAMES = 1 << 14
-MAX_STASH = 512
 CARRIED_EXTRA = 16  # bytes [CARRIED, [number, header]] takes beyond [MSG, header] (at most 10)
 SPIN_MISSES, SPIN_PROBE = 4, 32  # see RingLink._spin_worth_it
 ROOM_BACKOFF = (50e-6, 20e-3)  # s: a writer's first and longest sleep while its ring is full
@@ -230,11 +228,15 @@ class RingLink:
             self.writing = self.accept_due = self.switch_due = False
 
     def try_start_writing(self) -> None:
-        """Send ACCEPT or SWITCH now if no send is in progress (else the next send does)."""
+        """Send ACCEPT or SWITCH now if no send is in progress (else the next send does), with our
+        HELLO first if it has not gone: an end that never sends (a receiver of arrays sent by value,
+        or of plain values, which release nothing) must not keep the peer's frames on the socket."""
         conn = self.conn
-        if conn._hello_sent and conn._send_lock.acquire(blocking=False):
+        if conn._send_lock.acquire(blocking=False):
             try:
                 if not self.writing and not conn.closed and (self.accept_due or self.switch_due):
+                    if not conn._hello_sent:
+                        conn._say_hello(0)
                     self.start_writing(0)
             except (ShmshareTimeout, PeerDied):
                 pass  # the next send tries again, or finds the peer gone
@@ -510,12 +512,15 @@ class RingLink:
         and the FdLimitError that said so was raised when it was read."""
         seq = self.resolving
         assert seq is not None
-        read = 0
+        # The peer sent the carried frame before it pushed the marker: it is among the bytes queued
+        # on the socket now. Reading past them without it, the peer floods us (else a hang, and
+        # messages kept for later without bound): its bytes are the bound, whatever the buffers.
+        counts = self.conn._counts
+        budget = counts[5] + _queued(self.conn._sock)
         while seq not in self.carried and seq not in self.lost:
-            read += 1
-            if read > RESOLVE_FRAMES:
-                raise ProtocolError(f"the peer sent more than {RESOLVE_FRAMES} frames on the socket "
-                                    f"without the carried frame {seq} its ring names")
+            if counts[5] > budget:
+                raise ProtocolError(f"the peer sent more on the socket than was queued when its ring "
+                                    f"named carried frame {seq}, without that frame")
             got = self._socket_frame()
             if got is None and self.conn._shared:  # a forked copy of ours took it (as it could
                 self.lost.add(seq)  # any frame of this socket): passed over, as it would be lost
@@ -528,11 +533,6 @@ class RingLink:
             if got[0] == KIND_CARRIED:
                 self.take_carried(got[1], got[2])
             elif got[0] == KIND_MSG:  # another process's, read on the way: delivered next
-                if len(self.stash) >= MAX_STASH:
-                    for f in got[2]:
-                        f.close()
-                    raise ProtocolError(f"the peer sent more than {MAX_STASH} messages on the socket, "
-                                        f"kept for later, without the carried frame {seq} its ring names")
                 self.stash.append((got[1], got[2]))
             else:
                 self.conn._control(got[0], got[1], got[2])
@@ -589,6 +589,14 @@ class RingLink:
                 f.close()
         self.carried.clear()
         self.stash.clear()
+
+
+def _queued(sock: Any) -> int:
+    """Bytes of every frame queued on the (SEQPACKET) socket now."""
+    try:
+        return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(4)), sys.byteorder, signed=True)
+    except OSError:
+        return 0  # closed meanwhile: the next read says so
 
 
 KIND_HELLO, KIND_MSG, KIND_OFFER, KIND_ACCEPT, KIND_SWITCH, KIND_CARRIED, KIND_WAKE, KIND_MARK = range(8)

@@ -67,7 +67,18 @@ __all__ = [
     "as_torch",
 ]
 
-EXT_ARRAY, EXT_TUPLE, EXT_SCALAR = 1, 2, 3
+EXT_ARRAY, EXT_TUPLE, EXT_SCALAR, EXT_INLINE = 1, 2, 3, 4
+
+# Note [Inline arrays]
+#     A small array that would be copied into the sender's pool anyway (not
+#     from its ``empty()``, so the receiver gets a snapshot either way) goes
+#     by value instead: an EXT_INLINE ext is its C-order descriptor (segment,
+#     block and offset 0) followed by its bytes, in the frame itself. No pool
+#     block, lease or release is paid for 64 bytes, and the frame still fits a
+#     ring slot: the channel inlines at most INLINE_BYTES of arrays a batch
+#     (``Sender._place``). The receiver checks the descriptor as any other
+#     (:func:`parse_inline`) and hands out a private copy, read-only unless it
+#     maps writable (or makes a torch tensor of it, which must be writable).
 
 
 class ArrayDesc(NamedTuple):
@@ -257,17 +268,21 @@ def encode(obj: Any, place: Callable[[Any], Any]) -> bytes:
     return Encoder(place).encode(obj)
 
 
-def decode(data: bytes, view: Callable[[int, int, int, Layout], Any]) -> Any:
+def decode(data: bytes, view: Callable[[int, int, int, Layout], Any],
+           inline: Callable[[Layout, bytes], Any] | None = None) -> Any:
     """Return the batch that :func:`encode` packed into `data`.
 
     ``view(segment, block, offset, layout)`` gives each array (see
-    :func:`parse_desc`). Raises ValueError for bytes that are not such a batch.
+    :func:`parse_desc`); ``inline(layout, data)`` each array sent by value (Note [Inline
+    arrays]; without it, one is refused). Raises ValueError for bytes that are not such a batch.
     """
     marks = [0]  # tuple markers unpacked and not yet consumed by a list: 0 at the end
 
     def hook(code: int, payload: bytes) -> Any:
         if code == EXT_ARRAY:
             return view(*parse_desc(payload))
+        if code == EXT_INLINE and inline is not None:
+            return inline(*parse_inline(payload))
         if code == EXT_TUPLE and not payload:
             marks[0] += 1
             return _TUPLE_MARK
@@ -389,6 +404,29 @@ def pack_desc(segment: int, block: int, offset: int, dtype: bytes, shape: tuple[
 
 
 _tails: dict[tuple[bytes, tuple[int, ...], tuple[int, ...], bytes], bytes] = {}
+
+
+def pack_inline(dtype: bytes, shape: tuple[int, ...], itemsize: int, data: bytes,
+                torch_dtype: bytes = b"") -> msgpack.ExtType:
+    """The ext of an array sent by value: `data`, its bytes in C order (Note [Inline arrays])."""
+    desc = pack_desc(0, 0, 0, dtype, shape, c_strides(itemsize, shape), torch_dtype)
+    return _ext(EXT_INLINE, desc.data + data)
+
+
+def parse_inline(payload: bytes) -> tuple[Layout, bytes]:
+    """The layout and bytes of an EXT_INLINE payload; ValueError unless they are a C-order array
+    of a fixed-size dtype whose bytes are all there, nothing more."""
+    try:
+        ndim, ntdt, ndt = _HEAD.unpack_from(payload)[3:]
+    except struct.error as exc:
+        raise ValueError(f"malformed inline array: {exc}") from None
+    n = _HEAD.size + 16 * ndim + ntdt + ndt
+    seg, block, off, lay = parse_desc(payload[:n])
+    data = payload[n:]
+    if seg or block or off or not lay.dense or len(data) != lay.nbytes or lay.dtype.hasobject:
+        raise ValueError(f"malformed inline array: {len(data)} bytes for shape {lay.shape} of "
+                         f"{lay.dtype} (a C-order array of a fixed-size dtype, its bytes all there)")
+    return lay, data
 
 
 @lru_cache(maxsize=1024)

@@ -21,7 +21,7 @@ class SenderStatistics:
     """What a sender holds now (see ``Sender.statistics()``)."""
 
     messages_sent: int
-    arrays_copied: int  # arrays copied into the pool by send()
+    arrays_copied: int  # arrays copied into the pool by send() (small ones go inline instead)
     arrays_in_place: int  # arrays sent straight from the pool (empty()/zeros())
     leases_out: int  # arrays the receiver still holds
     bytes_leased: int  # pool bytes those arrays pin
@@ -30,6 +30,7 @@ class SenderStatistics:
     allocated_bytes: int  # of which in use (spare blocks included)
     spare_bytes: int  # blocks kept for the next request of their size (_plane/pool.py)
     retired_bytes: int = 0  # blocks a receiver that went may still map: never reused, freed by close()
+    arrays_inline: int = 0  # small arrays sent by value, in the frame (Note [Inline arrays] in tensors.py)
 
 
 class ViewDied:

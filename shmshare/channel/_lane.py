@@ -28,12 +28,13 @@ import struct
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from .. import tensors, wire
 from .._errors import ProtocolError
 from ._protocol import BATCH, KIND, TREE
 
-__all__ = ["HEAD", "frame", "one_array", "desc_of", "header_of"]
+__all__ = ["HEAD", "frame", "frame_by_value", "by_value", "one_array", "desc_of", "header_of"]
 
 _WHERE = struct.Struct("<QQq")  # segment, block (the lease), offset: tensors' descriptor head
 _MAX_LAYOUTS = 4096  # layouts kept; ever new shapes start the table over rather than grow it
@@ -48,6 +49,21 @@ def frame(segment: int, lease: int, offset: int, dtype: bytes, shape: tuple[int,
         parts = _frames[key] = _parts(dtype, shape, strides)
     head, tail = parts
     return head + _WHERE.pack(segment, lease, offset) + tail
+
+
+def frame_by_value(dtype: bytes, arr: Any) -> bytes:
+    """The message frame of a batch that is the one small numpy array `arr`, sent by value (Note
+    [Inline arrays] in ``tensors.py``); its numpy dtype's descriptor bytes are `dtype`."""
+    ext = tensors.pack_inline(dtype, arr.shape, arr.dtype.itemsize, arr.tobytes())
+    return wire.message_frame({KIND: BATCH, TREE: msgpack.packb(ext, use_bin_type=True)})
+
+
+def by_value(lay: tensors.Layout, data: bytes, writable: bool) -> Any:
+    """The array a receiver hands out for an inline one: a copy of its own, read-only unless the
+    receiver maps writable or it becomes a torch tensor (which must be writable)."""
+    tdt = lay.torch_dtype if lay.torch_dtype is not None and tensors.torch_imported() else None
+    arr = np.frombuffer(bytearray(data) if writable or tdt else data, lay.dtype).reshape(lay.shape)
+    return arr if tdt is None else tensors.as_torch(arr, tdt)
 
 
 def desc_of(framed: bytes) -> bytes | None:

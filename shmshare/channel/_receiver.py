@@ -506,8 +506,8 @@ class Receiver(Closeable, Generic[T]):
         if type(tree) is not bytes:
             raise ProtocolError(f"a batch must carry its packed tree as bytes, got "
                                 f"{type(tree).__name__}")
-        return tensors.decode(tree, lambda seg, block, off, lay: self._view(peer, seg, block, off,
-                                                                            lay))
+        return tensors.decode(tree, lambda seg, block, off, lay: self._view(peer, seg, block, off, lay),
+                              lambda lay, data: _lane.by_value(lay, data, self._writable))
 
     def _view(self, peer: Peer, seg_id: int, block: int, offset: int,
               lay: tensors.Layout) -> Any:

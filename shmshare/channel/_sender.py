@@ -54,6 +54,9 @@ _POLL_SLICE = 0.05  # s: back-pressure waits in slices, so local views dying els
 _DRAIN_EVERY = 0.0005
 _DRAIN_FRAMES = 256  # frames one drain takes in at most (the rest wait for the next)
 _BYE_WAIT = 30.0  # s close() waits for room for its goodbye behind batches still queued
+# bytes of arrays one batch sends by value at most (Note [Inline arrays] in tensors.py): with the
+# frame's own bytes they fit a ring slot (508), where a larger frame would go by the socket
+INLINE_BYTES = 256
 
 
 class Sender(Closeable):
@@ -131,6 +134,7 @@ class Sender(Closeable):
                     self._conn.offer_ring(timeout=0)  # the socket it stays
             taken = self._taken = []
             self._deadline = deadline
+            self._inline_left = INLINE_BYTES
             self._in_send = True
             self._pushing = False  # set while the frame may be going out (_send_draining)
             try:
@@ -185,9 +189,7 @@ class Sender(Closeable):
         np_dtype, torch_dtype = tensors.alloc_dtypes(dtype)
         shp, nbytes = tensors.alloc_shape(shape, np_dtype.itemsize)
         want = nbytes or 1
-        lock = self._lock
-        lock.acquire()  # not `with`: this is the hot path, and `with` costs twice the calls
-        try:
+        with self._lock:  # (not acquire/try: a signal's exception between the two would keep it held)
             if self._closed or self._peer_dead:
                 self._check_usable()
             pool = self._pool
@@ -200,8 +202,6 @@ class Sender(Closeable):
                                  self._drain_for_room())
             else:
                 held.local = True
-        finally:
-            lock.release()
         # positional: keyword parsing costs more than the rest of the call
         lease = _native.Lease(self._alloc if held.free_to is None else held.free_to.alloc,
                               held.block.address, nbytes, False, ViewDied(pool.local_done, self, held))
@@ -252,7 +252,7 @@ class Sender(Closeable):
                 self._sent, self._copied, self._in_place, len(self._leases),
                 sum(h.block.size for h in set(self._leases.values())), self._ann.count,
                 stats["reserved_bytes.all.current"], stats["allocated_bytes.all.current"],
-                self._pool.spare_bytes, sum(h.block.size for h in self._pool.retired))
+                self._pool.spare_bytes, sum(h.block.size for h in self._pool.retired), self._inlined)
 
     def memory_stats(self) -> dict[str, int]:
         """Return the pool's statistics with PyTorch's key names."""
@@ -316,7 +316,7 @@ class Sender(Closeable):
         self._on_peer_death()
         self._pool.free_retired()
         for block in self._forks.free_now(force=True):  # a forked child's mapping keeps its pages
-            self._alloc.free(block)
+            self._pool.free_block(block)  # (past the pool: to its overflow)
         self._pool.drain_local()
         self._pool.free_spares()
         self._alloc.empty_cache()
@@ -363,6 +363,10 @@ class Sender(Closeable):
         if span == 0:
             return tensors.pack_desc(0, 0, 0, dt, arr.shape, arr.strides, tdt)
         held = self._pool.find(ptr + lo, span)
+        if held is None and 0 < arr.nbytes <= self._inline_left:  # by value (Note [Inline arrays])
+            self._inline_left -= arr.nbytes
+            self._inlined += 1
+            return tensors.pack_inline(dt, arr.shape, arr.dtype.itemsize, arr.tobytes(), tdt)
         if held is None:
             held = self._pool.copy_in(arr, ptr, span, self._sent,
                                       lambda n: self._malloc(n, self._deadline), self._drain_for_room())
@@ -383,9 +387,7 @@ class Sender(Closeable):
     def _send_now(self, arr: np.ndarray) -> bool:
         """The fast lane (Note [Fast lane]): `arr` lies in a block of an announced segment and
         the ring has room now. False: nothing was lent or sent; send() it the usual way."""
-        lock = self._lock
-        lock.acquire()  # not `with`: the hot path (as empty())
-        try:
+        with self._lock:
             if self._closed or self._peer_dead or self._in_send or not self._offered:
                 return False
             pool = self._pool
@@ -403,26 +405,29 @@ class Sender(Closeable):
             if held is None or held.spare or span > held.block.size or not span or dt is None:
                 held = pool.find(ptr + lo, span) if span and dt is not None else None
             ann = self._ann
-            if held is None or held.seg.id not in ann.announced or ann.to_announce or ann.grow \
+            if held is None and dt is not None and 0 < arr.nbytes <= INLINE_BYTES:  # Note [Inline arrays]
+                if not self._conn.send_now(_lane.frame_by_value, dt, arr):  # a BrokenRing: nothing went
+                    return False
+                self._inlined += 1
+            elif held is None or held.seg.id not in ann.announced or ann.to_announce or ann.grow \
                     or ann.drop:
                 return False
-            seg, lease = held.seg, pool.lend(held)
-            try:
-                sent = self._conn.send_now(_lane.frame, seg.id, lease, ptr - seg.address, dt,
-                                           arr.shape, arr.strides)
-            except BrokenRing as exc:
-                pool.give_back((lease,))  # nothing went out
-                raise self._broken(exc) from None
-            if not sent:
-                pool.give_back((lease,))  # nothing went out
-                return False
-            self._in_place += 1
+            else:
+                seg, lease = held.seg, pool.lend(held)
+                try:
+                    sent = self._conn.send_now(_lane.frame, seg.id, lease, ptr - seg.address, dt,
+                                               arr.shape, arr.strides)
+                except BrokenRing as exc:
+                    pool.give_back((lease,))  # nothing went out
+                    raise self._broken(exc) from None
+                if not sent:
+                    pool.give_back((lease,))  # nothing went out
+                    return False
+                self._in_place += 1
             if not self._sent:
                 self._conn.set_farewell({KIND: BYE})
             self._sent += 1
             return True
-        finally:
-            lock.release()
 
     def _drain_for_room(self) -> Callable[[], None] | None:
         """What the pool runs for want of a spare: take in the releases queued (if any can come)."""
@@ -542,7 +547,8 @@ class Sender(Closeable):
         self._forks = pool.retirer = ForkBook()  # Note [Blocks a child inherits]
         self._inbox = Inbox(pool)  # what comes back: releases, notes, a refusal
         self._notes = self._inbox.notes  # Receiver.tell's, unread
-        self._sent = self._copied = self._in_place = 0
+        self._sent = self._copied = self._in_place = self._inlined = 0
+        self._inline_left = 0  # bytes of small arrays the send in progress may still inline
         self._last_drain = 0.0
         self._encoder = tensors.Encoder(self._place)
         self._taken = []  # lease ids the send in progress took (under the lock)

@@ -460,7 +460,7 @@ def test_received_fds_are_close_on_exec():
 
 def test_lease_ids_are_unique_per_process(chan):
     tx, rx = chan
-    tx.send(np.ones(4))
+    tx.send(np.ones(64))  # past INLINE_BYTES: a pool block, lent
     (lease,) = tx._leases
     assert lease >> 32 == os.getpid()  # a forked child's ids never collide with its parent's
     del rx

@@ -119,12 +119,12 @@ def test_the_posix_backend_delivers_to_a_trusting_receiver(how, tmp_path):
 def test_a_receiver_that_does_not_trust_refuses_posix_senders(tmp_path):
     rx = shmshare.listen(tmp_path / "sock")
     tx = shmshare.connect(rx.path, backend="posix")
-    tx.send(np.ones(10))
+    tx.send(np.ones(64))
     with pytest.raises(ProtocolError, match="trust_unsealed=True"):
         rx.recv(timeout=5)
     with pytest.raises(ProtocolError, match=r"refused a batch .*trust_unsealed"):
         for _ in range(50):  # the sender is told why
-            tx.send(np.ones(10), timeout=5)
+            tx.send(np.ones(64), timeout=5)
     tx.close()
     rx.close()
 
@@ -297,7 +297,7 @@ def test_a_full_pool_host_says_dev_shm_not_raise_limit(monkeypatch):
     tx, rx = shmshare.channel(backend="posix")
     monkeypatch.setattr(_shm.Segment, "create", full)
     with pytest.raises(PoolExhausted, match="/dev/shm has 0") as err:
-        tx.send(np.ones(16), timeout=1)
+        tx.send(np.ones(64), timeout=1)
     assert "raise limit" not in str(err.value)
     tx.close()
     rx.close()
@@ -497,7 +497,7 @@ def test_a_receiver_that_breaks_the_protocol_ends_the_connection_once(frame):
     # bare TypeError (or a ProtocolError about a frame it never asked for), and carried on.
     a, b = wire.pipe()
     tx = shmshare.Sender(a)
-    tx.send(np.arange(4.0))
+    tx.send(np.arange(64.0))
     b.recv(timeout=5)
     if isinstance(frame, dict):
         b.send(frame)
@@ -506,7 +506,7 @@ def test_a_receiver_that_breaks_the_protocol_ends_the_connection_once(frame):
     for _ in range(3):
         with pytest.raises(ProtocolError, match="receiver broke the protocol"):
             tx.poll_releases()
-            tx.send(np.arange(4.0), timeout=1)
+            tx.send(np.arange(64.0), timeout=1)
     tx.close()
     b.close()
 

@@ -585,7 +585,7 @@ def test_thousands_of_releases_go_by_ring_and_all_come_back():
         wait_until(lambda: tx.poll_releases() == 0 and tx._conn._rings.reading, "rings up", WAIT)
         held = []
         for i in range(40):
-            tx.send([np.full(8, i) for _ in range(100)])  # 100 leases a batch
+            tx.send([np.full(40, i) for _ in range(100)])  # 100 leases a batch (past INLINE_BYTES each)
             held.append(rx.recv(timeout=WAIT))
         assert tx.statistics().leases_out == 4000
         del held

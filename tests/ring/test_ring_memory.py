@@ -563,15 +563,12 @@ def test_a_peer_writing_the_offerers_ring_before_accepting_keeps_the_order():
 
 # A marker in the ring whose carried frame never comes, and the socket flooded meanwhile: with
 # wake-ups (the reader skipped them for as long as they came: a hang), or with messages (each
-# kept for later: memory without bound). Where: RingLink._resolve. Fix: at most RESOLVE_FRAMES
-# socket frames are read looking for one carried frame, and at most MAX_STASH kept: past either,
-# the peer broke the protocol. The bounds are lowered here so that a socket's worth of frames
-# (what this test can queue before the victim reads) crosses them: a flood from another process
-# outrunning the reader is the same loop, for longer.
+# kept for later: memory without bound). Where: RingLink._resolve. Fix: the carried frame was sent
+# before its marker, so it lies within the bytes queued on the socket when the marker is read; past
+# them, the peer broke the protocol. A flood from another process outrunning the reader is the same
+# loop for longer; here the flood is what the socket holds, and the carried frame never comes.
 @pytest.mark.parametrize("flood", ["wake", "msg"])
-def test_a_marker_whose_frame_never_comes_cannot_hold_the_reader_under_a_flood(flood, monkeypatch):
-    monkeypatch.setattr(_ring, "RESOLVE_FRAMES", 100)
-    monkeypatch.setattr(_ring, "MAX_STASH", 10)
+def test_a_marker_whose_frame_never_comes_cannot_hold_the_reader_under_a_flood(flood):
     s1, s2 = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     victim = wire.Connection(s1)
     m = _offer_hostile(s2)
@@ -579,12 +576,23 @@ def test_a_marker_whose_frame_never_comes_cannot_hold_the_reader_under_a_flood(f
     try:
         _send(s2, [1, {"n": 0}])
         assert victim.recv(timeout=WAIT)[0] == {"n": 0}  # the OFFER and SWITCH were read
+        _put(m, 0, msgpack.packb([_ring.KIND_MARK, 0]))
         for _ in range(200):
             s2.send(frame)
-        _put(m, 0, msgpack.packb([_ring.KIND_MARK, 0]))
-        with pytest.raises(ProtocolError, match="without the carried frame"):
-            victim.recv(timeout=WAIT)
-        assert victim._rings is None or len(victim._rings.stash) <= 10
+        real = _ring._queued
+        queued = []
+
+        def less(sock):  # what was queued when the marker was read: 100 frames; the rest came after
+            queued.append(real(sock))
+            return queued[-1] // 2
+
+        _ring._queued = less
+        try:
+            with pytest.raises(ProtocolError, match="without that frame"):
+                victim.recv(timeout=WAIT)
+        finally:
+            _ring._queued = real
+        assert queued and (victim._rings is None or len(victim._rings.stash) <= 101)
     finally:
         victim.close()
         s2.close()
@@ -592,8 +600,8 @@ def test_a_marker_whose_frame_never_comes_cannot_hold_the_reader_under_a_flood(f
 
 
 def test_a_socket_full_of_wake_ups_before_a_carried_frame_is_honest():
-    """What the bounds above must let through: every frame an honest peer's socket can hold, then
-    the carried frame, behind the marker (RESOLVE_FRAMES and MAX_STASH as shipped)."""
+    """What the bound above must let through: every frame an honest peer's socket can hold, then
+    the carried frame, behind the marker (its buffer raised as every Connection's is)."""
     s1, s2 = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     victim = wire.Connection(s1)
     m = _offer_hostile(s2)
@@ -608,7 +616,6 @@ def test_a_socket_full_of_wake_ups_before_a_carried_frame_is_honest():
                 queued += 1
         except BlockingIOError:
             pass
-        assert queued < _ring.RESOLVE_FRAMES
         with pytest.raises(ShmshareTimeout):  # room for the carried frame: a wake-up or two read
             victim.recv(timeout=0)
         s2.setblocking(True)

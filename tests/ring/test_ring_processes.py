@@ -512,7 +512,7 @@ def test_a_parent_and_its_forked_child_both_sending_get_their_releases_back():
     pid = -1
     go_r, go_w = os.pipe()
     try:
-        tx.send(np.zeros(10))
+        tx.send(np.zeros(64))
         rx.recv(timeout=WAIT)
         gc.collect()
         rx.flush_releases()
@@ -522,7 +522,7 @@ def test_a_parent_and_its_forked_child_both_sending_get_their_releases_back():
         if pid == 0:  # pragma: no cover - the child
             code = 0
             try:
-                tx.send(np.ones(10))  # one lease of the child's
+                tx.send(np.ones(64))  # one lease of the child's
                 os.read(go_r, 1)
                 deadline = time.monotonic() + WAIT
                 while tx.poll_releases() and time.monotonic() < deadline:
@@ -531,7 +531,7 @@ def test_a_parent_and_its_forked_child_both_sending_get_their_releases_back():
             except BaseException:  # noqa: BLE001
                 code = 8
             os._exit(code)
-        tx.send(np.full(10, 2))  # one lease of the parent's
+        tx.send(np.full(64, 2))  # one lease of the parent's
         got = [rx.recv(timeout=WAIT), rx.recv(timeout=WAIT)]  # rx hears the child: falls back
         assert sorted(int(g[0]) for g in got) == [1, 2]
         del got

@@ -1,0 +1,213 @@
+"""Small arrays by value (Note [Inline arrays] in tensors.py): what the sender would copy into its
+pool anyway goes in the frame when small; it comes back exactly, as a copy of the receiver's own,
+with no lease; past INLINE_BYTES a batch's arrays go by the pool; a hostile inline ext is refused
+and drops its sender; an end that never sends still moves its peer onto the rings.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shmshare import ProtocolError, ShmshareError, channel, tensors, wire
+from shmshare.channel import Receiver, _lane
+from shmshare.channel._protocol import BATCH, KIND, TREE
+from shmshare.channel._sender import INLINE_BYTES
+from shmshare.testing import wait_until
+
+WAIT = 30.0
+
+
+def _padded() -> np.ndarray:
+    dt = np.dtype({"names": ["a", "b"], "formats": ["u1", "<f8"], "offsets": [0, 8], "itemsize": 16})
+    out = np.zeros(3, dt)
+    out["a"], out["b"] = [1, 2, 3], [0.5, 1.5, 2.5]
+    return out
+
+
+_SMALL = {
+    "u8": np.arange(64, dtype=np.uint8),
+    "f64-2d": np.arange(12.0).reshape(3, 4),
+    "bool": np.array([True, False, True]),
+    "c64": np.array([1 + 2j, 3 - 4j], np.complex64),
+    "big-endian": np.arange(5, dtype=">i4"),
+    "0-d": np.array(7.25),
+    "unicode": np.array(["ab", "c"], "<U3"),
+    "bytes": np.array([b"xy", b"z"], "S2"),
+    "strided": np.arange(40, dtype=np.int16)[::3],
+    "fortran": np.asfortranarray(np.arange(6, dtype=np.int32).reshape(2, 3)),
+    "padded": _padded(),
+}
+
+
+@pytest.mark.parametrize("name", list(_SMALL))
+def test_a_small_array_goes_in_the_frame_and_comes_back_exactly(name):
+    arr = _SMALL[name]
+    tx, rx = channel()
+    try:
+        tx.send({"x": arr, "n": 1})
+        got = rx.recv(timeout=WAIT)
+        assert got["x"].dtype == arr.dtype and got["x"].shape == arr.shape
+        assert got["x"].tobytes() == np.ascontiguousarray(arr).tobytes()  # every byte, padding too
+        assert not got["x"].flags.writeable  # as the pool's pages of a read-only receiver
+        st = tx.statistics()
+        assert (st.arrays_inline, st.arrays_copied, st.leases_out, st.reserved_bytes) == (1, 0, 0, 0)
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_one_small_array_alone_takes_the_fast_lane_and_a_writable_receiver_may_change_it():
+    tx, rx = channel(writable=True)
+    try:
+        for i in range(300):  # past the ring's setup: the fast lane's frames from the third send on
+            tx.send(np.full(8, i, np.int64))
+            got = rx.recv(timeout=WAIT)
+            assert got.tolist() == [i] * 8
+            got[0] = -1  # its own copy: nothing of the sender's changes
+        assert tx.statistics().arrays_inline == 300 and tx.statistics().leases_out == 0
+        assert tx._conn._rings is not None and tx._conn._rings.writing  # by ring, not the socket
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_a_batch_inlines_up_to_inline_bytes_and_lends_the_rest_from_the_pool():
+    tx, rx = channel()
+    try:
+        parts = [np.full(8, i, np.int64) for i in range(INLINE_BYTES // 64 + 3)]  # 64 bytes each
+        tx.send(parts)
+        got = rx.recv(timeout=WAIT)
+        assert [g.tolist() for g in got] == [p.tolist() for p in parts]
+        st = tx.statistics()
+        assert st.arrays_inline == INLINE_BYTES // 64 and st.arrays_copied == 3 and st.leases_out == 3
+        del got
+        gc.collect()
+        rx.flush_releases()
+        wait_until(lambda: tx.poll_releases() == 0, "the pool's three leases back", WAIT)
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_arrays_from_empty_stay_zero_copy_however_small():
+    tx, rx = channel()
+    try:
+        a = tx.empty(4, np.uint8)
+        a[:] = 9
+        tx.send(a)
+        got = rx.recv(timeout=WAIT)
+        assert got.tolist() == [9] * 4
+        st = tx.statistics()
+        assert (st.arrays_inline, st.arrays_in_place, st.leases_out) == (0, 1, 1)
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_a_small_torch_tensor_comes_back_a_writable_tensor():
+    torch = pytest.importorskip("torch")
+    tx, rx = channel()
+    try:
+        t = torch.arange(6, dtype=torch.bfloat16)
+        tx.send(t)
+        got = rx.recv(timeout=WAIT)
+        assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16 and torch.equal(got, t)
+        got.add_(1)  # a tensor must be writable: torch has no read-only ones
+        assert tx.statistics().arrays_inline == 1
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_a_receiver_that_never_sends_still_takes_its_senders_frames_by_ring():
+    # Found while building this: the receiving end answered a ring offer only at its own first
+    # send (a release), so a channel of small arrays or plain values stayed on the socket for good.
+    tx, rx = channel()
+    try:
+        for i in range(50):
+            tx.send({"i": i, "name": "x"})
+            assert rx.recv(timeout=WAIT) == {"i": i, "name": "x"}
+        wait_until(lambda: tx.poll_releases() == 0 and tx._conn._rings.writing, "the sender on its ring", WAIT)
+        tx.send({"i": 50})
+        assert tx._conn._rings.ring.pending == 1  # in the ring, not on the socket
+        assert rx.recv(timeout=WAIT) == {"i": 50}
+    finally:
+        tx.close()
+        rx.close()
+
+
+# -- what a hostile sender may put in an inline ext ------------------------------------------------
+
+
+def _inline_tree(payload: bytes) -> bytes:
+    return msgpack.packb(msgpack.ExtType(tensors.EXT_INLINE, payload), use_bin_type=True)
+
+
+def _good_payload(arr: np.ndarray) -> bytes:
+    return tensors.pack_inline(tensors.desc_dtype_bytes(arr.dtype), arr.shape, arr.dtype.itemsize,
+                               arr.tobytes()).data
+
+
+@pytest.mark.parametrize("payload", [
+    b"",
+    b"\x00" * 10,
+    _good_payload(np.arange(4, dtype=np.int32))[:-1],  # a byte short
+    _good_payload(np.arange(4, dtype=np.int32)) + b"\x00",  # a byte over
+    tensors.pack_desc(1, 0, 0, b"<i4", (1,), (4,)).data + b"\x00" * 4,  # names a segment
+    tensors.pack_desc(0, 0, 0, b"<i4", (2,), (8,)).data + b"\x00" * 8,  # not C order
+    tensors.pack_desc(0, 0, 0, b"|O", (1,), (8,)).data + b"\x00" * 8,  # object references
+    tensors.pack_desc(0, 0, 0, b"<i4", (-1,), (4,)).data,  # a negative dimension
+    tensors.pack_desc(0, 0, 0, b"|V0", (1 << 40,), (0,)).data,  # a trillion items of nothing
+    tensors.pack_desc(0, 0, 0, b"<i4", (0,), (4,)).data,  # empty: never sent by value
+], ids=["empty", "short-head", "short", "long", "segment", "strided", "object", "negative", "void0",
+        "no-items"])
+def test_a_malformed_inline_array_is_a_protocol_error_and_drops_the_sender(payload):
+    a, b = wire.pipe()
+    rx = Receiver([b])
+    try:
+        a.send({KIND: BATCH, TREE: _inline_tree(payload)})
+        with pytest.raises(ProtocolError):
+            rx.recv(timeout=WAIT)
+        assert not rx._peers  # dropped
+    finally:
+        rx.close()
+        a.close()
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_a_mutated_inline_frame_is_the_array_sent_or_a_protocol_error(data):
+    arr = (np.arange(data.draw(st.integers(1, 24))) % 3).astype(data.draw(st.sampled_from(["<u2", "<f8", "|b1"])))
+    good = bytearray(_lane.frame_by_value(tensors.desc_dtype_bytes(arr.dtype), arr))
+    for _ in range(data.draw(st.integers(1, 3))):
+        i = data.draw(st.integers(len(_lane.HEAD), len(good) - 1))
+        good[i] = data.draw(st.integers(0, 255))
+    a, b = wire.pipe()
+    rx = Receiver([b])
+    try:
+        a.send({KIND: BATCH, TREE: msgpack.packb(0)})  # the HELLO first, as any sender's
+        assert rx.recv(timeout=WAIT) == 0
+        a._send_frame(bytes(good), [], WAIT)
+        try:
+            got = rx.recv(timeout=WAIT)
+        except ShmshareError:
+            return  # refused, and the sender dropped
+        assert isinstance(got, (np.ndarray, np.generic, int, float, bool, str, bytes, list, dict, tuple,
+                                type(None)))
+    finally:
+        rx.close()
+        a.close()
+
+
+def test_the_fast_lane_frame_of_a_small_array_is_the_usual_frame():
+    arr = np.arange(10, dtype=np.int16)
+    dt = tensors.desc_dtype_bytes(arr.dtype)
+    usual = wire.message_frame({KIND: BATCH, TREE: tensors.encode(
+        arr, lambda a: tensors.pack_inline(dt, a.shape, a.dtype.itemsize, a.tobytes()))})
+    assert _lane.frame_by_value(dt, arr) == usual
