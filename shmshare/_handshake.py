@@ -25,7 +25,7 @@ from ._sockets import peer_cred
 
 __all__ = ["PROTOCOL_VERSION", "State", "PeerCred", "hello", "check_hello", "check_uid", "read_peer_cred"]
 
-PROTOCOL_VERSION = 3  # 2: a channel batch travels as packed bytes, tuples as marked lists; 3: rings
+PROTOCOL_VERSION = 4  # 2: a channel batch travels as packed bytes, tuples as marked lists; 3: rings; 4: inline arrays
 
 
 class State(enum.Enum):
