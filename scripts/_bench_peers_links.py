@@ -146,6 +146,18 @@ class ShmshareManyLink(ShmshareLink):
         return check(self.got.pop())
 
 
+class ShmsharePlainLink(ShmshareLink):
+    """As ``shmshare``, the writer filling a plain numpy array (``np.empty``) each message: up to 256 bytes it
+    goes by value in the frame (Note [Inline arrays] in shmshare/tensors.py), past that it is copied into the pool."""
+
+    label = "shmshare plain"
+
+    def send(self, seq: int, fill: bool) -> None:
+        a = np.empty(self.size, np.uint8)
+        stamp(a, seq, fill)
+        self.tx.send(a, timeout=WAIT)
+
+
 # -- iceoryx2 ---------------------------------------------------------------------------------------------------
 
 
@@ -468,6 +480,7 @@ LINKS: dict[str, tuple[type[Link], str, dict[str, str]]] = {
     "shmshare": (ShmshareLink, "shmshare", {"SHMSHARE_RINGS": "1"}),
     "shmshare no-rings": (ShmshareLink, "shmshare", {"SHMSHARE_RINGS": "0"}),
     "shmshare recv_many": (ShmshareManyLink, "shmshare", {"SHMSHARE_RINGS": "1"}),
+    "shmshare plain": (ShmsharePlainLink, "shmshare", {"SHMSHARE_RINGS": "1"}),
     "iceoryx2": (IceoryxLink, "iceoryx2", {}),
     "faster-fifo": (FasterFifoLink, "faster_fifo", {}),
     "tachyon-ipc": (TachyonLink, "tachyon", {}),

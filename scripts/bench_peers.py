@@ -17,6 +17,8 @@ Transports (``_bench_peers_links.py`` says how each is used):
 
 - ``shmshare``: ``tx.empty()`` + fill + ``tx.send()`` / ``rx.recv()``, with its shared-memory rings (default)
 - ``shmshare no-rings``: the same with ``SHMSHARE_RINGS=0`` in both children (frames on the socket)
+- ``shmshare plain``: a plain ``np.empty()`` payload each message + ``tx.send()``: by value in the frame up to
+  256 bytes (Note [Inline arrays]), copied into the pool past that
 - ``iceoryx2``: publish-subscribe of a ``Slice[c_uint8]``, loan + fill in place + send; an event wakes the reader
 - ``faster-fifo``: ``faster_fifo.Queue`` of raw bytes
 - ``tachyon-ipc``: ``TachyonBus``, acquire_tx + fill in place + commit/flush, zero-copy acquire_rx

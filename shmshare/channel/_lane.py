@@ -34,7 +34,7 @@ from .. import tensors, wire
 from .._errors import ProtocolError
 from ._protocol import BATCH, KIND, TREE
 
-__all__ = ["HEAD", "frame", "frame_by_value", "by_value", "one_array", "desc_of", "header_of"]
+__all__ = ["HEAD", "frame", "frame_by_value", "by_value", "one_array", "desc_of", "inline_of", "header_of"]
 
 _WHERE = struct.Struct("<QQq")  # segment, block (the lease), offset: tensors' descriptor head
 _MAX_LAYOUTS = 4096  # layouts kept; ever new shapes start the table over rather than grow it
@@ -54,8 +54,26 @@ def frame(segment: int, lease: int, offset: int, dtype: bytes, shape: tuple[int,
 def frame_by_value(dtype: bytes, arr: Any) -> bytes:
     """The message frame of a batch that is the one small numpy array `arr`, sent by value (Note
     [Inline arrays] in ``tensors.py``); its numpy dtype's descriptor bytes are `dtype`."""
-    ext = tensors.pack_inline(dtype, arr.shape, arr.dtype.itemsize, arr.tobytes())
-    return wire.message_frame({KIND: BATCH, TREE: msgpack.packb(ext, use_bin_type=True)})
+    data: bytes = arr.tobytes()
+    key = (dtype, arr.shape, len(data))
+    head = _by_value.get(key)
+    if head is None:  # the frame less its last field, the bytes: the same for every array of the layout
+        if len(_by_value) >= _MAX_LAYOUTS:
+            _by_value.clear()
+        ext = tensors.pack_inline(dtype, arr.shape, arr.dtype.itemsize, bytes(len(data)))
+        whole = wire.message_frame({KIND: BATCH, TREE: msgpack.packb(ext, use_bin_type=True)})
+        head = _by_value[key] = whole[:len(whole) - len(data)]
+    return head + data
+
+
+def inline_of(framed: bytes) -> bytes | None:
+    """The EXT_INLINE payload of a frame that starts with HEAD and is a batch of exactly one array
+    sent by value, in the short form (a tree under 256 bytes); None: any other."""
+    n = len(framed)
+    if n > _SHORT and framed[_BIN_LEN] == n - _BIN_LEN - 1 and framed[_EXT] == 0xC7 \
+            and framed[_EXT + 1] == n - _SHORT and framed[_EXT + 2] == tensors.EXT_INLINE:
+        return framed[_SHORT:]
+    return None
 
 
 def by_value(lay: tensors.Layout, data: bytes, writable: bool) -> Any:
@@ -110,6 +128,7 @@ def _parts(dtype: bytes, shape: tuple[int, ...], strides: tuple[int, ...]) -> tu
 
 
 _frames: dict[tuple[bytes, tuple[int, ...], tuple[int, ...]], tuple[bytes, bytes]] = {}
+_by_value: dict[tuple[bytes, tuple[int, ...], int], bytes] = {}  # frame_by_value's heads
 # The bytes every batch of the lane starts with: [MSG, {KIND: BATCH, TREE: <bin8 ...>}]; then the
 # bin's length, an ext8 header (0xC7, length, EXT_ARRAY) and the descriptor (_SHORT on).
 HEAD = wire.message_frame({KIND: BATCH, TREE: b""})[:-1]  # less the empty bin's length byte

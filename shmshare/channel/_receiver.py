@@ -246,13 +246,16 @@ class Receiver(Closeable, Generic[T]):
             if self._sel is not None and peer.conn.pending() and peer not in self._ready:
                 self._ready.append(peer)  # frames in its ring: a selector would not say so
             if type(now) is bytes:  # a batch of the lane's shape: one array, short (Note [Fast lane])
+                peer.bye = False  # (a batch, whatever its tree)
                 try:
                     desc = _lane.desc_of(now)
                     if desc is not None:
-                        peer.bye = False
                         if self._releases.thread is None:
                             self._releases.start(self)
                         return peer, self._view(peer, *tensors.parse_desc(desc))
+                    data = _lane.inline_of(now)  # one small array by value (Note [Inline arrays])
+                    if data is not None:
+                        return peer, _lane.by_value(*tensors.parse_inline(data), self._writable)
                     now = _lane.header_of(now)
                 except Exception as exc:  # noqa: BLE001 - any failure of a hostile batch drops its sender
                     raise self._drop(peer, exc) from None

@@ -7,6 +7,7 @@ and drops its sender; an end that never sends still moves its peer onto the ring
 from __future__ import annotations
 
 import gc
+import os
 
 import msgpack
 import numpy as np
@@ -19,6 +20,8 @@ from shmshare.channel import Receiver, _lane
 from shmshare.channel._protocol import BATCH, KIND, TREE
 from shmshare.channel._sender import INLINE_BYTES
 from shmshare.testing import wait_until
+
+from .test_fast_lane import _switched_pair
 
 WAIT = 30.0
 
@@ -205,9 +208,39 @@ def test_a_mutated_inline_frame_is_the_array_sent_or_a_protocol_error(data):
         a.close()
 
 
-def test_the_fast_lane_frame_of_a_small_array_is_the_usual_frame():
-    arr = np.arange(10, dtype=np.int16)
-    dt = tensors.desc_dtype_bytes(arr.dtype)
-    usual = wire.message_frame({KIND: BATCH, TREE: tensors.encode(
-        arr, lambda a: tensors.pack_inline(dt, a.shape, a.dtype.itemsize, a.tobytes()))})
-    assert _lane.frame_by_value(dt, arr) == usual
+@pytest.mark.parametrize("name", list(_SMALL))
+def test_the_fast_lane_frame_of_a_small_array_is_the_usual_frame(name):
+    for arr in (_SMALL[name], np.array(np.flip(_SMALL[name]))):  # twice: the second from the kept head
+        dt = tensors.desc_dtype_bytes(arr.dtype)
+        usual = wire.message_frame({KIND: BATCH, TREE: tensors.encode(
+            arr, lambda a, dt=dt: tensors.pack_inline(dt, a.shape, a.dtype.itemsize, a.tobytes()))})
+        assert _lane.frame_by_value(dt, arr) == usual
+        payload = _lane.inline_of(usual)
+        if payload is not None:  # the short form: the receiver's shortcut reads it back
+            lay, data = tensors.parse_inline(payload)
+            assert _lane.by_value(lay, data, False).tobytes() == np.ascontiguousarray(arr).tobytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_a_mutated_inline_frame_in_the_ring_is_the_array_sent_or_a_protocol_error(data):
+    arr = np.arange(data.draw(st.integers(1, 40)), dtype=np.uint16)
+    good = bytearray(_lane.frame_by_value(b"<u2", arr))
+    assert _lane.inline_of(bytes(good)) is not None
+    for _ in range(data.draw(st.integers(1, 3))):
+        i = data.draw(st.integers(len(_lane.HEAD), len(good) - 1))
+        good[i] = data.draw(st.integers(0, 255))
+    if data.draw(st.booleans()):
+        good = good[:data.draw(st.integers(len(_lane.HEAD), len(good)))]
+    a, rx, fd, _ = _switched_pair()
+    try:
+        assert a.send_now(lambda: bytes(good))
+        try:
+            got = rx.recv(timeout=WAIT)
+        except ShmshareError:
+            return  # refused, and the sender dropped
+        assert got is not None
+    finally:
+        os.close(fd)
+        rx.close()
+        a.close()
