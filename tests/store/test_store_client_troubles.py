@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from shmshare import _native, tensors, wire
+from shmshare import _native, _ring, tensors, wire
 from shmshare._errors import ShmshareTimeout
 from shmshare.store import Daemon, Store, StoreError, _client
 from shmshare.store._packing import SEALS
@@ -95,6 +95,7 @@ def test_get_timeout_holds_when_the_daemon_does_not_answer(own_daemon: Daemon,
     clock = PollClock()
     monkeypatch.setattr(wire, "time", clock)
     monkeypatch.setattr(wire, "select", clock.select())  # before the Store: its connection's polls
+    monkeypatch.setattr(_ring, "time", clock)  # its rings' waits (the daemon answers their offer at once)
     monkeypatch.setattr(_client, "time", clock)
     with (Store(own_daemon.path, timeout=3) as s, _stopped(own_daemon.pid),
           pytest.raises((ShmshareTimeout, StoreError))):
