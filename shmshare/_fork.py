@@ -33,6 +33,7 @@ Note [At fork]
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -43,12 +44,19 @@ _parent_handlers: list[Callable[[], None]] = []
 # (layer, order registered, a function returning the locks to take now, in that order)
 _holders: list[tuple[int, int, Callable[[], list[Any]]]] = []
 _taken: list[Any] = []  # what the forking thread took, to give back after
-_forking = False  # a fork is under way: from its first "before" hook to its parent's handlers' end
+_forking = 0  # forks under way (threads may fork at once): from the first "before" hook to the parent's end
+_forking_lock = threading.Lock()  # (+= of two threads' hooks is not atomic)
 
 
 def forking() -> bool:
     """Whether this process is forking now (Note [At fork]): blocks of local views stay held."""
-    return _forking
+    return _forking > 0
+
+
+def _count(step: int) -> None:
+    global _forking
+    with _forking_lock:
+        _forking += step
 
 
 def hold_across_fork(layer: int, locks: Callable[[], list[Any]]) -> None:
@@ -70,8 +78,7 @@ def on_fork_in_parent(handler: Callable[[], None]) -> None:
 
 
 def _before() -> None:
-    global _forking
-    _forking = True
+    _count(1)
     for _, _, locks in _holders:
         for lock in locks():
             lock.acquire()
@@ -84,8 +91,8 @@ def _give_back() -> None:
 
 
 def _run() -> None:
-    global _forking
-    _forking = False
+    global _forking, _forking_lock
+    _forking, _forking_lock = 0, threading.Lock()  # the child's own (another thread may have held it)
     _give_back()
     for _, _, handler in _handlers:
         try:
@@ -102,13 +109,12 @@ def _say(text: str) -> None:
 
 
 def _run_in_parent() -> None:
-    global _forking
-    _give_back()
     try:
+        _give_back()
         for handler in _parent_handlers:
             handler()
     finally:
-        _forking = False
+        _count(-1)
 
 
 os.register_at_fork(before=_before, after_in_child=_run, after_in_parent=_run_in_parent)

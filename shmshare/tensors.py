@@ -62,6 +62,7 @@ __all__ = [
     "decode_dtype",
     "check_shareable",
     "c_strides",
+    "c_bytes",
     "is_torch_tensor",
     "as_numpy",
     "as_torch",
@@ -413,6 +414,15 @@ def pack_inline(dtype: bytes, shape: tuple[int, ...], itemsize: int, data: bytes
     return _ext(EXT_INLINE, desc.data + data)
 
 
+def c_bytes(arr: np.ndarray) -> bytes:
+    """Every byte of every element of `arr`, in C order: a structured dtype's padding too (numpy's
+    tobytes() of a strided structured array copies field by field, leaving the padding whatever
+    its new buffer held: this process's memory, sent)."""
+    if arr.dtype.fields is None or arr.flags.c_contiguous:
+        return arr.tobytes()
+    return arr.view(np.dtype((np.void, arr.dtype.itemsize))).tobytes()
+
+
 def parse_inline(payload: bytes) -> tuple[Layout, bytes]:
     """The layout and bytes of an EXT_INLINE payload; ValueError unless they are a C-order array
     of a fixed-size dtype whose bytes are all there, nothing more."""
@@ -511,7 +521,9 @@ def as_torch(arr: np.ndarray, torch_dtype: str) -> Any:
     import torch
 
     t = torch.from_numpy(arr)
-    want = getattr(torch, torch_dtype)
+    want = vars(torch).get(torch_dtype)  # not getattr: a peer's name must not import a submodule
+    if not isinstance(want, torch.dtype):
+        raise ValueError(f"{torch_dtype!r} is not a torch dtype")
     return t if t.dtype == want else t.view(want)
 
 

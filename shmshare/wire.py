@@ -402,6 +402,11 @@ class Connection(Closeable):
         finally:
             self._send_lock.release()
 
+    @property
+    def max_frame(self) -> int:
+        """Bytes of the largest frame this connection sends or takes."""
+        return self._max_frame
+
     def frame_room(self) -> int:
         """Bytes of the largest frame that goes without a detour: a ring slot's while rings carry
         this end's frames (a larger one is carried on the socket), else max_frame."""

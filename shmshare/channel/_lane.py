@@ -54,7 +54,7 @@ def frame(segment: int, lease: int, offset: int, dtype: bytes, shape: tuple[int,
 def frame_by_value(dtype: bytes, arr: Any) -> bytes:
     """The message frame of a batch that is the one small numpy array `arr`, sent by value (Note
     [Inline arrays] in ``tensors.py``); its numpy dtype's descriptor bytes are `dtype`."""
-    data: bytes = arr.tobytes()
+    data = tensors.c_bytes(arr)
     key = (dtype, arr.shape, len(data))
     head = _by_value.get(key)
     if head is None:  # the frame less its last field, the bytes: the same for every array of the layout

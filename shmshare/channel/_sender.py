@@ -82,6 +82,7 @@ class Sender(Closeable):
     """
 
     LIMIT = "limit="  # the setting to name in errors (the loader's workers: pool_limit=)
+    INLINE = INLINE_BYTES  # bytes of small arrays a batch sends by value (Note [Inline arrays]); 0: none
     _lock: threading.RLock
     _pool: LendingPool  # the blocks lent, their segments and spares (_plane/pool.py)
     _forks: ForkBook  # blocks a forked child may map (Note [Blocks a child inherits])
@@ -134,11 +135,16 @@ class Sender(Closeable):
                     self._conn.offer_ring(timeout=0)  # the socket it stays
             taken = self._taken = []
             self._deadline = deadline
-            self._inline_left = INLINE_BYTES
+            self._inline_left, self._batch_inlined = self.INLINE, 0
             self._in_send = True
             self._pushing = False  # set while the frame may be going out (_send_draining)
             try:
                 tree = self._encoder.encode(obj)  # calls _place for each array
+                if self._batch_inlined and len(tree) > self._conn.max_frame - 64:  # too large by value:
+                    self._pool.give_back(taken)  # the pool for all of them (each lent once, again)
+                    taken.clear()
+                    self._inline_left, self._batch_inlined = 0, 0
+                    tree = self._encoder.encode(obj)
                 ann = self._ann
                 if ann.to_announce or ann.grow or ann.drop:
                     header, fds = announce(ann, {KIND: BATCH, TREE: tree})
@@ -167,6 +173,7 @@ class Sender(Closeable):
             if not self._sent:  # a finalizer says goodbye too (Note [Finalizers and goodbyes])
                 self._conn.set_farewell({KIND: BYE})
             self._sent += 1
+            self._inlined += self._batch_inlined
 
     def send_many(self, objs: Iterable[Any], timeout: float | None = None) -> None:
         """Send each of `objs` (an iterable of batches) as its own batch, in order: ``send()`` in a
@@ -330,7 +337,7 @@ class Sender(Closeable):
         thread that fails leaves the work to the holder, who looks again
         after letting go (Note [Callbacks from the garbage collector]).
         """
-        while self._pool.local_done:
+        while self._pool.local_done and not _fork.forking():  # (after a fork: the next death's)
             if not self._reap_lock.acquire(blocking=False):
                 return
             try:
@@ -365,8 +372,8 @@ class Sender(Closeable):
         held = self._pool.find(ptr + lo, span)
         if held is None and 0 < arr.nbytes <= self._inline_left:  # by value (Note [Inline arrays])
             self._inline_left -= arr.nbytes
-            self._inlined += 1
-            return tensors.pack_inline(dt, arr.shape, arr.dtype.itemsize, arr.tobytes(), tdt)
+            self._batch_inlined += 1
+            return tensors.pack_inline(dt, arr.shape, arr.dtype.itemsize, tensors.c_bytes(arr), tdt)
         if held is None:
             held = self._pool.copy_in(arr, ptr, span, self._sent,
                                       lambda n: self._malloc(n, self._deadline), self._drain_for_room())
@@ -405,9 +412,12 @@ class Sender(Closeable):
             if held is None or held.spare or span > held.block.size or not span or dt is None:
                 held = pool.find(ptr + lo, span) if span and dt is not None else None
             ann = self._ann
-            if held is None and dt is not None and 0 < arr.nbytes <= INLINE_BYTES:  # Note [Inline arrays]
-                if not self._conn.send_now(_lane.frame_by_value, dt, arr):  # a BrokenRing: nothing went
-                    return False
+            if held is None and dt is not None and 0 < arr.nbytes <= self.INLINE:  # Note [Inline arrays]
+                try:
+                    if not self._conn.send_now(_lane.frame_by_value, dt, arr):
+                        return False
+                except BrokenRing as exc:
+                    raise self._broken(exc) from None
                 self._inlined += 1
             elif held is None or held.seg.id not in ann.announced or ann.to_announce or ann.grow \
                     or ann.drop:
@@ -548,7 +558,7 @@ class Sender(Closeable):
         self._inbox = Inbox(pool)  # what comes back: releases, notes, a refusal
         self._notes = self._inbox.notes  # Receiver.tell's, unread
         self._sent = self._copied = self._in_place = self._inlined = 0
-        self._inline_left = 0  # bytes of small arrays the send in progress may still inline
+        self._inline_left = self._batch_inlined = 0  # what the send in progress may still inline, and did
         self._last_drain = 0.0
         self._encoder = tensors.Encoder(self._place)
         self._taken = []  # lease ids the send in progress took (under the lock)
@@ -599,8 +609,10 @@ def _after_fork() -> None:
 def _after_fork_in_parent() -> None:
     for sender in list(_live):
         sender._hand_over()
-        with sender._lock:  # the child maps the blocks of its arrays from empty(): not reused
-            sender._forks.forked([addr for addr, h in sender._pool.held.items() if h.local])
+        # The child maps the blocks of its arrays from empty(): not reused. Without the lock: a
+        # thread holding it may wait for a local view's block, which no lender frees until this
+        # handler is done (Note [At fork]); no block stops being local meanwhile.
+        sender._forks.forked([addr for addr, h in list(sender._pool.held.items()) if h.local])
 
 
 _fork.on_fork_in_child(5, _after_fork)

@@ -318,6 +318,9 @@ def _send(tx: Sender, task: int, kind: str, payload: bytes, arrays: list[Any] | 
 
 class _WorkerSender(Sender):
     LIMIT = "pool_limit= (a DataLoader keyword)"  # what its errors tell the user to raise
+    # Nothing by value (Note [Inline arrays]): a batch lies in the worker's pool, shared as torch's
+    # workers' batches are (is_shared()), and pinned where it lies with pin_memory=True
+    INLINE = 0
 
 
 # False: a full pool waits for releases instead (what a host out of shared memory still does;

@@ -263,9 +263,9 @@ class Owner:
         return np.ndarray((nbytes,) if shape is None else shape, dtype, lease), held  # type: ignore[arg-type]
 
     def forked(self) -> None:
-        """After a fork, in the parent: the blocks in use here now wait for the children."""
-        with self._lock:
-            self._forks.forked([addr for addr, h in self.pool.held.items() if h.local])
+        """After a fork, in the parent: the blocks in use here now wait for the children (without
+        the lock, which a thread waiting for a local view's block may hold: Note [At fork])."""
+        self._forks.forked([addr for addr, h in list(self.pool.held.items()) if h.local])
 
     def _malloc(self, nbytes: int) -> Any:
         try:

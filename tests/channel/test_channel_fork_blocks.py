@@ -219,3 +219,98 @@ def test_a_retired_block_past_the_pool_goes_back_to_its_overflow(monkeypatch):
         os.close(w)
         tx.close()
         rx.close()
+
+
+def test_a_fork_while_a_thread_waits_for_a_local_block_under_the_lock_does_not_deadlock(monkeypatch):
+    # Found by review of the fix above: the parent's marking took the sender's lock, held by a
+    # thread waiting in empty() for room that only a local view's death gives -- which no lender
+    # frees while the process forks: the fork never ended. The marking takes no lock now (no block
+    # stops being local while forking() is true). The fork's halves are called as os.fork() calls
+    # them, by one "forking" thread, the death in between; every wait bounded.
+    import threading
+
+    from shmshare import _fork
+    from shmshare._plane import forks
+    from shmshare.testing import wait_until
+
+    monkeypatch.setattr(forks, "_children", frozenset)  # the fork called by hand makes no child
+    tx, rx = channel(limit=2 << 20)
+    got: list = []
+    began, died, ended = threading.Event(), threading.Event(), threading.Event()
+
+    def forking() -> None:
+        _fork._before()
+        began.set()
+        died.wait(WAIT)
+        _fork._run_in_parent()  # the parent's handlers: the marking
+        ended.set()
+
+    try:
+        a = tx.empty(1 << 20, np.uint8)
+        b = tx.empty(1 << 20, np.uint8)  # the pool is full of local views
+        forker = threading.Thread(target=forking, daemon=True)
+        forker.start()
+        assert began.wait(WAIT)
+        waiter = threading.Thread(target=lambda: got.append(tx.empty(1 << 20, np.uint8, timeout=WAIT)),
+                                  daemon=True)
+        waiter.start()
+        wait_until(lambda: tx._pool.local_done is not None and waiter.is_alive(), "the waiter", WAIT)
+        del a  # dies "during the fork": queued, not freed
+        gc.collect()
+        died.set()
+        assert ended.wait(WAIT), "the fork's parent handlers did not end"
+        waiter.join(WAIT)
+        assert got and got[0].nbytes == 1 << 20  # the queued block, once the fork was over
+        del b
+    finally:
+        died.set()
+        got.clear()
+        tx.close()
+        rx.close()
+
+
+def test_two_forks_at_once_keep_blocks_held_until_both_have_marked_them():
+    # Found by review: forking() was one flag, so the first fork's parent cleared it while the
+    # second was still under way. It counts forks now. (The count alone: the "before" hooks also
+    # take the locks held across a fork, which one thread cannot take twice; two threads forking
+    # at once each take them in turn.)
+    from shmshare import _fork
+
+    _fork._count(1)
+    _fork._count(1)
+    try:
+        _fork._run_in_parent()
+        assert _fork.forking()
+    finally:
+        _fork._run_in_parent()
+    assert not _fork.forking()
+
+
+def test_a_view_dying_in_a_fork_of_a_closed_sender_does_not_spin():
+    # Found by review: a closed sender's callback looped until drain_local emptied the queue,
+    # which it never does while forking: os.fork() hung (the collector runs callbacks anywhere).
+    import threading
+
+    from shmshare import _fork
+
+    tx, rx = channel()
+    a = tx.empty(N, np.uint32)
+    tx.close()
+    rx.close()
+    _fork._before()
+    try:
+        done = threading.Event()
+
+        def drop() -> None:
+            nonlocal a
+            del a
+            gc.collect()
+            done.set()
+
+        t = threading.Thread(target=drop, daemon=True)
+        t.start()
+        assert done.wait(WAIT), "the callback of a view dying during a fork did not return"
+    finally:
+        _fork._run_in_parent()
+    tx._reap_closed()  # after the fork, the next look frees it
+    assert not tx._pool.local_done

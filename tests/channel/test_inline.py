@@ -33,6 +33,12 @@ def _padded() -> np.ndarray:
     return out
 
 
+def _padded_strided() -> np.ndarray:
+    raw = np.arange(4 * 16, dtype=np.uint8)  # padding bytes that are not zero
+    dt = np.dtype({"names": ["a", "b"], "formats": ["u1", "<f8"], "offsets": [0, 8], "itemsize": 16})
+    return raw.view(dt)[::2]
+
+
 _SMALL = {
     "u8": np.arange(64, dtype=np.uint8),
     "f64-2d": np.arange(12.0).reshape(3, 4),
@@ -45,6 +51,7 @@ _SMALL = {
     "strided": np.arange(40, dtype=np.int16)[::3],
     "fortran": np.asfortranarray(np.arange(6, dtype=np.int32).reshape(2, 3)),
     "padded": _padded(),
+    "padded-strided": _padded_strided(),  # found by review: numpy's tobytes() left the padding as heap
 }
 
 
@@ -56,7 +63,8 @@ def test_a_small_array_goes_in_the_frame_and_comes_back_exactly(name):
         tx.send({"x": arr, "n": 1})
         got = rx.recv(timeout=WAIT)
         assert got["x"].dtype == arr.dtype and got["x"].shape == arr.shape
-        assert got["x"].tobytes() == np.ascontiguousarray(arr).tobytes()  # every byte, padding too
+        whole = np.dtype((np.void, arr.dtype.itemsize))  # every byte, padding too
+        assert got["x"].view(whole).tobytes() == np.ascontiguousarray(arr.view(whole)).tobytes()
         assert not got["x"].flags.writeable  # as the pool's pages of a read-only receiver
         st = tx.statistics()
         assert (st.arrays_inline, st.arrays_copied, st.leases_out, st.reserved_bytes) == (1, 0, 0, 0)
@@ -96,6 +104,64 @@ def test_a_batch_inlines_up_to_inline_bytes_and_lends_the_rest_from_the_pool():
     finally:
         tx.close()
         rx.close()
+
+
+def test_a_batch_too_large_with_its_small_arrays_by_value_sends_them_by_the_pool():
+    # Found by review: a batch near max_frame with a small array now failed (ProtocolError: a frame
+    # exceeds max_frame) where it used to go, its array in the pool.
+    tx, rx = channel()
+    try:
+        batch = {"text": "x" * (wire.MAX_FRAME - 300), "a": np.arange(32.0)}
+        tx.send(batch, timeout=WAIT)
+        got = rx.recv(timeout=WAIT)
+        assert got["text"] == batch["text"] and got["a"].tolist() == batch["a"].tolist()
+        st = tx.statistics()
+        assert (st.arrays_inline, st.arrays_copied) == (0, 1)
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_a_receiver_that_breaks_the_ring_ends_a_sender_of_small_arrays_once():
+    # Found by review: the by-value fast lane let the raw BrokenRing out of send() and left the
+    # sender open, every later send raising it again; the pool's lane closes it (ProtocolError).
+    import ctypes
+
+    from shmshare._procfs import shm_mappings
+
+    tx, rx = channel()
+    try:
+        for _ in range(5):
+            tx.send(np.arange(4))
+            rx.recv(timeout=WAIT)
+        assert tx._conn._rings.writing
+        base = min(m.start for m in shm_mappings(contains="shmshare-rings"))
+        ctypes.c_uint64.from_address(base + 128).value = 1 << 40  # the head of the sender's direction
+        with pytest.raises(ProtocolError, match="broke"):
+            tx.send(np.arange(4))
+        assert tx._conn.closed
+        with pytest.raises(ProtocolError, match="broke"):
+            tx.send(np.arange(4))
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_a_torch_dtype_name_that_is_not_a_dtype_is_refused_without_importing_it():
+    # Found by review: the name went to getattr(torch, name), which imports a submodule
+    # (torch._dynamo: seconds and tens of MB) for a peer that names one.
+    torch = pytest.importorskip("torch")
+    payload = tensors.pack_inline(b"<f4", (1,), 4, bytes(4), b"_dynamo").data
+    a, b = wire.pipe()
+    rx = Receiver([b])
+    try:
+        a.send({KIND: BATCH, TREE: _inline_tree(payload)})
+        with pytest.raises(ProtocolError):
+            rx.recv(timeout=WAIT)
+    finally:
+        rx.close()
+        a.close()
+    assert torch.float32 is vars(torch)["float32"]
 
 
 def test_arrays_from_empty_stay_zero_copy_however_small():
@@ -213,12 +279,14 @@ def test_the_fast_lane_frame_of_a_small_array_is_the_usual_frame(name):
     for arr in (_SMALL[name], np.array(np.flip(_SMALL[name]))):  # twice: the second from the kept head
         dt = tensors.desc_dtype_bytes(arr.dtype)
         usual = wire.message_frame({KIND: BATCH, TREE: tensors.encode(
-            arr, lambda a, dt=dt: tensors.pack_inline(dt, a.shape, a.dtype.itemsize, a.tobytes()))})
+            arr, lambda a, dt=dt: tensors.pack_inline(dt, a.shape, a.dtype.itemsize, tensors.c_bytes(a)))})
         assert _lane.frame_by_value(dt, arr) == usual
         payload = _lane.inline_of(usual)
         if payload is not None:  # the short form: the receiver's shortcut reads it back
             lay, data = tensors.parse_inline(payload)
-            assert _lane.by_value(lay, data, False).tobytes() == np.ascontiguousarray(arr).tobytes()
+            whole = np.dtype((np.void, arr.dtype.itemsize))
+            assert _lane.by_value(lay, data, False).view(whole).tobytes() == \
+                np.ascontiguousarray(arr.view(whole)).tobytes()
 
 
 @settings(max_examples=60, deadline=None)
