@@ -80,6 +80,10 @@ EXT_ARRAY, EXT_TUPLE, EXT_SCALAR, EXT_INLINE = 1, 2, 3, 4
 #     (``Sender._place``). The receiver checks the descriptor as any other
 #     (:func:`parse_inline`) and hands out a private copy, read-only unless it
 #     maps writable (or makes a torch tensor of it, which must be writable).
+#     The bytes are every byte of every element as it lies, padding included
+#     (:func:`c_bytes`). A batch whose frame would pass max_frame so sends its
+#     small arrays by the pool after all; the DataLoader's workers send nothing
+#     by value (their batches are shared, and pinned where they lie).
 
 
 class ArrayDesc(NamedTuple):
