@@ -139,11 +139,13 @@ class Sender(Closeable):
             self._in_send = True
             self._pushing = False  # set while the frame may be going out (_send_draining)
             try:
+                counts = self._copied, self._in_place
                 tree = self._encoder.encode(obj)  # calls _place for each array
                 if self._batch_inlined and len(tree) > self._conn.max_frame - 64:  # too large by value:
                     self._pool.give_back(taken)  # the pool for all of them (each lent once, again)
                     taken.clear()
                     self._inline_left, self._batch_inlined = 0, 0
+                    self._copied, self._in_place = counts
                     tree = self._encoder.encode(obj)
                 ann = self._ann
                 if ann.to_announce or ann.grow or ann.drop:

@@ -111,12 +111,14 @@ def test_a_batch_too_large_with_its_small_arrays_by_value_sends_them_by_the_pool
     # exceeds max_frame) where it used to go, its array in the pool.
     tx, rx = channel()
     try:
-        batch = {"text": "x" * (wire.MAX_FRAME - 300), "a": np.arange(32.0)}
+        big = np.arange(64.0)  # past INLINE_BYTES: by the pool either way, counted once
+        batch = {"text": "x" * (wire.MAX_FRAME - 400), "a": np.arange(32.0), "big": big}
         tx.send(batch, timeout=WAIT)
         got = rx.recv(timeout=WAIT)
         assert got["text"] == batch["text"] and got["a"].tolist() == batch["a"].tolist()
+        assert got["big"].tolist() == big.tolist()
         st = tx.statistics()
-        assert (st.arrays_inline, st.arrays_copied) == (0, 1)
+        assert (st.arrays_inline, st.arrays_copied, st.leases_out) == (0, 2, 2)
     finally:
         tx.close()
         rx.close()
