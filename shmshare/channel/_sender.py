@@ -90,6 +90,8 @@ class Sender(Closeable):
     _in_send: bool  # this thread is inside send(): a nested send() is refused
     _offered: bool  # rings offered on the connection (at the first send of this process)
     _last_drain: float
+    _copied: int  # arrays copied into the pool by send(), and sent from it as they were
+    _in_place: int
     _taken: list[int]
     _deadline: float | None
     _encoder: tensors.Encoder
