@@ -26,6 +26,15 @@ from .test_fast_lane import _switched_pair
 WAIT = 30.0
 
 
+@pytest.fixture
+def ends():
+    """A channel() pair, closed after the test."""
+    tx, rx = channel()
+    yield tx, rx
+    tx.close()
+    rx.close()
+
+
 def _padded() -> np.ndarray:
     dt = np.dtype({"names": ["a", "b"], "formats": ["u1", "<f8"], "offsets": [0, 8], "itemsize": 16})
     out = np.zeros(3, dt)
@@ -56,21 +65,17 @@ _SMALL = {
 
 
 @pytest.mark.parametrize("name", list(_SMALL))
-def test_a_small_array_goes_in_the_frame_and_comes_back_exactly(name):
+def test_a_small_array_goes_in_the_frame_and_comes_back_exactly(name, ends):
     arr = _SMALL[name]
-    tx, rx = channel()
-    try:
-        tx.send({"x": arr, "n": 1})
-        got = rx.recv(timeout=WAIT)
-        assert got["x"].dtype == arr.dtype and got["x"].shape == arr.shape
-        whole = np.dtype((np.void, arr.dtype.itemsize))  # every byte, padding too
-        assert got["x"].view(whole).tobytes() == np.ascontiguousarray(arr.view(whole)).tobytes()
-        assert not got["x"].flags.writeable  # as the pool's pages of a read-only receiver
-        st = tx.statistics()
-        assert (st.arrays_inline, st.arrays_copied, st.leases_out, st.reserved_bytes) == (1, 0, 0, 0)
-    finally:
-        tx.close()
-        rx.close()
+    tx, rx = ends
+    tx.send({"x": arr, "n": 1})
+    got = rx.recv(timeout=WAIT)
+    assert got["x"].dtype == arr.dtype and got["x"].shape == arr.shape
+    whole = np.dtype((np.void, arr.dtype.itemsize))  # every byte, padding too
+    assert got["x"].view(whole).tobytes() == np.ascontiguousarray(arr.view(whole)).tobytes()
+    assert not got["x"].flags.writeable  # as the pool's pages of a read-only receiver
+    st = tx.statistics()
+    assert (st.arrays_inline, st.arrays_copied, st.leases_out, st.reserved_bytes) == (1, 0, 0, 0)
 
 
 def test_one_small_array_alone_takes_the_fast_lane_and_a_writable_receiver_may_change_it():
@@ -88,65 +93,53 @@ def test_one_small_array_alone_takes_the_fast_lane_and_a_writable_receiver_may_c
         rx.close()
 
 
-def test_a_batch_inlines_up_to_inline_bytes_and_lends_the_rest_from_the_pool():
-    tx, rx = channel()
-    try:
-        parts = [np.full(8, i, np.int64) for i in range(INLINE_BYTES // 64 + 3)]  # 64 bytes each
-        tx.send(parts)
-        got = rx.recv(timeout=WAIT)
-        assert [g.tolist() for g in got] == [p.tolist() for p in parts]
-        st = tx.statistics()
-        assert st.arrays_inline == INLINE_BYTES // 64 and st.arrays_copied == 3 and st.leases_out == 3
-        del got
-        gc.collect()
-        rx.flush_releases()
-        wait_until(lambda: tx.poll_releases() == 0, "the pool's three leases back", WAIT)
-    finally:
-        tx.close()
-        rx.close()
+def test_a_batch_inlines_up_to_inline_bytes_and_lends_the_rest_from_the_pool(ends):
+    tx, rx = ends
+    parts = [np.full(8, i, np.int64) for i in range(INLINE_BYTES // 64 + 3)]  # 64 bytes each
+    tx.send(parts)
+    got = rx.recv(timeout=WAIT)
+    assert [g.tolist() for g in got] == [p.tolist() for p in parts]
+    st = tx.statistics()
+    assert st.arrays_inline == INLINE_BYTES // 64 and st.arrays_copied == 3 and st.leases_out == 3
+    del got
+    gc.collect()
+    rx.flush_releases()
+    wait_until(lambda: tx.poll_releases() == 0, "the pool's three leases back", WAIT)
 
 
-def test_a_batch_too_large_with_its_small_arrays_by_value_sends_them_by_the_pool():
+def test_a_batch_too_large_with_its_small_arrays_by_value_sends_them_by_the_pool(ends):
     # Found by review: a batch near max_frame with a small array now failed (ProtocolError: a frame
     # exceeds max_frame) where it used to go, its array in the pool.
-    tx, rx = channel()
-    try:
-        big = np.arange(64.0)  # past INLINE_BYTES: by the pool either way, counted once
-        batch = {"text": "x" * (wire.MAX_FRAME - 400), "a": np.arange(32.0), "big": big}
-        tx.send(batch, timeout=WAIT)
-        got = rx.recv(timeout=WAIT)
-        assert got["text"] == batch["text"] and got["a"].tolist() == batch["a"].tolist()
-        assert got["big"].tolist() == big.tolist()
-        st = tx.statistics()
-        assert (st.arrays_inline, st.arrays_copied, st.leases_out) == (0, 2, 2)
-    finally:
-        tx.close()
-        rx.close()
+    tx, rx = ends
+    big = np.arange(64.0)  # past INLINE_BYTES: by the pool either way, counted once
+    batch = {"text": "x" * (wire.MAX_FRAME - 400), "a": np.arange(32.0), "big": big}
+    tx.send(batch, timeout=WAIT)
+    got = rx.recv(timeout=WAIT)
+    assert got["text"] == batch["text"] and got["a"].tolist() == batch["a"].tolist()
+    assert got["big"].tolist() == big.tolist()
+    st = tx.statistics()
+    assert (st.arrays_inline, st.arrays_copied, st.leases_out) == (0, 2, 2)
 
 
-def test_a_receiver_that_breaks_the_ring_ends_a_sender_of_small_arrays_once():
+def test_a_receiver_that_breaks_the_ring_ends_a_sender_of_small_arrays_once(ends):
     # Found by review: the by-value fast lane let the raw BrokenRing out of send() and left the
     # sender open, every later send raising it again; the pool's lane closes it (ProtocolError).
     import ctypes
 
     from shmshare._procfs import shm_mappings
 
-    tx, rx = channel()
-    try:
-        for _ in range(5):
-            tx.send(np.arange(4))
-            rx.recv(timeout=WAIT)
-        assert tx._conn._rings.writing
-        base = min(m.start for m in shm_mappings(contains="shmshare-rings"))
-        ctypes.c_uint64.from_address(base + 128).value = 1 << 40  # the head of the sender's direction
-        with pytest.raises(ProtocolError, match="broke"):
-            tx.send(np.arange(4))
-        assert tx._conn.closed
-        with pytest.raises(ProtocolError, match="broke"):
-            tx.send(np.arange(4))
-    finally:
-        tx.close()
-        rx.close()
+    tx, rx = ends
+    for _ in range(5):
+        tx.send(np.arange(4))
+        rx.recv(timeout=WAIT)
+    assert tx._conn._rings.writing
+    base = min(m.start for m in shm_mappings(contains="shmshare-rings"))
+    ctypes.c_uint64.from_address(base + 128).value = 1 << 40  # the head of the sender's direction
+    with pytest.raises(ProtocolError, match="broke"):
+        tx.send(np.arange(4))
+    assert tx._conn.closed
+    with pytest.raises(ProtocolError, match="broke"):
+        tx.send(np.arange(4))
 
 
 def test_a_torch_dtype_name_that_is_not_a_dtype_is_refused_without_importing_it():
@@ -166,51 +159,39 @@ def test_a_torch_dtype_name_that_is_not_a_dtype_is_refused_without_importing_it(
     assert torch.float32 is vars(torch)["float32"]
 
 
-def test_arrays_from_empty_stay_zero_copy_however_small():
-    tx, rx = channel()
-    try:
-        a = tx.empty(4, np.uint8)
-        a[:] = 9
-        tx.send(a)
-        got = rx.recv(timeout=WAIT)
-        assert got.tolist() == [9] * 4
-        st = tx.statistics()
-        assert (st.arrays_inline, st.arrays_in_place, st.leases_out) == (0, 1, 1)
-    finally:
-        tx.close()
-        rx.close()
+def test_arrays_from_empty_stay_zero_copy_however_small(ends):
+    tx, rx = ends
+    a = tx.empty(4, np.uint8)
+    a[:] = 9
+    tx.send(a)
+    got = rx.recv(timeout=WAIT)
+    assert got.tolist() == [9] * 4
+    st = tx.statistics()
+    assert (st.arrays_inline, st.arrays_in_place, st.leases_out) == (0, 1, 1)
 
 
-def test_a_small_torch_tensor_comes_back_a_writable_tensor():
+def test_a_small_torch_tensor_comes_back_a_writable_tensor(ends):
     torch = pytest.importorskip("torch")
-    tx, rx = channel()
-    try:
-        t = torch.arange(6, dtype=torch.bfloat16)
-        tx.send(t)
-        got = rx.recv(timeout=WAIT)
-        assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16 and torch.equal(got, t)
-        got.add_(1)  # a tensor must be writable: torch has no read-only ones
-        assert tx.statistics().arrays_inline == 1
-    finally:
-        tx.close()
-        rx.close()
+    tx, rx = ends
+    t = torch.arange(6, dtype=torch.bfloat16)
+    tx.send(t)
+    got = rx.recv(timeout=WAIT)
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16 and torch.equal(got, t)
+    got.add_(1)  # a tensor must be writable: torch has no read-only ones
+    assert tx.statistics().arrays_inline == 1
 
 
-def test_a_receiver_that_never_sends_still_takes_its_senders_frames_by_ring():
+def test_a_receiver_that_never_sends_still_takes_its_senders_frames_by_ring(ends):
     # Found while building this: the receiving end answered a ring offer only at its own first
     # send (a release), so a channel of small arrays or plain values stayed on the socket for good.
-    tx, rx = channel()
-    try:
-        for i in range(50):
-            tx.send({"i": i, "name": "x"})
-            assert rx.recv(timeout=WAIT) == {"i": i, "name": "x"}
-        wait_until(lambda: tx.poll_releases() == 0 and tx._conn._rings.writing, "the sender on its ring", WAIT)
-        tx.send({"i": 50})
-        assert tx._conn._rings.ring.pending == 1  # in the ring, not on the socket
-        assert rx.recv(timeout=WAIT) == {"i": 50}
-    finally:
-        tx.close()
-        rx.close()
+    tx, rx = ends
+    for i in range(50):
+        tx.send({"i": i, "name": "x"})
+        assert rx.recv(timeout=WAIT) == {"i": i, "name": "x"}
+    wait_until(lambda: tx.poll_releases() == 0 and tx._conn._rings.writing, "the sender on its ring", WAIT)
+    tx.send({"i": 50})
+    assert tx._conn._rings.ring.pending == 1  # in the ring, not on the socket
+    assert rx.recv(timeout=WAIT) == {"i": 50}
 
 
 # -- what a hostile sender may put in an inline ext ------------------------------------------------
