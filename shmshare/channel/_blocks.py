@@ -2,6 +2,11 @@
 
 The blocks themselves (held, leased, spare) are the sender's ``LendingPool``'s
 (``_plane/pool.py``, Note [Spare blocks] there).
+
+Note [Callbacks from the garbage collector]
+    A local array's Lease calls back when its last view dies, which can be in the middle of
+    any bytecode of any thread. The callback therefore only appends to a deque (atomic, takes
+    no lock); the sender drains it at its safe points (``send``, ``empty``, ``poll``), locked.
 """
 
 from __future__ import annotations

@@ -10,11 +10,6 @@ Note [Leases]
     per block here rather than as stream-ordered events in the allocator because
     releases come back in any order (Note [Streams of the shm provider] in
     ``memory/_shm.py``).
-
-Note [Callbacks from the garbage collector]
-    A local array's Lease calls back when its last view dies, which can be in the middle of
-    any bytecode of any thread. The callback therefore only appends to a deque (atomic, takes
-    no lock); the sender drains it at its safe points (``send``, ``empty``, ``poll``), locked.
 """
 
 from __future__ import annotations

@@ -146,16 +146,7 @@ def test_a_torch_dtype_name_that_is_not_a_dtype_is_refused_without_importing_it(
     # Found by review: the name went to getattr(torch, name), which imports a submodule
     # (torch._dynamo: seconds and tens of MB) for a peer that names one.
     torch = pytest.importorskip("torch")
-    payload = tensors.pack_inline(b"<f4", (1,), 4, bytes(4), b"_dynamo").data
-    a, b = wire.pipe()
-    rx = Receiver([b])
-    try:
-        a.send({KIND: BATCH, TREE: _inline_tree(payload)})
-        with pytest.raises(ProtocolError):
-            rx.recv(timeout=WAIT)
-    finally:
-        rx.close()
-        a.close()
+    _refused(tensors.pack_inline(b"<f4", (1,), 4, bytes(4), b"_dynamo").data)
     assert torch.float32 is vars(torch)["float32"]
 
 
@@ -220,6 +211,11 @@ def _good_payload(arr: np.ndarray) -> bytes:
 ], ids=["empty", "short-head", "short", "long", "segment", "strided", "object", "negative", "void0",
         "no-items"])
 def test_a_malformed_inline_array_is_a_protocol_error_and_drops_the_sender(payload):
+    _refused(payload)
+
+
+def _refused(payload: bytes) -> None:
+    """A raw sender's batch of one inline ext of `payload`: ProtocolError, and the sender dropped."""
     a, b = wire.pipe()
     rx = Receiver([b])
     try:
