@@ -50,7 +50,6 @@ def test_fp_spawn_resource_tracker_started_lazily_is_not_the_tests_leak(pytester
     result.assert_outcomes(passed=1)
 
 
-@pytest.mark.alone  # its name, held only by a mapping, is blamed by the other workers' leak checks too
 @pytest.mark.xfail(strict=True, reason=("known limit (docs/leaks.md): a /dev/shm name another process holds only"
                                         " mapped is blamed on the test (_census._held_elsewhere reads fds, not maps)"))
 def test_fp_another_workers_shm_name_held_by_a_mapping_is_not_ours(pytester: pytest.Pytester,
