@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from .._procfs import Mapping, fds, mappings, shm_names
+from .._procfs import Mapping, fds, mappings, shm_mappings, shm_names
 from . import _audit
 
 __all__ = ["Census", "Leak", "leaks_since", "wait_for_leaks", "table"]
@@ -214,7 +214,8 @@ def _made_elsewhere(name: str, ours: set[int]) -> bool:
 
 
 def _held_elsewhere(names: set[str]) -> set[str]:
-    """Return which of these /dev/shm names another process holds open (then it is that process's)."""
+    """Return which of these /dev/shm names another process holds open or mapped (then it is that
+    process's): C's usual shm_open, mmap, close leaves a mapping and no fd."""
     me, uid, held = os.getpid(), os.getuid(), set()
     for pid in psutil.pids():
         if pid == me:
@@ -224,9 +225,12 @@ def _held_elsewhere(names: set[str]) -> set[str]:
                 continue  # another user's: its fds are not ours to read, and a name of ours it holds is rare
         except OSError:
             continue  # gone while we looked
-        for target in fds(pid).values():
+        paths = [*fds(pid).values(), *(m.path for m in shm_mappings(pid, "/dev/shm/"))]
+        for target in paths:
             if target.startswith("/dev/shm/"):
                 name = target.removeprefix("/dev/shm/").removesuffix(" (deleted)")
                 if name in names:
                     held.add(name)
+        if held == names:
+            break
     return held

@@ -50,13 +50,11 @@ def test_fp_spawn_resource_tracker_started_lazily_is_not_the_tests_leak(pytester
     result.assert_outcomes(passed=1)
 
 
-@pytest.mark.xfail(strict=True, reason=("known limit (docs/leaks.md): a /dev/shm name another process holds only"
-                                        " mapped is blamed on the test (_census._held_elsewhere reads fds, not maps)"))
 def test_fp_another_workers_shm_name_held_by_a_mapping_is_not_ours(pytester: pytest.Pytester,
                                                                    tmp_path: Path) -> None:
     """xdist: another worker (same uid, not our child) makes a /dev/shm name while our test runs and keeps
     it only mapped (shm_open, mmap, close: the usual C pattern; Python's mmap.mmap keeps a dup'd fd, so C
-    mmap here). _held_elsewhere (_census.py:201) looks at other processes' fds only, not their maps."""
+    mmap here): _held_elsewhere reads other processes' maps as well as their fds."""
     name = f"hostile_other_{os.getpid()}"
     go, done = tmp_path / "go", tmp_path / "done"
     helper = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
