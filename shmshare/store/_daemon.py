@@ -42,7 +42,6 @@ from .._errors import FdLimitError, PeerDied, ProtocolError, ShmshareError, Shms
 from .._fd import Fd
 from .._plane.trust import check_fd
 from .._pollserver import ACCEPT_PAUSE, PollServer
-from ..memory._shm import ShmSegment
 from . import _making as making
 from ._making import Bad, name_of
 from ._objects import Table
@@ -337,8 +336,8 @@ class Server:
             send.append(obj.fd)
             reply["n"] = obj.size
         elif obj.seg_id not in client.segments:
-            if obj.block is not None:
-                seg: ShmSegment = obj.block.segment.handle  # type: ignore[assignment]
+            if obj.held is not None:
+                seg = obj.held.seg
                 send.append(table.ro_fd(seg))
                 reply["n"] = seg.size
             else:

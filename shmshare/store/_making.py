@@ -15,7 +15,7 @@ from .. import _native
 from .._errors import ProtocolError
 from .._fd import Fd
 from .._plane.trust import check_fd
-from ..memory._shm import ShmSegment, _new_id
+from ..memory._shm import _new_id
 from ..tensors import decode
 from ._objects import HostFull, Obj, daemon_refusal
 from ._packing import SEALS, allocate_pages, new_memfd, torch_dtype_problem
@@ -225,10 +225,10 @@ def arena_object(srv: Server, client: _Client, name: str, size: int, meta: bytes
     oid = srv.table.new_oid()
     if size == 0:
         return Obj(oid, name, 0, meta, torch, 0, 0, 0, client.id, staged=True)
-    block = srv.table.malloc(size, f"object {name!r}", evict)
-    seg: ShmSegment = block.segment.handle  # type: ignore[assignment]
-    return Obj(oid, name, size, meta, torch, seg.id, block.address - seg.address, block.size,
-               client.id, block=block, staged=True)
+    held = srv.table.malloc(size, f"object {name!r}", evict)
+    block = held.block
+    return Obj(oid, name, size, meta, torch, held.seg.id, block.address - held.seg.address,
+               block.size, client.id, held=held, staged=True)
 
 def check_staged(srv: Server, client: _Client, size: int, h: dict[Any, Any]) -> None:
     if size and (client.staging is None or h.get("st") != size or size > client.staging[1]):
@@ -253,9 +253,8 @@ def read_staged(srv: Server, client: _Client, obj: Obj, h: dict[Any, Any]) -> No
 
 def free_new(srv: Server, obj: Obj) -> None:
     """Give back the block of an object that never made it into the table."""
-    if obj.block is not None:
-        block, obj.block = obj.block, None
-        srv.table.arena.free(block)
+    if obj.held is not None:
+        srv.table.free_held(obj)
     if obj.fd >= 0:
         fd, obj.fd = obj.fd, -1
         os.close(fd)

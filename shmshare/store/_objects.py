@@ -7,8 +7,8 @@ Note [When an object's memory comes back]
     that client's, given back by a ``rel`` frame when the get's last view
     dies, or all at once when the client's connection ends. An object with
     no name and no reference is *freed*: its pool block goes back to the
-    daemon's caching allocator, or the daemon closes its memfd. Its bytes
-    count against ``--limit`` until then. A client may still map a freed
+    daemon's pool, or the daemon closes its memfd. Its bytes count against
+    ``--limit`` until then. A client may still map a freed
     memfd for a moment (the kernel keeps the pages for that mapping); the
     daemon tells it (a ``drop`` frame) so it unmaps.
 
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .._errors import SegmentError
-from ..memory import CachingAllocator, OutOfMemoryError, ShmProvider
-from ..memory._block import Block
+from .._plane.pool import Held, LendingPool
+from ..memory import OutOfMemoryError
 from ..memory._policy import format_size
 from ._packing import cgroup_refusal
 from ._protocol import StoreFull
@@ -46,6 +46,7 @@ _ids = itertools.count(1)
 _TRIM_AT = 32 << 20  # cached arena bytes past which freed segments go back to the host at once
 IDLE_TRIM = 0.5  # s an empty pool keeps its segments before they go back (Note [Eviction])
 _SMALL_SEGMENT = 2 << 20  # the pool's segment for objects under 1 MiB (PyTorch's small pool)
+_SPARE_BYTES = _TRIM_AT // 2  # freed blocks kept warm for the next put of their size (Note [The store's pool])
 
 
 class HostFull(StoreFull):
@@ -78,7 +79,7 @@ class Obj:
     offset: int  # where in that segment
     charge: int  # bytes counted against the limit
     creator: int  # client id that made it
-    block: Block | None = None  # arena objects: the pool block
+    held: Held | None = None  # arena objects: the pool block, held while the object lives
     fd: int = -1  # memfd objects: the daemon's fd of it (owned)
     sealed: bool = False
     write_seal: str = "none"  # "full" (F_SEAL_WRITE), "future" (F_SEAL_FUTURE_WRITE), "none"
@@ -88,8 +89,13 @@ class Obj:
     staged: bool = False  # its bytes come through the client's staging memfd (small objects)
 
     @property
+    def block(self) -> Any:
+        """The pool block of an arena object (the allocator's Block), else None."""
+        return None if self.held is None else self.held.block
+
+    @property
     def kind(self) -> str:
-        return "arena" if self.block is not None else "memfd" if self.fd >= 0 else "empty"
+        return "arena" if self.held is not None else "memfd" if self.fd >= 0 else "empty"
 
     @property
     def nrefs(self) -> int:
@@ -102,7 +108,27 @@ class Obj:
 
 
 class Table:
-    """Names, objects, the arena (the daemon's caching pool) and the limit."""
+    """Names, objects, the arena (the daemon's lending pool) and the limit.
+
+    Note [The store's pool]
+        The arena is the :class:`LendingPool` the channel's sender and the
+        multiprocessing owner lend from (``_plane/pool.py``): the caching
+        allocator over sealed memfds, the segments by address, and the
+        blocks held. Here an object holds its block as a lender's own view
+        does (``local``) for as long as the table keeps the object -- named,
+        or referenced by a get (Note [When an object's memory comes back]);
+        the table, not the pool's lease ids, counts each client's gets,
+        since many clients borrow one object and a client's death gives
+        back all of its gets at once. A freed block stays a *spare* for the
+        next put of its size (the pool's Note [Spare blocks], the clock
+        being puts), so a producer putting objects of a few sizes reuses
+        warm pages instead of the allocator's split and merge. Only without
+        ``--limit``: a spare takes its room in a segment, so the puts of
+        other sizes land elsewhere, and under a limit that fragmentation
+        cost room (a 4.25 MiB store held 4 objects of 600 kB after 1 MB
+        ones came and went, 3 with spares). A put the host cannot take, and
+        every trim, gives the spares back to the allocator first.
+    """
 
     def __init__(self, limit: int | None, evict: bool, on_drop: Any) -> None:
         self.limit = limit
@@ -113,9 +139,13 @@ class Table:
         self._idle: collections.OrderedDict[int, None] = collections.OrderedDict()  # LRU
         self.memfd_bytes = 0  # charged by memfd objects
         self.meta_bytes = 0  # of every object's meta
-        self.provider = ShmProvider(None, "memfd")
+        # under --limit room is what is scarce: no spares (Note [The store's pool])
+        self.pool = LendingPool(None, "memfd", "expandable_segments:False",
+                                _SPARE_BYTES if limit is None else 0)
+        self.provider = self.pool.provider
         self.provider.listeners.append(self._on_segment)
-        self.arena = CachingAllocator(self.provider, "expandable_segments:False")
+        self.arena = self.pool.alloc
+        self.puts = 0  # the pool's clock (Note [The store's pool])
         self.ro_fds: dict[int, int] = {}  # arena segment id -> a read-only fd of it, for getters
         self.evicted = 0
         self.freed = 0
@@ -159,14 +189,19 @@ class Table:
         """StoreFull unless `nbytes` of meta fit (evicting if asked)."""
         self._make_room(nbytes, f"the description of {what}", True)
 
-    def malloc(self, size: int, what: str, evict: bool = True) -> Block:
-        """A block of the arena for an object of `size` bytes (StoreFull past the limit)."""
+    def malloc(self, size: int, what: str, evict: bool = True) -> Held:
+        """A block of the arena for an object of `size` bytes, held until :meth:`_free` (StoreFull
+        past the limit): a spare of its size if there is one (Note [The store's pool])."""
+        self.puts += 1
         while True:
             if self.limit is not None:
                 self.provider.limit = max(1, self.limit - self.memfd_bytes - self.meta_bytes)
             try:
-                return self.arena.malloc(size)
+                return self.pool.take(size, self.puts, self.arena.malloc, True)
             except OutOfMemoryError as exc:
+                if self.pool.spare_bytes:
+                    self.pool.free_spares()  # the allocator's retry chain can give them back now
+                    continue
                 if self.limit is None or _host_cause(exc) is not None:
                     raise self._host_full(size, what, exc) from exc
                 # it needs a new segment of the pool (2 MiB for objects under 1 MiB)
@@ -276,7 +311,7 @@ class Table:
         the next look (None: nothing pending)."""
         if self.emptied_at is None:
             return None
-        if self.arena.memory_stats()["allocated_bytes.all.current"]:
+        if self._allocated():
             self.emptied_at = None  # in use again
             return None
         due = self.emptied_at + IDLE_TRIM
@@ -286,12 +321,17 @@ class Table:
         self._trim()
         return None
 
+    def _allocated(self) -> int:
+        """Bytes of the arena that objects hold (its spares not counted)."""
+        return self.arena.memory_stats()["allocated_bytes.all.current"] - self.pool.spare_bytes
+
     def _cached_arena(self) -> int:
-        st = self.arena.memory_stats()
-        return st["reserved_bytes.all.current"] - st["allocated_bytes.all.current"]
+        """Bytes of the arena's segments no object holds: cached by the allocator, or spares."""
+        return self.arena.memory_stats()["reserved_bytes.all.current"] - self._allocated()
 
     def _trim(self) -> bool:
         before = self.provider.used
+        self.pool.free_spares()
         self.arena.empty_cache()
         return self.provider.used < before
 
@@ -383,18 +423,24 @@ class Table:
             return
         self.freed += 1
         self.meta_bytes -= len(obj.meta)
-        if obj.block is not None:
-            block, obj.block = obj.block, None
-            self.arena.free(block)
+        if obj.held is not None:
+            self.free_held(obj)
             if self._cached_arena() > _TRIM_AT:
                 self._trim()
-            elif self.arena.memory_stats()["allocated_bytes.all.current"] == 0:
+            elif self._allocated() == 0:
                 self.emptied_at = time.monotonic()  # given back in IDLE_TRIM unless reused
         if obj.fd >= 0:
             fd, obj.fd = obj.fd, -1
             os.close(fd)
             self.memfd_bytes -= obj.charge
             self._on_drop(obj.seg_id)
+
+    def free_held(self, obj: Obj) -> None:
+        """The object lets go of its pool block: a spare for the next put of its size, or freed."""
+        held, obj.held = obj.held, None
+        if held is not None:
+            held.local = False
+            self.pool.maybe_free(held)
 
     def close(self) -> None:
         """Free everything (the daemon is stopping)."""
@@ -404,6 +450,7 @@ class Table:
             self._free(obj)
         self.names.clear()
         self._idle.clear()
+        self.pool.free_spares()
         self.arena.empty_cache()
         for fd in self.ro_fds.values():
             os.close(fd)
@@ -418,7 +465,8 @@ class Table:
             "held_bytes": self.held_bytes, "memfd_bytes": self.memfd_bytes,
             "meta_bytes": self.meta_bytes,
             "arena_reserved_bytes": st["reserved_bytes.all.current"],
-            "arena_allocated_bytes": st["allocated_bytes.all.current"],
+            "arena_allocated_bytes": st["allocated_bytes.all.current"] - self.pool.spare_bytes,
+            "arena_spare_bytes": self.pool.spare_bytes,
             "limit": self.limit, "evict": self.evict, "evicted": self.evicted,
             "freed": self.freed,
         }
