@@ -4,12 +4,15 @@ recv_many waits only for its first batch and loses nothing when an error comes a
 
 from __future__ import annotations
 
+import gc
 import os
+import weakref
 
 import numpy as np
 import pytest
 
-from shmshare import PeerDied, PoolExhausted, ShmshareTimeout, channel
+from shmshare import PeerDied, PoolExhausted, ProtocolError, ShmshareTimeout, channel, wire
+from shmshare.channel import Receiver, Sender
 from shmshare.testing import kill, pattern, wait_exit, wait_until
 
 WAIT = 30.0
@@ -133,3 +136,51 @@ def test_statistics_take_in_the_releases_that_came():
         del got
         rx.flush_releases()
         wait_until(lambda: tx.statistics().leases_out == 0, "the releases counted by statistics()", WAIT)
+
+
+def test_recv_many_returns_the_batch_before_a_broken_frame_and_drops_its_sender():
+    a, b = wire.pipe()
+    rx = Receiver([b])
+    tx = None
+    try:
+        tx = Sender(a)
+        for i in range(3):
+            arr = tx.empty(16, np.uint8)
+            arr[:] = i
+            tx.send(arr, timeout=WAIT)
+            del arr
+        for _ in range(3):  # warm: rings switched
+            rx.recv(timeout=WAIT)
+        arr = tx.empty(16, np.uint8)
+        arr[:] = 7
+        tx.send(arr, timeout=WAIT)  # by the fast lane
+        a._sock.sendmsg([b"\xc1\xc1\xc1"])  # then garbage on the socket
+        got = rx.recv_many(10, timeout=WAIT)
+        assert [int(g[0]) for g in got] == [7]
+        with pytest.raises(ProtocolError):
+            rx.recv_many(10, timeout=WAIT)
+        assert not rx._peers  # dropped
+        del got, arr
+    finally:
+        if tx is not None:
+            tx.close()
+        rx.close()
+
+
+def test_the_error_recv_many_keeps_pins_none_of_the_batches_it_returned():
+    tx, rx = channel()
+    try:
+        tx.send(np.arange(8), timeout=WAIT)
+        tx.send(np.arange(8), timeout=WAIT)
+        rx._later = None
+        got = rx.recv_many(1, timeout=WAIT)
+        tx._conn._sock.sendmsg([b"\xc1"])  # garbage after the second batch
+        got += rx.recv_many(10, timeout=WAIT)
+        assert rx._later is not None and rx._later.__traceback__ is None
+        kept = [weakref.ref(g) for g in got]
+        del got
+        gc.collect()
+        assert all(k() is None for k in kept)  # the kept error holds none of them
+    finally:
+        tx.close()
+        rx.close()
