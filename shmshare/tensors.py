@@ -568,6 +568,14 @@ def alloc_shape(shape: Any, itemsize: int) -> tuple[tuple[int, ...], int]:
     bytes; ValueError for a negative dimension, as numpy's."""
     if type(shape) is int and shape >= 0:
         return (shape,), itemsize * shape
+    if type(shape) is tuple:  # the usual case, kept short (an empty()'s costliest line was here)
+        try:
+            shp = tuple(map(operator.index, shape))
+        except TypeError:
+            raise TypeError(f"a shape is an int or a sequence of ints, got {shape!r}") from None
+        if shp and min(shp) < 0:
+            raise ValueError(f"negative dimensions are not allowed: {shp}")
+        return shp, itemsize * math.prod(shp)
     try:  # as numpy takes them: ints, and objects with __index__ (np.int64), never str or float
         shp = (operator.index(shape),) if not hasattr(shape, "__iter__") else tuple(
             operator.index(n) for n in shape)
