@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _fork, _native, _registry, tensors, wire
+from .. import _empty_args, _fork, _native, _registry, tensors, wire
 from .._errors import PeerDied, PeerRefused, ProtocolError, ShmshareTimeout
 from .._lifetime import Closeable
 from .._plane import SPARE_BYTES, LendingPool, host_cause
@@ -192,8 +192,8 @@ class Sender(Closeable):
 
         `dtype` may be a torch dtype, to get a torch tensor.
         """
-        np_dtype, torch_dtype = tensors.alloc_dtypes(dtype)
-        shp, nbytes = tensors.alloc_shape(shape, np_dtype.itemsize)
+        np_dtype, torch_dtype = _empty_args.alloc_dtypes(dtype)
+        shp, nbytes = _empty_args.alloc_shape(shape, np_dtype.itemsize)
         want = nbytes or 1
         with self._lock:  # (not acquire/try: a signal's exception between the two would keep it held)
             if self._closed or self._peer_dead:
@@ -212,7 +212,7 @@ class Sender(Closeable):
         lease = _native.Lease(self._alloc if held.free_to is None else held.free_to.alloc,
                               held.block.address, nbytes, False, ViewDied(pool.local_done, self, held))
         arr = np.ndarray(shp, np_dtype, lease)  # type: ignore[arg-type]  # positional: keywords cost
-        return arr if torch_dtype is None else tensors.allocated(arr, torch_dtype)
+        return arr if torch_dtype is None else _empty_args.allocated(arr, torch_dtype)
 
     def zeros(self, shape: Any, dtype: Any = np.float64, timeout: float | None = None) -> Any:
         """Return a zero-filled array in the pool (a reused block is not zero by itself)."""

@@ -30,8 +30,7 @@ from typing import overload as _overload
 
 import numpy as _np
 
-from .. import _fork
-from .. import tensors as _tensors
+from .. import _empty_args, _fork
 from .._errors import PoolExhausted as PoolExhausted
 from ._client import close_client as _close_client
 from ._common import HandleError as HandleError
@@ -123,11 +122,11 @@ def empty(shape: Any, dtype: Any = _np.float64) -> Any:
     Put on a Queue (or pickled by multiprocessing any other way), it goes
     with no copy at all: fill it in place, then send it.
     """
-    np_dtype, torch_dtype = _tensors.alloc_dtypes(dtype)
+    np_dtype, torch_dtype = _empty_args.alloc_dtypes(dtype)
     shp = _dims(shape)
     if any(n < 0 for n in shp):
         raise ValueError(f"negative dimensions are not allowed: {shp}")
-    return _tensors.allocated(_get_owner().empty(shp, np_dtype), torch_dtype)
+    return _empty_args.allocated(_get_owner().empty(shp, np_dtype), torch_dtype)
 
 
 @_overload

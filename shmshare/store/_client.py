@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Generic, Self, SupportsIndex, TypeVar, ov
 
 import numpy as np
 
-from .. import _native, tensors
+from .. import _empty_args, _native, tensors
 from .._errors import FdLimitError, PeerDied, ProtocolError, ShmshareTimeout
 from .._fd import Fd
 from .._plane import Borrowed, Lender, default_caps
@@ -156,7 +156,7 @@ class Store(Generic[V]):
         """Make object `name` of one uninitialized array to fill in place; :meth:`seal` it to
         publish it. A torch dtype gives a torch tensor."""
         check_name(name)
-        np_dtype, torch_dtype = tensors.alloc_dtypes(dtype)
+        np_dtype, torch_dtype = _empty_args.alloc_dtypes(dtype)
         shape = tuple(int(n) for n in (shape if isinstance(shape, (tuple, list)) else (shape,)))
         if any(n < 0 for n in shape):
             raise ValueError(f"negative dimensions in shape {shape}")
