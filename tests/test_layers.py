@@ -21,7 +21,7 @@ LAYERS = {
     "_pollserver": 2,  # the one accept/serve loop of the services that listen (Note [One poll server])
     "_statsd": 2,  # the opt-in stats socket: wire frames answering from _registry
     "memory": 3, "cuda": 3,
-    "tensors": 4,
+    "tensors": 4, "_empty_args": 4,  # what an empty() takes and hands out
     "_plane": 4,  # the data plane's core under the services: the lending pool and its books
     "channel": 5,
     "loader": 6, "server": 6, "multiprocessing": 6, "store": 6,
