@@ -87,7 +87,7 @@ def leaks_since(before: Census) -> list[Leak]:
         out += [_map_leak(m) for m in now.mappings if (m.start, m.end, m.path) not in old]
         new_names = {n for n in now.shm - before.shm
                      if not _made_elsewhere(n, before.children | now.children)}
-        held = _held_elsewhere(new_names) if new_names else set()
+        held = _held_elsewhere(new_names, before.children | now.children) if new_names else set()
         out += [_shm_leak(n) for n in sorted(new_names - held)]
         out += [leak for pid in sorted(now.children - before.children) if (leak := _child_leak(pid))]
         new_threads = sorted(now.threads - before.threads, key=lambda t: t.ident or 0)
@@ -213,24 +213,34 @@ def _made_elsewhere(name: str, ours: set[int]) -> bool:
     return m is not None and int(m.group(1)) != os.getpid() and int(m.group(1)) not in ours
 
 
-def _held_elsewhere(names: set[str]) -> set[str]:
-    """Return which of these /dev/shm names another process holds open or mapped (then it is that
-    process's): C's usual shm_open, mmap, close leaves a mapping and no fd."""
+def _held_elsewhere(names: set[str], ours: set[int]) -> set[str]:
+    """Return which of these /dev/shm names a process outside ours (this one and the test's
+    children) holds open or mapped: then it is that process's. C's usual shm_open, mmap, close
+    leaves a mapping and no fd. A file of the name that was unlinked (" (deleted)") or, mapped,
+    has another inode is not the one the name now has."""
     me, uid, held = os.getpid(), os.getuid(), set()
+    inodes = {}
+    for name in names:
+        try:
+            inodes[name] = os.stat(f"/dev/shm/{name}").st_ino
+        except OSError:
+            continue  # removed while we looked
     for pid in psutil.pids():
-        if pid == me:
+        if pid == me or pid in ours:
             continue
         try:
             if os.stat(f"/proc/{pid}").st_uid != uid:
                 continue  # another user's: its fds are not ours to read, and a name of ours it holds is rare
         except OSError:
             continue  # gone while we looked
-        paths = [*fds(pid).values(), *(m.path for m in shm_mappings(pid, "/dev/shm/"))]
-        for target in paths:
-            if target.startswith("/dev/shm/"):
-                name = target.removeprefix("/dev/shm/").removesuffix(" (deleted)")
-                if name in names:
-                    held.add(name)
-        if held == names:
+        for target in fds(pid).values():
+            name = target.removeprefix("/dev/shm/")
+            if name in inodes and name != target:
+                held.add(name)
+        for m in shm_mappings(pid, "/dev/shm/"):
+            name = m.path.removeprefix("/dev/shm/")
+            if inodes.get(name) == m.inode:
+                held.add(name)
+        if len(held) == len(inodes):
             break
     return held

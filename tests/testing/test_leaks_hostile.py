@@ -90,6 +90,84 @@ def test_fp_another_workers_shm_name_held_by_a_mapping_is_not_ours(pytester: pyt
 # --- false negatives ---------------------------------------------------------------------------
 
 
+_MAPPER = """
+import ctypes, os, sys, time
+libc = ctypes.CDLL(None); libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+path, go, done, unlink = sys.argv[1:5]
+deadline = time.monotonic() + 30
+while not os.path.exists(go) and time.monotonic() < deadline: time.sleep(0.01)
+fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600); os.ftruncate(fd, 4096)
+assert libc.mmap(None, 4096, 3, 1, fd, 0) not in (None, 2**64 - 1)
+os.close(fd)  # mapped only, as C does
+if unlink == "unlink": os.unlink(path)
+open(done, "w").close()
+time.sleep(30)
+"""
+
+_WAIT_DONE = textwrap.indent("""
+def _handshake(go, done):
+    open(go, "w").close()
+    deadline = time.monotonic() + 20
+    while not os.path.exists(done) and time.monotonic() < deadline: time.sleep(0.01)
+    assert os.path.exists(done)
+""", "    ")  # at the samples' indent (they are dedented)
+
+
+def test_fn_a_name_the_test_left_to_its_own_child_to_map_is_reported(pytester: pytest.Pytester,
+                                                                      tmp_path: Path) -> None:
+    """The test makes a /dev/shm name and leaves it; a helper of its own (a fixture's child, started
+    before it) maps it, shm_open, mmap, close: the test's leak all the same."""
+    path, go, done = f"/dev/shm/leakfn_child_x{os.getpid()}", tmp_path / "go", tmp_path / "done"
+    body = f"""
+    import os, subprocess, sys, time
+    import pytest
+{_WAIT_DONE}
+    @pytest.fixture(scope="module")
+    def helper():
+        p = subprocess.Popen([sys.executable, "-c", {_MAPPER!r}, {path!r}, {str(go)!r}, {str(done)!r}, "keep"])
+        yield
+        p.kill(); p.wait(10)
+        if os.path.exists({path!r}): os.unlink({path!r})
+
+    def test_leaves_a_name_to_its_helper(helper):
+        os.close(os.open({path!r}, os.O_CREAT | os.O_RDWR, 0o600))
+        _handshake({str(go)!r}, {str(done)!r})
+    """
+    try:
+        result = run(pytester, body)
+        result.assert_outcomes(passed=1, errors=1)
+        assert f"{path}" in result.stdout.str() and "/dev/shm name" in result.stdout.str()
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def test_fn_an_unlinked_namesake_another_process_maps_excuses_no_leak(pytester: pytest.Pytester,
+                                                                      tmp_path: Path) -> None:
+    """Another process made, mapped and unlinked a file of the name ("(deleted)" in its maps); the test
+    then makes the name anew and leaves it: that mapping is not of the file the name has now."""
+    path, go, done = f"/dev/shm/leakfn_namesake_x{os.getpid()}", tmp_path / "go", tmp_path / "done"
+    other = subprocess.Popen([sys.executable, "-c", _MAPPER, path, str(go), str(done), "unlink"])
+    body = f"""
+    import os, time
+{_WAIT_DONE}
+    def test_makes_the_name_anew():
+        _handshake({str(go)!r}, {str(done)!r})
+        os.close(os.open({path!r}, os.O_CREAT | os.O_RDWR, 0o600))
+    """
+    try:
+        result = run(pytester, body)
+        result.assert_outcomes(passed=1, errors=1)
+        assert f"{path}" in result.stdout.str() and "/dev/shm name" in result.stdout.str()
+    finally:
+        kill(other)
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+
+
 @pytest.mark.xfail(strict=True, reason=("known limit (docs/leaks.md): a double-forked grandchild leaves psutil's"
                                         " children() (needs PR_SET_CHILD_SUBREAPER)"))
 def test_fn_double_forked_grandchild_is_reported(pytester: pytest.Pytester, tmp_path: Path) -> None:
