@@ -9,9 +9,9 @@ Note [Spare blocks]
     skips the allocator's malloc/free pair, a large share of a small
     message's cost (Note [Hot path] in ``channel/__init__.py``). Sizes that stop
     being asked for must not pin memory the allocator could reuse (a
-    producer of ever-varying sizes would grow its pool): on a miss, at most
-    every _SPARE_IDLE ticks of the lender's clock, the spares of every size
-    not asked for in the last _SPARE_IDLE ticks go back. The channel's clock
+    producer of ever-varying sizes would grow its pool): on a request, hit
+    or miss, at most every _SPARE_IDLE ticks of the lender's clock, the
+    spares of every size not asked for in the last _SPARE_IDLE ticks go back. The channel's clock
     counts sends, not requests, so that a batch of many arrays ages its
     sizes by one, not by its length. All spares go back before a request
     waits for room, on ``empty_cache()``, ``close()`` and when nothing more
@@ -124,13 +124,14 @@ class LendingPool:
         """
         key = -(-want // _SPARE_GRAIN) * _SPARE_GRAIN
         self._asked[key] = clock
+        if self.spare_bytes and clock - self._swept >= _SPARE_IDLE:
+            self._sweep_spares(clock)  # hits too: a producer now served by spares of one size
+            # must not keep those of sizes it stopped asking for (this one was just asked for)
         spares = self.spares.get(key)
         if not spares and drain is not None:
             drain()
             spares = self.spares.get(key)
         if not spares:
-            if self.spare_bytes and clock - self._swept >= _SPARE_IDLE:
-                self._sweep_spares(clock)
             return None
         held = spares.pop()
         if not spares:

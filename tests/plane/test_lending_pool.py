@@ -94,6 +94,28 @@ def test_a_released_block_is_the_next_request_of_its_size_and_old_sizes_go_back(
         _close(pool)
 
 
+def test_spares_of_a_size_no_longer_asked_for_go_back_while_other_requests_hit():
+    """Sizes that stop being asked for go back even when every later request finds a spare (the
+    store's review: a producer of 400 kB objects turned to 600 kB ones, every put a hit, kept
+    16 MB of 400 kB spares for good and grew its pool around them)."""
+    pool = _pool()
+    try:
+        old = pool.take(4096, 0, pool.alloc.malloc, True)
+        new = pool.take(8192, 0, pool.alloc.malloc, True)
+        for held in (old, new):
+            pool.local_done.append(held)
+        pool.drain_local()
+        assert old.spare and new.spare
+        for clock in range(1, 200):  # every request a hit: its spare taken and given back
+            assert pool.take(8192, clock, pool.alloc.malloc, True) is new
+            pool.local_done.append(new)
+            pool.drain_local()
+        assert old.block.address not in pool.held and pool.spare_bytes == new.block.size
+        pool.check_invariants()
+    finally:
+        _close(pool)
+
+
 def test_a_take_without_spares_drains_first_and_takes_what_the_drain_gave_back():
     pool = _pool()
     try:
