@@ -14,12 +14,12 @@ Note [What counts as a leak, and what does not]
       anonymous shared memory) or any mapping of a memfd or /dev/shm object.
       Private file mappings are not counted: a library imported during the
       test maps its ``.so`` for the rest of the process;
-    - a /dev/shm name owned by our uid that no other process holds open
-      and that no other process made (another process's name, made while
-      the test ran, is not ours: a name that carries its maker's pid, as
-      torch's ``torch_<pid>_...`` and ours ``shmshare_<pid>_...`` do, is
-      the maker's unless that pid is this process or one of its children;
-      so a concurrent run, pytest-xdist's other workers say, is not blamed);
+    - a /dev/shm name owned by our uid that no other process (one outside
+      this process and its children) made or holds, open or mapped (another
+      process's name, made while the test ran, is not ours: a name that
+      carries its maker's pid, as torch's ``torch_<pid>_...`` and ours
+      ``shmshare_<pid>_...`` do, is the maker's; so a concurrent run,
+      pytest-xdist's other workers say, is not blamed);
     - a child process (psutil's children, recursively) still alive, or a
       zombie nobody reaped;
     - a thread still alive (daemon or not) that was not alive before.
