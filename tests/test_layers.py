@@ -14,6 +14,7 @@ LAYERS = {
     "_registry": 0,  # what pools and lease holders report, held weakly (Note [Reporters])
     "_typevars": 0,  # the type variables of the generic public classes
     "_sizes": 0,  # sizes as people write them (8M, 64MiB)
+    "_timeouts": 0,  # timeouts as every call takes them
     "segment": 1,
     "wire": 2, "_sockets": 2, "_listen": 2,  # _sockets.py: wire's kernel side (SCM_RIGHTS, SO_PEERCRED)
     # the HELLO and peer checks; frames in shared memory beside the socket

@@ -32,6 +32,7 @@ import os
 from typing import Any
 
 from .. import _ring, wire
+from ..memory._policy import SMALL_BUFFER
 from ._receiver import Receiver
 from ._sender import DEFAULT_LIMIT, Sender, SenderStatistics
 
@@ -47,7 +48,8 @@ def channel(*, limit: int = DEFAULT_LIMIT, config: str | None = None, backend: s
     Parameters
     ----------
     limit : int
-        Bytes of shared memory the sender's pool may hold (back-pressure past it).
+        Bytes of shared memory the sender's pool may hold (back-pressure past it):
+        at least 2 MiB, its smallest segment (an array over 1 MiB takes 20 MiB).
     config : str, optional
         Allocator settings for the sender's pool, ``SHMSHARE_ALLOC_CONF`` syntax.
     backend : {"memfd", "posix"}
@@ -120,3 +122,8 @@ def _check_limit(limit: object) -> None:
         raise TypeError(f"limit must be an int of bytes (e.g. 256 << 20), got {limit!r}") from None
     if n <= 0 or isinstance(limit, bool):
         raise ValueError(f"limit must be a positive number of bytes (e.g. 256 << 20), got {limit!r}")
+    if n < SMALL_BUFFER:
+        raise ValueError(f"limit={limit!r} bytes is less than the pool's smallest segment "
+                         f"({SMALL_BUFFER} bytes, 2 MiB): no array would ever fit. Pass "
+                         f"limit={SMALL_BUFFER} or more (the default is {DEFAULT_LIMIT >> 30} GiB; "
+                         "an array over 1 MiB takes a segment of 20 MiB)")

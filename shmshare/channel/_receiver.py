@@ -34,6 +34,7 @@ from .._errors import (
 )
 from .._lifetime import Closeable
 from .._plane.trust import check_fd_room, default_max_peer_bytes, default_max_peer_segments
+from .._timeouts import check_timeout
 from .._typevars import T
 from . import _lane
 from ._books import Caps, Peer
@@ -205,6 +206,8 @@ class Receiver(Closeable, Generic[T]):
             self._fences.take(self)
 
     def _recv(self, timeout: float | None) -> tuple[Peer, T]:
+        if timeout is not None:
+            check_timeout(timeout, "recv")
         deadline = None if timeout is None else time.monotonic() + timeout
         self._check_open()
         if self._later is not None:  # recv_many met it after its first batch
@@ -524,8 +527,10 @@ class Receiver(Closeable, Generic[T]):
                 raise ProtocolError(f"a descriptor without memory has shape {lay.shape} and dtype "
                                     f"{dt.str}, not empty")
             arr = np.empty(lay.shape, dt)  # nothing to share in an empty array
-            return tensors.as_torch(arr, lay.torch_dtype) if lay.torch_dtype and \
-                tensors.torch_imported() else arr
+            if lay.torch_dtype and tensors.torch_imported():
+                return tensors.as_torch(arr, lay.torch_dtype)
+            arr.flags.writeable = self._writable  # as every received array
+            return arr
         rec = peer.segments.get(seg_id) or segment_of(peer, seg_id)
         start = offset + lay.lo
         nbytes = lay.nbytes

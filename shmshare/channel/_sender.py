@@ -31,6 +31,7 @@ from .._lifetime import Closeable
 from .._plane import SPARE_BYTES, LendingPool, host_cause
 from .._plane.forks import ForkBook
 from .._ring import BrokenRing
+from .._timeouts import check_timeout
 from ..memory import CachingAllocator, OutOfMemoryError, ShmSegment
 from . import _lane
 from ._announce import announce
@@ -112,6 +113,8 @@ class Sender(Closeable):
         Arrays from :meth:`empty`/:meth:`zeros` go as they are; any other array is copied into
         the pool once. Waits up to `timeout` s for pool space (PoolExhausted after) and room to send.
         """
+        if timeout is not None:
+            check_timeout(timeout, "send")
         if type(obj) is np.ndarray and self._send_now(obj):
             return
         now = time.monotonic()
@@ -181,6 +184,7 @@ class Sender(Closeable):
         if isinstance(objs, (dict, str, bytes, np.ndarray)) or tensors.is_torch_tensor(objs):
             raise TypeError(f"send_many takes an iterable of batches, got one {type(objs).__name__}; "
                             "send one batch with send()")
+        check_timeout(timeout, "send_many")
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             for obj in objs:
@@ -192,6 +196,8 @@ class Sender(Closeable):
 
         `dtype` may be a torch dtype, to get a torch tensor.
         """
+        if timeout is not None:
+            check_timeout(timeout, "empty")
         np_dtype, torch_dtype = _empty_args.alloc_dtypes(dtype)
         shp, nbytes = _empty_args.alloc_shape(shape, np_dtype.itemsize)
         want = nbytes or 1
@@ -223,6 +229,7 @@ class Sender(Closeable):
     def recv_note(self, timeout: float | None = None) -> Any:
         """Return the next note sent by ``Receiver.tell``, waiting up to `timeout` s (releases are taken
         in meanwhile). ShmshareTimeout: none came; PeerDied: the receiver is gone, every note read."""
+        check_timeout(timeout, "recv_note")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:

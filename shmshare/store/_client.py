@@ -40,6 +40,7 @@ from .._errors import FdLimitError, PeerDied, ProtocolError, ShmshareTimeout
 from .._fd import Fd
 from .._plane import Borrowed, Lender, default_caps
 from .._plane.flusher import Waker, start_flusher
+from .._timeouts import check_timeout
 from .._typevars import V
 from ._flusher import Flushing, Queued
 from ._inherited import copies_made, forget_store, map_shared, track_store
@@ -53,7 +54,6 @@ from ._protocol import (
     StoreError,
     StoreGone,
     check_name,
-    check_timeout,
     connect,
     raise_for,
     refusal,
@@ -157,11 +157,8 @@ class Store(Generic[V]):
         publish it. A torch dtype gives a torch tensor."""
         check_name(name)
         np_dtype, torch_dtype = _empty_args.alloc_dtypes(dtype)
-        shape = tuple(int(n) for n in (shape if isinstance(shape, (tuple, list)) else (shape,)))
-        if any(n < 0 for n in shape):
-            raise ValueError(f"negative dimensions in shape {shape}")
+        shape, size = _empty_args.alloc_shape(shape, np_dtype.itemsize)  # as numpy's empty()
         tname = None if torch_dtype is None else str(torch_dtype).removeprefix("torch.")
-        size = np_dtype.itemsize * int(np.prod(shape, dtype=np.int64))
         header = {"k": "create", "n": name, "m": one_array_meta(shape, np_dtype, tname, size > 0),
                   "s": size, "t": tname is not None}
         if size >= LARGE:

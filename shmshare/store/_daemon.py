@@ -101,7 +101,7 @@ class Server:
         if max_clients < 1:
             raise ValueError(f"max_clients must be at least 1, got {max_clients}")
         self.max_clients = max_clients
-        chosen = path is None
+        chosen = path is None and not os.environ.get("SHMSHARE_STORE")  # else the user's choice
         self.path = os.fspath(path) if path is not None else default_path()
         if chosen:
             check_dir(self.path)

@@ -41,7 +41,6 @@ Note [The store's frames]
 
 from __future__ import annotations
 
-import numbers
 import os
 import stat
 from dataclasses import dataclass
@@ -175,9 +174,10 @@ def _owned_dir(path: str) -> bool:
 
 
 def check_dir(sock_path: str) -> None:
-    """Refuse the default socket's directory if another user owns it or others may write it
+    """Refuse the default socket's directory if another user owns it or it is not private
     (someone could stand in for the store there): it must be ours and 0700, or not exist yet.
-    A path given on purpose is the user's choice; the peer uid is checked on both ends anyway."""
+    A path given on purpose (``--socket``, ``$SHMSHARE_STORE``) is the user's choice; the peer
+    uid is checked on both ends anyway."""
     d = os.path.dirname(os.path.abspath(sock_path))
     try:
         st = os.lstat(d)
@@ -192,8 +192,9 @@ def check_dir(sock_path: str) -> None:
                          "there; remove it, or choose another --socket")
     if st.st_mode & 0o077:
         raise StoreError(f"{d!r}, the store socket's directory, has mode "
-                         f"{stat.S_IMODE(st.st_mode):04o}: others could replace the socket; "
-                         "`chmod 700` it")
+                         f"{stat.S_IMODE(st.st_mode):04o}, not 0700, and the default one must be "
+                         "private: `chmod 700` it, or name a socket of your choice (--socket, "
+                         "$SHMSHARE_STORE)")
 
 
 def connect(path: str, timeout: float | None, role: str,
@@ -247,18 +248,6 @@ def refusal(conn: wire.Connection) -> str | None:
 for _cls in (StoreError, StoreFull, StoreGone, StoreBusy, BadRequest, ObjectExists, ObjectNotFound):
     _cls.__module__ = "shmshare.store"
 del _cls
-
-
-def check_timeout(value: Any, what: str, zero: bool) -> None:
-    """Refuse a timeout that is not None or a number of seconds (>= 0 with `zero`, else > 0),
-    naming the call and the value."""
-    if value is None:
-        return
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and (
-        float(value) >= 0 if zero else float(value) > 0)
-    if not ok:
-        raise ValueError(f"{what}(timeout=...) takes None or seconds {'>=' if zero else '>'} 0, "
-                         f"got {value!r}")
 
 
 def socket_path(path: Any) -> str:

@@ -73,11 +73,15 @@ def test_received_arrays_are_read_only_unless_asked(chan):
     assert not got.flags.writeable
     with pytest.raises(ValueError, match="read-only"):
         got[0] = 2
+    tx.send([np.ones((7, 0, 3)), tx.empty((0,), np.uint8)])  # empty arrays too (they share no memory)
+    assert not any(a.flags.writeable for a in rx.recv(timeout=5))
     tx2, rx2 = shmshare.channel(writable=True)
     tx2.send(np.ones(4))
     w = rx2.recv(timeout=5)
     w[0] = 7
     assert w[0] == 7
+    tx2.send(np.ones((7, 0, 3)))
+    assert rx2.recv(timeout=5).flags.writeable
     del w, got
     tx2.close()
     rx2.close()
@@ -437,9 +441,9 @@ def test_arrays_dying_after_close_write_nowhere():
 
 
 def test_a_request_larger_than_an_empty_pool_fails_at_once():
-    tx, rx = shmshare.channel(limit=1 << 20)
+    tx, rx = shmshare.channel(limit=2 << 20)
     with pytest.raises(PoolExhausted, match=r"even when it is empty.*create it with a limit= of \d+ bytes or more"):
-        tx.send(np.ones((1 << 20) - 64, np.uint8))  # the small pool's segment is 2 MiB
+        tx.send(np.ones((1 << 20) + 1, np.uint8))  # past 1 MiB: the large pool's segment is 20 MiB
     tx.close()
     rx.close()
 
@@ -471,10 +475,29 @@ def test_lease_ids_are_unique_per_process(chan):
     (1.5, TypeError, "limit must be an int of bytes"),
     (0, ValueError, "limit must be a positive number of bytes"),
     (True, ValueError, "limit must be a positive number of bytes"),
+    (1 << 20, ValueError, r"less than the pool's smallest segment \(2097152 bytes, 2 MiB\): no array would ever "
+                          r"fit. Pass limit=2097152 or more"),
 ])
 def test_a_limit_that_is_not_a_number_of_bytes_is_refused_at_once(limit, error, match):
     with pytest.raises(error, match=match):
         shmshare.channel(limit=limit)
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), "1", True, [1]])
+def test_a_timeout_that_is_not_seconds_is_refused_by_every_call_that_waits(chan, bad):
+    tx, rx = chan
+    for what, call in [("send", lambda: tx.send(np.ones(64), timeout=bad)),
+                       ("send", lambda: tx.send(np.ones(4), timeout=bad)),  # by value, the fast lane
+                       ("send_many", lambda: tx.send_many([np.ones(4)], timeout=bad)),
+                       ("empty", lambda: tx.empty(4, timeout=bad)),
+                       ("recv_note", lambda: tx.recv_note(timeout=bad)),
+                       ("recv", lambda: rx.recv(timeout=bad)),
+                       ("recv", lambda: rx.recv_many(4, timeout=bad))]:
+        with pytest.raises(ValueError, match=rf"^{what}\(timeout=\.\.\.\) takes None or seconds >= 0, got"):
+            call()
+    assert tx.statistics().messages_sent == 0  # nothing went
+    tx.send(np.ones(4), timeout=0)  # 0: no wait
+    assert rx.recv(timeout=0.0).shape == (4,)
 
 
 @pytest.mark.parametrize(("name", "value", "match"), [

@@ -168,6 +168,18 @@ def test_create_fill_seal(store: Store, daemon, n: int) -> None:
         store.seal("c")
 
 
+@pytest.mark.parametrize(("shape", "error"), [
+    ((2.5, 3), TypeError), ((2.0, 3), TypeError), ("34", TypeError), (("3",), TypeError), (None, TypeError),
+    ((-1, 3), ValueError),
+])
+def test_create_takes_shapes_as_numpy_empty_does(store: Store, shape: object, error: type) -> None:
+    """Not int() of each: (2.5, 3) made a (2, 3) array and "34" a (34,) one (a new user's review)."""
+    with pytest.raises(error, match=r"a shape is an int or a sequence of ints|negative dimensions"):
+        store.create("c", shape, np.uint8)  # type: ignore[arg-type]
+    assert "c" not in store
+    assert store.create("d", [2, np.int64(3)], np.uint8).shape == (2, 3)
+
+
 def test_create_with_a_torch_dtype_gives_a_tensor(store: Store) -> None:
     torch = pytest.importorskip("torch")
     t = store.create("t", (4, LARGE // 8), torch.bfloat16)

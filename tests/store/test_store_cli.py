@@ -73,6 +73,9 @@ def test_the_default_socket_is_made_private_and_a_loose_directory_refused(sockdi
     os.chmod(os.path.join(sockdir, "shmshare"), 0o755)
     got = _serve(env=env)
     assert got.returncode == 1 and "chmod 700" in got.stderr, got.stderr
+    # a path named on purpose is the user's choice, $SHMSHARE_STORE as --socket
+    with Daemon.start(env={**env, "SHMSHARE_STORE": os.path.join(sockdir, "shmshare", "mine.sock")}) as d:
+        assert d.path == os.path.join(sockdir, "shmshare", "mine.sock")
 
 
 def test_daemon_start_takes_a_limit_as_the_command_line_does(sockdir: str) -> None:
