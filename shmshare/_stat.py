@@ -306,7 +306,8 @@ def render(report: Report, width: int = 100) -> str:
 
 
 def _cut(row: str, width: int) -> str:
-    return printable(row)[:width]
+    """A line of the report in the terminal's width, cut with "..." (docs/stat.md)."""
+    return fit(printable(row), width)
 
 
 def _pid_list(pids: set[int]) -> str:
@@ -380,15 +381,16 @@ def _render_stores(report: Report, width: int) -> list[str]:
     lines: list[str] = []
     for st in report.stores:
         lines.append("")
-        where = f"store pid {st.get('pid', '?')} at {st.get('path', '?')}"
+        who, where = f"store pid {st.get('pid', '?')}", f"at {st.get('path', '?')}"
         if "error" in st:
-            lines.append(_cut(f"{where}: {st['error']}", width))
+            lines.append(_cut(f"{who} {where}: {st['error']}", width))
             continue
         f = st.get("stats") or {}
         limit = f" of --limit {_size_or(f.get('limit'))}" if f.get("limit") else ""
-        lines.append(_cut(f"{where}: {f.get('objects', '?')} objects, {_size_or(f.get('held_bytes'))} "
+        # the figures before the path, which may be long: a narrow terminal cuts the path
+        lines.append(_cut(f"{who}: {f.get('objects', '?')} objects, {_size_or(f.get('held_bytes'))} "
                           f"held{limit}, {f.get('deleted_viewed', '?')} deleted but viewed, "
-                          f"{f.get('connected', '?')} clients", width))
+                          f"{f.get('connected', '?')} clients, {where}", width))
         objects = sorted(st.get("objects") or [], key=lambda o: -o["size"])
         if objects:
             lines += table(_STORE_COLS, [

@@ -55,6 +55,14 @@ def test_every_line_fits_and_each_header_is_whole(width):
         assert width < 60 or all(h in note for h in gone), note
 
 
+@pytest.mark.parametrize("width", [100, 60, 40])
+def test_a_store_line_keeps_its_figures_first_and_a_cut_is_marked(width):
+    line = next(ln for ln in _stat.render(_report(), width).splitlines() if ln.startswith("store pid 99"))
+    whole = "store pid 99: 1 objects, 4.0K held, 0 deleted but viewed, 1 clients, at /tmp/shmshare-1000/store.sock"
+    assert line == (whole if len(whole) <= width else whole[:width - 3] + "..."), line
+    assert width < 60 or "1 objects" in line  # the path goes first (a new user's review: "0 obje")
+
+
 @pytest.mark.parametrize("width", [100, 80, 60])
 def test_the_command_column_shows_the_script_not_only_the_interpreter(width):
     rows = _stat.render(_report(), width).splitlines()[1:3]

@@ -65,8 +65,8 @@ def test_stat_of_a_pid_shows_only_that_daemon_and_the_table_names_objects(store:
         report = _stat_json("--pid", str(daemon.pid))
         assert [st["pid"] for st in report["stores"]] == [daemon.pid]
         got = subprocess.run([sys.executable, "-m", "shmshare", "stat"], capture_output=True,
-                             text=True, timeout=WAIT)
-        assert f"store pid {daemon.pid} at {daemon.path}" in got.stdout
-        assert f"store pid {other.pid} at {other.path}: 0 objects" in got.stdout
+                             text=True, timeout=WAIT, env={**os.environ, "COLUMNS": "250"})  # the whole path
+        assert f"store pid {daemon.pid}: " in got.stdout and f"clients, at {daemon.path}" in got.stdout
+        assert f"store pid {other.pid}: 0 objects" in got.stdout and f"at {other.path}" in got.stdout
         row = next(line for line in got.stdout.splitlines() if line.endswith(" weights"))
         assert "3.0M" in row and "memfd" in row and "full" in row
