@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import operator
+import sys
 from typing import Any
 
 import numpy as np
@@ -48,9 +49,10 @@ _ALLOC_DTYPES: dict[Any, tuple[np.dtype, Any]] = {}
 
 def alloc_shape(shape: Any, itemsize: int) -> tuple[tuple[int, ...], int]:
     """Return (shape as a tuple of ints, bytes) for an ``empty(shape)`` of items of `itemsize`
-    bytes; ValueError for a negative dimension, as numpy's."""
+    bytes; ValueError for a negative dimension or more bytes than an address space has, as
+    numpy's."""
     if type(shape) is int and shape >= 0:
-        return (shape,), itemsize * shape
+        return (shape,), _sized((shape,), itemsize * shape)
     if type(shape) is tuple:  # the usual case, kept short (an empty()'s costliest line was here)
         try:
             shp = tuple(map(operator.index, shape))
@@ -58,7 +60,7 @@ def alloc_shape(shape: Any, itemsize: int) -> tuple[tuple[int, ...], int]:
             raise TypeError(f"a shape is an int or a sequence of ints, got {shape!r}") from None
         if shp and min(shp) < 0:
             raise ValueError(f"negative dimensions are not allowed: {shp}")
-        return shp, itemsize * math.prod(shp)
+        return shp, _sized(shp, itemsize * math.prod(shp))
     try:  # as numpy takes them: ints, and objects with __index__ (np.int64), never str or float
         shp = (operator.index(shape),) if not hasattr(shape, "__iter__") else tuple(
             operator.index(n) for n in shape)
@@ -68,7 +70,14 @@ def alloc_shape(shape: Any, itemsize: int) -> tuple[tuple[int, ...], int]:
         raise TypeError(f"a shape is an int or a sequence of ints, got {shape!r}")
     if any(n < 0 for n in shp):
         raise ValueError(f"negative dimensions are not allowed: {shp}")
-    return shp, itemsize * math.prod(shp)
+    return shp, _sized(shp, itemsize * math.prod(shp))
+
+
+def _sized(shape: tuple[int, ...], nbytes: int) -> int:
+    if nbytes > sys.maxsize:
+        raise ValueError(f"an array of shape {shape} would be {nbytes} bytes, more than this "
+                         "process can address: the shape is wrong")
+    return nbytes
 
 
 def allocated(arr: np.ndarray, torch_dtype: Any) -> Any:

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("stat", help="what every process holds of shmshare memory, from /proc; "
                         "pools and leases of those with a stats socket (SHMSHARE_STATS=1)")
     st.add_argument("--json", action="store_true", help="print a machine-readable report")
-    st.add_argument("--watch", type=_parse_seconds, default=None, metavar="SECONDS",
+    st.add_argument("--watch", type=_parse_interval, default=None, metavar="SECONDS",
                     help="refresh every SECONDS until Ctrl-C")
     st.add_argument("--pid", type=int, action="append", default=None,
                     help="only this process (repeat for more)")
@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     dem.add_argument("--loader-seconds", type=_parse_seconds, default=None,
                      help="how long each DataLoader runs after the walk-through (0: skip them)")
     args = parser.parse_args(argv)
+    if args.command == "serve" and args.evict and args.limit is None:
+        srv.error("--evict evicts past --limit, and no --limit was given: add one (e.g. --limit 4G), "
+                  "or leave --evict out")
     try:
         if args.command == "doctor":
             return doctor(as_json=args.json)
@@ -101,6 +104,14 @@ def _parse_seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
     if not seconds >= 0:
         raise argparse.ArgumentTypeError(f"seconds must be 0 or more, got {text!r}")
+    return seconds
+
+
+def _parse_interval(text: str) -> float:
+    """Parse a positive number of seconds (a refresh interval)."""
+    seconds = _parse_seconds(text)
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"the interval must be more than 0 seconds, got {text!r}")
     return seconds
 
 

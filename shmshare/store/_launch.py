@@ -52,6 +52,9 @@ class Daemon:
         thread's, not the process's), so a killed test or script leaves no
         daemon behind.
         """
+        if evict and limit is None:
+            raise ValueError("Daemon.start(evict=True) evicts past a limit, and no limit= was given: "
+                             "pass one (e.g. limit='4G'), or leave evict out")
         cmd = [sys.executable, "-m", "shmshare", "serve", "--log-level", log_level]
         if path is not None:
             cmd += ["--socket", os.fspath(path)]

@@ -483,6 +483,13 @@ def test_a_limit_that_is_not_a_number_of_bytes_is_refused_at_once(limit, error, 
         shmshare.channel(limit=limit)
 
 
+def test_a_shape_of_more_bytes_than_an_address_space_is_a_value_error(chan):
+    tx, _ = chan
+    for shape in [(1 << 62, 1 << 62), [1 << 40, 1 << 40], 1 << 63]:
+        with pytest.raises(ValueError, match="more than this process can address: the shape is wrong"):
+            tx.empty(shape, np.uint16)
+
+
 @pytest.mark.parametrize("bad", [-1, float("nan"), "1", True, [1]])
 def test_a_timeout_that_is_not_seconds_is_refused_by_every_call_that_waits(chan, bad):
     tx, rx = chan

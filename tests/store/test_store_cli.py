@@ -78,6 +78,13 @@ def test_the_default_socket_is_made_private_and_a_loose_directory_refused(sockdi
         assert d.path == os.path.join(sockdir, "shmshare", "mine.sock")
 
 
+def test_evict_without_a_limit_is_refused_where_it_is_given(sockdir: str) -> None:
+    got = _serve("--evict", "--socket", os.path.join(sockdir, "e.sock"))
+    assert got.returncode == 2 and "--evict evicts past --limit, and no --limit was given" in got.stderr
+    with pytest.raises(ValueError, match=r"evict=True\) evicts past a limit, and no limit= was given"):
+        Daemon.start(os.path.join(sockdir, "e.sock"), evict=True)
+
+
 def test_daemon_start_takes_a_limit_as_the_command_line_does(sockdir: str) -> None:
     for bad in ["abc", "-5", 1.5, True, 100]:
         with pytest.raises(ValueError, match=r"Daemon.start\(limit=\.\.\.\) takes bytes or a size"):
