@@ -341,6 +341,45 @@ static PyObject *py_prefault(PyObject *mod, PyObject *args, PyObject *kw) {
 /* shmshare/channel/__init__.py)                                             */
 /* ------------------------------------------------------------------------ */
 
+/* shape_bytes(shape, itemsize) -> (shape, nbytes) or None: the bytes of an
+ * empty(shape) of items of `itemsize` bytes when the shape is the usual kind --
+ * an exact int, or a tuple of at most 64 exact ints, each >= 0 -- and the
+ * bytes fit a Py_ssize_t; None for anything else (a bool, an np.int64, a list,
+ * a negative dimension, an overflow), which the caller's Python path takes,
+ * refuses or explains (shmshare/_empty_args.py). An int shape comes back as a
+ * 1-tuple; a tuple, as itself. */
+static PyObject *py_shape_bytes(PyObject *mod, PyObject *args) {
+    PyObject *shape;
+    Py_ssize_t itemsize;
+    (void)mod;
+    if (!PyArg_ParseTuple(args, "On:shape_bytes", &shape, &itemsize)) return NULL;
+    if (itemsize < 0) Py_RETURN_NONE;
+    int one = PyLong_CheckExact(shape);
+    if (!one && !PyTuple_CheckExact(shape)) Py_RETURN_NONE;
+    Py_ssize_t ndim = one ? 1 : PyTuple_GET_SIZE(shape);
+    if (ndim > 64) Py_RETURN_NONE;
+    size_t total = (size_t)itemsize; /* of the dimensions not 0: numpy refuses an overflow there */
+    int big = 0, empty = 0;
+    for (Py_ssize_t i = 0; i < ndim; i++) {
+        PyObject *item = one ? shape : PyTuple_GET_ITEM(shape, i);
+        if (!PyLong_CheckExact(item)) Py_RETURN_NONE;
+        int overflow = 0;
+        long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
+        if (overflow || v < 0) {
+            if (PyErr_Occurred()) PyErr_Clear();
+            Py_RETURN_NONE;
+        }
+        if (v == 0)
+            empty = 1;
+        else if (__builtin_mul_overflow(total, (size_t)v, &total))
+            big = 1;
+    }
+    if (big || total > (size_t)PY_SSIZE_T_MAX) Py_RETURN_NONE;
+    if (empty) total = 0;
+    if (one) return Py_BuildValue("((O)n)", shape, (Py_ssize_t)total);
+    return Py_BuildValue("(On)", shape, (Py_ssize_t)total);
+}
+
 /* extent(obj) -> (address, lo, span): the address of element [0, ..., 0] of
  * a buffer-protocol object (a numpy array of any strides), and the bytes its
  * elements cover relative to that address: [address + lo, address + lo + span).
@@ -432,6 +471,10 @@ static PyMethodDef native_methods[] = {
      "prefault(address, nbytes, threads=1, writable=False)\n\n"
      "Fault every page in on `threads` threads with the GIL released (a write that keeps\n"
      "the byte when writable, else a read)."},
+    {"shape_bytes", py_shape_bytes, METH_VARARGS,
+     "shape_bytes(shape, itemsize) -> (shape, nbytes) or None\n\n"
+     "The bytes of an empty(shape) when the shape is an exact int or a tuple of at most 64\n"
+     "exact ints >= 0 whose bytes fit a Py_ssize_t; None for anything else."},
     {"extent", py_extent, METH_O,
      "extent(obj) -> (address, lo, span)\n\n"
      "Where element 0 of a strided buffer lies, and the bytes its elements cover:\n"

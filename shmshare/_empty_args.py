@@ -6,6 +6,7 @@ each dtype up in a cache.
 
 from __future__ import annotations
 
+import collections.abc
 import math
 import operator
 import sys
@@ -13,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _native
 from .tensors import as_numpy, check_shareable
 
 __all__ = ["alloc_dtypes", "alloc_shape", "allocated"]
@@ -49,28 +51,42 @@ _ALLOC_DTYPES: dict[Any, tuple[np.dtype, Any]] = {}
 
 def alloc_shape(shape: Any, itemsize: int) -> tuple[tuple[int, ...], int]:
     """Return (shape as a tuple of ints, bytes) for an ``empty(shape)`` of items of `itemsize`
-    bytes; ValueError for a negative dimension or more bytes than an address space has, as
-    numpy's."""
-    if type(shape) is int and shape >= 0:
-        return (shape,), _sized((shape,), itemsize * shape)
-    if type(shape) is tuple:  # the usual case, kept short (an empty()'s costliest line was here)
+    bytes, taking shapes as numpy's ``empty`` does: an integer (anything with ``__index__``:
+    np.int64, a 0-d integer array), or a sequence of them (a tuple, list, range, 1-d array) --
+    never a bool, float, str, bytes, set, dict or iterator; at most 64 dimensions. TypeError
+    or ValueError naming what is wrong, and ValueError for more bytes than an address space."""
+    got = _native.shape_bytes(shape, itemsize)  # the usual shapes, in C: an empty() is a hot path
+    if got is not None:
+        return got
+    shp: tuple[int, ...]
+    if isinstance(shape, (bool, np.bool_, str, bytes)):
+        raise _not_a_shape(shape)
+    elif hasattr(type(shape), "__index__") and not (isinstance(shape, np.ndarray) and shape.ndim):
+        shp = (operator.index(shape),)
+    elif isinstance(shape, (collections.abc.Sequence, np.ndarray)):
+        items = list(shape)
+        if any(isinstance(n, (bool, np.bool_)) for n in items):
+            raise _not_a_shape(shape)
         try:
-            shp = tuple(map(operator.index, shape))
+            shp = tuple(map(operator.index, items))
         except TypeError:
-            raise TypeError(f"a shape is an int or a sequence of ints, got {shape!r}") from None
-        if shp and min(shp) < 0:
-            raise ValueError(f"negative dimensions are not allowed: {shp}")
-        return shp, _sized(shp, itemsize * math.prod(shp))
-    try:  # as numpy takes them: ints, and objects with __index__ (np.int64), never str or float
-        shp = (operator.index(shape),) if not hasattr(shape, "__iter__") else tuple(
-            operator.index(n) for n in shape)
-    except TypeError:
-        raise TypeError(f"a shape is an int or a sequence of ints, got {shape!r}") from None
-    if isinstance(shape, (str, bytes)):
-        raise TypeError(f"a shape is an int or a sequence of ints, got {shape!r}")
-    if any(n < 0 for n in shp):
+            raise _not_a_shape(shape) from None
+    else:
+        raise _not_a_shape(shape)
+    if len(shp) > _MAX_DIMS:
+        raise ValueError(f"a shape of {len(shp)} dimensions: numpy's arrays have {_MAX_DIMS} at most")
+    if shp and min(shp) < 0:
         raise ValueError(f"negative dimensions are not allowed: {shp}")
-    return shp, _sized(shp, itemsize * math.prod(shp))
+    # as numpy: the dimensions but the 0s must not overflow either, though the array is empty
+    _sized(shp, itemsize * math.prod(n for n in shp if n))
+    return shp, itemsize * math.prod(shp)
+
+
+_MAX_DIMS = 64  # numpy's NPY_MAXDIMS
+
+
+def _not_a_shape(shape: Any) -> TypeError:
+    return TypeError(f"a shape is an int or a sequence of ints, got {shape!r:.200}")
 
 
 def _sized(shape: tuple[int, ...], nbytes: int) -> int:

@@ -53,6 +53,10 @@ def prefault(address: int, nbytes: int, threads: int = 1, writable: bool = False
     """Fault every page in on 1..64 `threads` with the GIL released."""
 
 # Before 3.12 numpy's stubs do not make an ndarray a Buffer (nor take one as ndarray(buffer=)).
+def shape_bytes(shape: object, itemsize: int, /) -> tuple[tuple[int, ...], int] | None:
+    """(shape, nbytes) of an empty(shape) of `itemsize`-byte items when the shape is an exact int
+    or a tuple of at most 64 exact ints >= 0 whose bytes fit a Py_ssize_t; None for anything else."""
+
 def extent(obj: Buffer | np.ndarray[Any, Any], /) -> tuple[int, int, int]:
     """(address, lo, span): where element 0 of a strided buffer lies, and the bytes its elements
     cover, [address + lo, address + lo + span); an empty buffer gives lo = span = 0."""

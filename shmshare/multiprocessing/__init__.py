@@ -19,7 +19,6 @@ import importlib as _importlib
 import multiprocessing as _mp
 import multiprocessing.util as _util
 import numbers as _numbers
-import operator as _operator
 import sys as _sys
 from collections.abc import Iterable as _Iterable
 from multiprocessing import *  # noqa: F403  (the drop-in: everything multiprocessing exports)
@@ -123,9 +122,7 @@ def empty(shape: Any, dtype: Any = _np.float64) -> Any:
     with no copy at all: fill it in place, then send it.
     """
     np_dtype, torch_dtype = _empty_args.alloc_dtypes(dtype)
-    shp = _dims(shape)
-    if any(n < 0 for n in shp):
-        raise ValueError(f"negative dimensions are not allowed: {shp}")
+    shp, _ = _empty_args.alloc_shape(shape, np_dtype.itemsize)
     return _empty_args.allocated(_get_owner().empty(shp, np_dtype), torch_dtype)
 
 
@@ -162,18 +159,6 @@ def shutdown(linger: float = 0.0) -> None:
         raise ValueError(f"shutdown(linger=...) takes seconds >= 0, got {linger!r}")
     _close_client()
     _close_owner(linger)
-
-
-def _dims(shape: Any) -> tuple[int, ...]:
-    """`shape` as numpy takes it: an int, or a sequence of ints (no floats, no strings)."""
-    try:
-        if isinstance(shape, str | bytes):
-            raise TypeError
-        if not hasattr(shape, "__iter__"):
-            return (_operator.index(shape),)
-        return tuple(_operator.index(n) for n in shape)
-    except TypeError:
-        raise TypeError(f"shape must be an int or a sequence of ints, as numpy's, got {shape!r}") from None
 
 
 def _at_exit() -> None:

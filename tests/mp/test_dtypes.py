@@ -424,9 +424,9 @@ def test_reducers_are_ours_after_torch_multiprocessing():
     assert ForkingPickler._extra_reducers[np.ndarray] is _reduce.reduce_ndarray
 
 
-@pytest.mark.parametrize("shape", [(2.5, 1.9), 2.0, "abc", None, (3, "4")])
+@pytest.mark.parametrize("shape", [(2.5, 1.9), 2.0, "abc", None, (3, "4"), (True, 2), {2: 0}, iter([2])])
 def test_a_shape_of_anything_but_ints_is_a_type_error_as_numpys(shape):
-    with pytest.raises(TypeError, match=r"shape must be an int or a sequence of ints"):
+    with pytest.raises(TypeError, match=r"a shape is an int or a sequence of ints"):
         smp.zeros(shape, np.float32)
     with pytest.raises(TypeError):
         np.zeros(shape, np.float32)  # what numpy says too (no silent rounding down)
