@@ -383,7 +383,7 @@ def _render_stores(report: Report, width: int) -> list[str]:
         lines.append("")
         who, where = f"store pid {st.get('pid', '?')}", f"at {st.get('path', '?')}"
         if "error" in st:
-            lines.append(_cut(f"{who} {where}: {st['error']}", width))
+            lines.append(_cut(f"{who}: {st['error']}, {where}", width))
             continue
         f = st.get("stats") or {}
         limit = f" of --limit {_size_or(f.get('limit'))}" if f.get("limit") else ""

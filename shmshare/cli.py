@@ -110,9 +110,13 @@ def _parse_seconds(text: str) -> float:
 def _parse_interval(text: str) -> float:
     """Parse a positive number of seconds (a refresh interval)."""
     seconds = _parse_seconds(text)
-    if not seconds > 0:
-        raise argparse.ArgumentTypeError(f"the interval must be more than 0 seconds, got {text!r}")
+    if not 0 < seconds <= _LONGEST_INTERVAL:
+        raise argparse.ArgumentTypeError(f"the interval must be more than 0 seconds and at most "
+                                         f"{_LONGEST_INTERVAL} (a day), got {text!r}")
     return seconds
+
+
+_LONGEST_INTERVAL = 86400  # s: stat --watch's longest refresh (time.sleep overflows past ~2**63 ns)
 
 
 def _parse_size(text: str) -> int:

@@ -191,9 +191,10 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         cli.main(["demo", "--backend", "sysv"])
     assert exc.value.code == 2
-    with pytest.raises(SystemExit) as exc:  # 0 would print once, where the help says it refreshes
-        cli.main(["stat", "--watch", "0"])
-    assert exc.value.code == 2 and "the interval must be more than 0 seconds" in capsys.readouterr().err
+    for interval in ["0", "inf", "1e400"]:  # 0 would print once, where the help says it refreshes; inf overflows
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["stat", "--watch", interval])
+        assert exc.value.code == 2 and "the interval must be more than 0 seconds" in capsys.readouterr().err
 
 
 # -- stale names: doctor reports them, sweep removes them ---------------------

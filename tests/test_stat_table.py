@@ -57,10 +57,15 @@ def test_every_line_fits_and_each_header_is_whole(width):
 
 @pytest.mark.parametrize("width", [100, 60, 40])
 def test_a_store_line_keeps_its_figures_first_and_a_cut_is_marked(width):
-    line = next(ln for ln in _stat.render(_report(), width).splitlines() if ln.startswith("store pid 99"))
+    report = _report()
+    report.stores.append({"pid": 98, "path": "/tmp/shmshare-1000/other.sock", "error": "did not answer in 0.5 s"})
+    lines = _stat.render(report, width).splitlines()
+    line = next(ln for ln in lines if ln.startswith("store pid 99"))
     whole = "store pid 99: 1 objects, 4.0K held, 0 deleted but viewed, 1 clients, at /tmp/shmshare-1000/store.sock"
     assert line == (whole if len(whole) <= width else whole[:width - 3] + "..."), line
     assert width < 60 or "1 objects" in line  # the path goes first (a new user's review: "0 obje")
+    error = next(ln for ln in lines if ln.startswith("store pid 98"))
+    assert error.startswith("store pid 98: did not answer") or width < 30, error
 
 
 @pytest.mark.parametrize("width", [100, 80, 60])

@@ -27,14 +27,13 @@ Note [Hot path]
 
 from __future__ import annotations
 
-import operator
 import os
 from typing import Any
 
 from .. import _ring, wire
-from ..memory._policy import SMALL_BUFFER
+from .._timeouts import check_timeout
 from ._receiver import Receiver
-from ._sender import DEFAULT_LIMIT, Sender, SenderStatistics
+from ._sender import DEFAULT_LIMIT, Sender, SenderStatistics, check_limit
 
 __all__ = ["channel", "listen", "connect", "Sender", "Receiver", "SenderStatistics",
            "DEFAULT_LIMIT"]
@@ -63,7 +62,7 @@ def channel(*, limit: int = DEFAULT_LIMIT, config: str | None = None, backend: s
     With ``backend="posix"`` the receiver maps the sender's unsealed POSIX
     shm (``trust_unsealed``): both ends are made here, by one caller.
     """
-    _check_limit(limit)
+    check_limit(limit)
     _ring.check_settings()
     a, b = wire.pipe()
     a._role, b._role = "sender", "receiver"
@@ -109,21 +108,8 @@ def connect(path: str | os.PathLike[str], *, timeout: float | None = None,
             limit: int = DEFAULT_LIMIT, config: str | None = None, backend: str = "memfd",
             **conn_kw: Any) -> Sender:
     """Return a Sender connected to the receiver listening at `path`."""
-    _check_limit(limit)
+    check_limit(limit)
     _ring.check_settings()
+    check_timeout(timeout, "connect")
     conn = wire.connect(path, timeout=timeout, role="sender", **conn_kw)
     return Sender(conn, limit=limit, config=config, backend=backend)
-
-
-def _check_limit(limit: object) -> None:
-    try:
-        n = operator.index(limit)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"limit must be an int of bytes (e.g. 256 << 20), got {limit!r}") from None
-    if n <= 0 or isinstance(limit, bool):
-        raise ValueError(f"limit must be a positive number of bytes (e.g. 256 << 20), got {limit!r}")
-    if n < SMALL_BUFFER:
-        raise ValueError(f"limit={limit!r} bytes is less than the pool's smallest segment "
-                         f"({SMALL_BUFFER} bytes, 2 MiB): no array would ever fit. Pass "
-                         f"limit={SMALL_BUFFER} or more (the default is {DEFAULT_LIMIT >> 30} GiB; "
-                         "an array over 1 MiB takes a segment of 20 MiB)")

@@ -184,6 +184,7 @@ class Receiver(Closeable, Generic[T]):
 
         PeerDied: that sender is gone; ShmshareTimeout: its socket stayed full.
         """
+        check_timeout(timeout, "tell")
         self._check_open()
         for peer in self._peers:
             if peer.number == sender:
@@ -298,6 +299,7 @@ class Receiver(Closeable, Generic[T]):
 
     def poll(self, timeout: float | None = 0.0) -> bool:
         """Return whether ``recv`` would find something (a batch or an event) within `timeout`."""
+        check_timeout(timeout, "poll")
         self._check_open()
         if self._ready:
             return True
@@ -596,7 +598,8 @@ _live: weakref.WeakSet[Receiver] = weakref.WeakSet()
 
 def _after_fork() -> None:
     for rx in list(_live):
-        rx._after_fork_in_child()
+        if not rx._closed:  # a closed one has nothing to fix up: its selector, pipe and socket are gone
+            rx._after_fork_in_child()
 
 
 _fork.on_fork_in_child(5, _after_fork)

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Generic, Protocol, Self, TypeVar, cast
 
 from ..channel import DEFAULT_LIMIT
+from ..channel._sender import check_limit
 from . import _collate, _samplers
 from ._device import parse_device
 from ._iters import MultiProcessIter, SingleProcessIter
@@ -127,8 +128,8 @@ class DataLoader(Generic[T_co]):
             raise ValueError("prefetch_factor option should be non-negative")
         if persistent_workers and num_workers == 0:
             raise ValueError("persistent_workers option needs num_workers > 0")
-        if pool_limit is not None and (type(pool_limit) is not int or pool_limit <= 0):
-            raise ValueError(f"pool_limit must be a positive number of bytes, got {pool_limit!r}")
+        if pool_limit is not None:
+            check_limit(pool_limit, "pool_limit")
 
         self._use_torch = use_torch
         self.dataset: Any = cast(Any, dataset)  # typed by its protocols above; used as torch uses it

@@ -133,6 +133,8 @@ def main_serve(socket_path: str | None, limit: int | None, evict: bool, log_leve
                         format="%(asctime)s shmshare-store[%(process)d] %(levelname)s %(message)s")
     if socket_path is not None:
         socket_path = os.path.abspath(socket_path)  # --detach changes to / before it binds
+    elif os.environ.get("SHMSHARE_STORE"):  # so does the path named there: it is taken from here
+        os.environ["SHMSHARE_STORE"] = os.path.abspath(os.environ["SHMSHARE_STORE"])
     max_clients = _max_clients()
     if max_clients is None:
         return 1

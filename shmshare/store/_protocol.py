@@ -158,7 +158,7 @@ def default_path() -> str:
     ``/tmp/shmshare-<uid>/store.sock`` (``SHMSHARE_STORE`` overrides both)."""
     env = os.environ.get("SHMSHARE_STORE")
     if env:
-        return env
+        return os.path.abspath(env)  # as --socket: `serve --detach` binds after chdir("/")
     run = os.environ.get("XDG_RUNTIME_DIR")
     if run and os.path.isabs(run) and _owned_dir(run):
         return os.path.join(run, "shmshare", "store.sock")

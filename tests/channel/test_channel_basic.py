@@ -13,7 +13,7 @@ import pytest
 
 import shmshare
 from shmshare import PeerDied, PoolExhausted, ProtocolError, wire
-from shmshare.channel import Receiver
+from shmshare.channel import Receiver, Sender
 from tests.test_tensors import DTYPES
 
 
@@ -481,6 +481,13 @@ def test_lease_ids_are_unique_per_process(chan):
 def test_a_limit_that_is_not_a_number_of_bytes_is_refused_at_once(limit, error, match):
     with pytest.raises(error, match=match):
         shmshare.channel(limit=limit)
+    a, b = wire.pipe()
+    try:
+        with pytest.raises(error, match=match):  # a Sender made by hand too
+            Sender(a, limit=limit)
+    finally:
+        a.close()
+        b.close()
 
 
 def test_a_shape_of_more_bytes_than_an_address_space_is_a_value_error(chan):
@@ -490,7 +497,7 @@ def test_a_shape_of_more_bytes_than_an_address_space_is_a_value_error(chan):
             tx.empty(shape, np.uint16)
 
 
-@pytest.mark.parametrize("bad", [-1, float("nan"), "1", True, [1]])
+@pytest.mark.parametrize("bad", [-1, float("nan"), "1", True, [1], 10**400, np.float64("nan")])
 def test_a_timeout_that_is_not_seconds_is_refused_by_every_call_that_waits(chan, bad):
     tx, rx = chan
     for what, call in [("send", lambda: tx.send(np.ones(64), timeout=bad)),
@@ -499,7 +506,11 @@ def test_a_timeout_that_is_not_seconds_is_refused_by_every_call_that_waits(chan,
                        ("empty", lambda: tx.empty(4, timeout=bad)),
                        ("recv_note", lambda: tx.recv_note(timeout=bad)),
                        ("recv", lambda: rx.recv(timeout=bad)),
-                       ("recv", lambda: rx.recv_many(4, timeout=bad))]:
+                       ("recv", lambda: rx.recv_many(4, timeout=bad)),
+                       ("recv", lambda: rx.recv_from(timeout=bad)),
+                       ("poll", lambda: rx.poll(bad)),
+                       ("tell", lambda: rx.tell(0, "x", timeout=bad)),
+                       ("connect", lambda: shmshare.connect("/nonexistent/x.sock", timeout=bad))]:
         with pytest.raises(ValueError, match=rf"^{what}\(timeout=\.\.\.\) takes None or seconds >= 0, got"):
             call()
     assert tx.statistics().messages_sent == 0  # nothing went

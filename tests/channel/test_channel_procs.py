@@ -219,3 +219,27 @@ def test_a_forked_child_closing_its_copy_keeps_the_listener():
     assert rx.recv(timeout=10) == {"still": "listening"}
     tx.close()
     rx.close()
+
+
+def test_a_fork_after_a_listening_receiver_closed_runs_every_handler_cleanly(tmp_path):
+    """A closed listen() receiver stayed among the live ones: every later fork's child said "a fork handler
+    failed ... Invalid file descriptor: -1", and the receivers after it in the loop missed their fix-ups."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(f"""
+        import os, numpy as np, shmshare
+        closed = shmshare.listen({str(tmp_path / "a.sock")!r}); closed.close()
+        rx = shmshare.listen({str(tmp_path / "b.sock")!r}); tx = shmshare.connect({str(tmp_path / "b.sock")!r})
+        tx.send(np.zeros(300)); rx.recv(timeout=30)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        tx.close(); rx.close()
+        print("ok")
+    """)
+    got = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert got.returncode == 0 and got.stdout.strip() == "ok", got.stderr
+    assert "fork handler failed" not in got.stderr, got.stderr

@@ -95,6 +95,15 @@ def test_shared_memory_in_flight_stays_within_the_prefetch_bound():
         dl.close()
 
 
+@pytest.mark.parametrize(("limit", "error", "match"), [
+    (4096, ValueError, r"pool_limit=4096 bytes is less than the pool's smallest segment"),
+    ("1G", TypeError, "pool_limit must be an int of bytes"), (0, ValueError, "pool_limit must be a positive"),
+])
+def test_a_pool_limit_no_batch_could_fit_is_refused_when_the_loader_is_made(limit, error, match):
+    with pytest.raises(error, match=match):  # not in worker 0 at the first batch
+        L.DataLoader(Arrays(8, (16,)), batch_size=4, num_workers=1, pool_limit=limit)
+
+
 def test_a_batch_past_the_pool_limit_is_an_error_naming_the_worker():
     dl = L.DataLoader(Arrays(8, (1 << 20,)), batch_size=4, num_workers=1, pool_limit=4 << 20,
                       collate_fn=L.numpy_collate)

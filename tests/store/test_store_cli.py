@@ -76,6 +76,15 @@ def test_the_default_socket_is_made_private_and_a_loose_directory_refused(sockdi
     # a path named on purpose is the user's choice, $SHMSHARE_STORE as --socket
     with Daemon.start(env={**env, "SHMSHARE_STORE": os.path.join(sockdir, "shmshare", "mine.sock")}) as d:
         assert d.path == os.path.join(sockdir, "shmshare", "mine.sock")
+    # relative, it is taken from where it is given, as --socket: not from "/" after --detach's chdir
+    got = subprocess.run([sys.executable, "-m", "shmshare", "serve", "--detach"], capture_output=True, text=True,
+                         timeout=WAIT, env={**env, "SHMSHARE_STORE": "rel.sock"}, cwd=sockdir, stdin=subprocess.DEVNULL)
+    assert got.returncode == 0, got.stderr
+    with Store(os.path.join(sockdir, "rel.sock")) as s:
+        pid = s.stats()["pid"]
+        assert s.stats()["path"] == os.path.join(sockdir, "rel.sock")
+    os.kill(pid, signal.SIGTERM)
+    wait_until(lambda: not os.path.exists(os.path.join(sockdir, "rel.sock")), "the detached daemon gone", WAIT)
 
 
 def test_evict_without_a_limit_is_refused_where_it_is_given(sockdir: str) -> None:
