@@ -29,6 +29,8 @@ Note [One borrower]
 from __future__ import annotations
 
 import collections
+import contextlib
+import os
 from collections.abc import Callable
 
 from .. import _native
@@ -37,7 +39,7 @@ from .._fd import Fd
 from ..segment import Flags, Segment
 from .trust import check_fd, default_max_peer_bytes, default_max_peer_segments, locally
 
-__all__ = ["Lender", "Caps", "Charge", "Borrowed", "default_caps"]
+__all__ = ["Lender", "Caps", "Charge", "Borrowed", "default_caps", "populate"]
 
 _TOTAL_PEERS_SHARE = 4  # all lenders together may hold this many times one lender's caps
 
@@ -198,3 +200,33 @@ class Borrowed:
 
     def clear(self) -> None:
         self.roots.clear()
+
+
+def populate(root: _native.Lease, off: int, size: int) -> None:
+    """Fill this process's page tables for `size` bytes at `off` of a mapped segment (the store's
+    ``get(..., populate=True)``).
+
+    Note [Populate on request]
+        The store's get maps an object's segment (once per segment) but leaves its
+        pages to fault in as they are read: ``get(..., populate=True)``
+        asks the kernel for them all at once (``MADV_POPULATE_READ``; by
+        hand, a read of each page, where the kernel lacks it), on up to 4
+        threads from 16 MiB on. Measured on this 2-core VM, an already
+        written memfd read a byte a page: 64 MiB in 4.4-5.8 ms by faults
+        (the kernel maps 16 pages a fault), 3.7-4.0 ms populated on 2
+        threads (one thread: no faster); 1 GiB in 51 ms against 36 ms. It
+        is advice: where the kernel cannot populate (no memory for page
+        tables, say), the get returns all the same and the pages fault in
+        as they are read, as without it. It costs the page tables of bytes
+        the reader may never touch, so it is asked for, not a default.
+    """
+    page = _native.PAGE_SIZE
+    start = root.address + off
+    lo = start - start % page  # the mapping starts on a page: lo stays within it
+    hi = min(root.address + root.nbytes, -(-(start + size) // page) * page)
+    threads = 1 if size < _POPULATE_THREADS_FROM else min(4, os.cpu_count() or 1)
+    with contextlib.suppress(OSError):
+        _native.prefault(lo, hi - lo, threads)
+
+
+_POPULATE_THREADS_FROM = 16 << 20  # bytes from which populating runs on several threads

@@ -25,6 +25,7 @@ import bisect
 import collections
 import ctypes
 import itertools
+import operator
 import os
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -34,9 +35,10 @@ import numpy as np
 from .. import _fork, _native
 from .._errors import SegmentError
 from ..memory import CachingAllocator, InvariantError, ShmProvider, ShmSegment
+from ..memory._policy import SMALL_BUFFER
 from .segments import SegmentBook
 
-__all__ = ["LendingPool", "Held", "Retirer", "SPARE_BYTES", "host_cause"]
+__all__ = ["LendingPool", "Held", "Retirer", "SPARE_BYTES", "host_cause", "check_limit"]
 
 SPARE_BYTES = 64 << 20  # at most this many bytes of spare blocks (and the lender's own bound), ...
 _SPARES_PER_SIZE = 1024  # ... and at most this many of one size (Note [Spare blocks])
@@ -325,6 +327,21 @@ class LendingPool:
                 self.free_held(held)
         for key in [k for k, t in asked.items() if now - t > _SPARE_IDLE]:
             del asked[key]  # asked for again later: stamped again then
+
+
+def check_limit(limit: object, setting: str = "limit") -> None:
+    """Refuse a pool limit that is not an int of bytes, or below the pool's smallest segment."""
+    try:
+        n = operator.index(limit)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{setting} must be an int of bytes (e.g. 256 << 20), got {limit!r}") from None
+    if n <= 0 or isinstance(limit, bool):
+        raise ValueError(f"{setting} must be a positive number of bytes (e.g. 256 << 20), got {limit!r}")
+    if n < SMALL_BUFFER:
+        raise ValueError(f"{setting}={limit!r} bytes is less than the pool's smallest segment "
+                         f"({SMALL_BUFFER} bytes, 2 MiB): no array would ever fit. Pass "
+                         f"{setting}={SMALL_BUFFER} or more (an array over 1 MiB takes "
+                         "a segment of 20 MiB)")
 
 
 def _fail(what: str) -> None:

@@ -31,9 +31,10 @@ import os
 from typing import Any
 
 from .. import _ring, wire
+from .._plane.pool import check_limit
 from .._timeouts import check_timeout
 from ._receiver import Receiver
-from ._sender import DEFAULT_LIMIT, Sender, SenderStatistics, check_limit
+from ._sender import DEFAULT_LIMIT, Sender, SenderStatistics
 
 __all__ = ["channel", "listen", "connect", "Sender", "Receiver", "SenderStatistics",
            "DEFAULT_LIMIT"]

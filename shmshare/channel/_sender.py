@@ -15,7 +15,6 @@ Note [Leases]
 from __future__ import annotations
 
 import contextlib
-import operator
 import os
 import threading
 import time
@@ -31,10 +30,10 @@ from .._errors import PeerDied, PeerRefused, ProtocolError, ShmshareTimeout
 from .._lifetime import Closeable
 from .._plane import SPARE_BYTES, LendingPool, host_cause
 from .._plane.forks import ForkBook
+from .._plane.pool import check_limit
 from .._ring import BrokenRing
 from .._timeouts import check_timeout
 from ..memory import CachingAllocator, OutOfMemoryError, ShmSegment
-from ..memory._policy import SMALL_BUFFER
 from . import _lane
 from ._announce import announce
 from ._blocks import SenderStatistics, ViewDied, cannot_fit, exhausted
@@ -43,7 +42,7 @@ from ._overflow import Overflow
 from ._protocol import BATCH, BYE, KIND, TREE
 from ._report import SenderReport
 
-__all__ = ["Sender", "DEFAULT_LIMIT", "SenderStatistics", "check_limit"]
+__all__ = ["Sender", "DEFAULT_LIMIT", "SenderStatistics"]
 
 DEFAULT_LIMIT = 1 << 30  # bytes of shared memory one sender's pool may hold
 _POLL_SLICE = 0.05  # s: back-pressure waits in slices, so local views dying elsewhere count too
@@ -626,21 +625,6 @@ def _after_fork_in_parent() -> None:
 
 _fork.on_fork_in_child(5, _after_fork)
 _fork.on_fork_in_parent(_after_fork_in_parent)
-
-
-def check_limit(limit: object, setting: str = "limit") -> None:
-    """Refuse a pool limit that is not an int of bytes, or below the pool's smallest segment."""
-    try:
-        n = operator.index(limit)  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"{setting} must be an int of bytes (e.g. 256 << 20), got {limit!r}") from None
-    if n <= 0 or isinstance(limit, bool):
-        raise ValueError(f"{setting} must be a positive number of bytes (e.g. 256 << 20), got {limit!r}")
-    if n < SMALL_BUFFER:
-        raise ValueError(f"{setting}={limit!r} bytes is less than the pool's smallest segment "
-                         f"({SMALL_BUFFER} bytes, 2 MiB): no array would ever fit. Pass "
-                         f"{setting}={SMALL_BUFFER} or more (the default is {DEFAULT_LIMIT >> 30} GiB; "
-                         "an array over 1 MiB takes a segment of 20 MiB)")
 
 
 def _rebuild(conn: wire.Connection, limit: int, config: str | None, backend: str) -> Sender:

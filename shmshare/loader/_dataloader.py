@@ -29,8 +29,8 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, Protocol, Self, TypeVar, cast
 
+from .._plane.pool import check_limit
 from ..channel import DEFAULT_LIMIT
-from ..channel._sender import check_limit
 from . import _collate, _samplers
 from ._device import parse_device
 from ._iters import MultiProcessIter, SingleProcessIter

@@ -39,6 +39,7 @@ from .. import _empty_args, _native, tensors
 from .._errors import FdLimitError, PeerDied, ProtocolError, ShmshareTimeout
 from .._fd import Fd
 from .._plane import Borrowed, Lender, default_caps
+from .._plane.borrow import populate as populate_pages
 from .._plane.flusher import Waker, start_flusher
 from .._timeouts import check_timeout
 from .._typevars import V
@@ -62,34 +63,6 @@ from ._protocol import (
 
 __all__ = ["Store", "ObjectInfo"]
 
-
-def _populate(root: _native.Lease, off: int, size: int) -> None:
-    """Fill this process's page tables for `size` bytes at `off` of a mapped segment.
-
-    Note [Populate on request]
-        A get maps an object's segment (once per segment) but leaves its
-        pages to fault in as they are read: ``get(..., populate=True)``
-        asks the kernel for them all at once (``MADV_POPULATE_READ``; by
-        hand, a read of each page, where the kernel lacks it), on up to 4
-        threads from 16 MiB on. Measured on this 2-core VM, an already
-        written memfd read a byte a page: 64 MiB in 4.4-5.8 ms by faults
-        (the kernel maps 16 pages a fault), 3.7-4.0 ms populated on 2
-        threads (one thread: no faster); 1 GiB in 51 ms against 36 ms. It
-        is advice: where the kernel cannot populate (no memory for page
-        tables, say), the get returns all the same and the pages fault in
-        as they are read, as without it. It costs the page tables of bytes
-        the reader may never touch, so it is asked for, not a default.
-    """
-    page = _native.PAGE_SIZE
-    start = root.address + off
-    lo = start - start % page  # the mapping starts on a page: lo stays within it
-    hi = min(root.address + root.nbytes, -(-(start + size) // page) * page)
-    threads = 1 if size < _POPULATE_THREADS_FROM else min(4, os.cpu_count() or 1)
-    with contextlib.suppress(OSError):
-        _native.prefault(lo, hi - lo, threads)
-
-
-_POPULATE_THREADS_FROM = 16 << 20  # bytes from which populating runs on several threads
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -245,7 +218,7 @@ class Store(Generic[V]):
         With `timeout` None it does not wait (KeyError if no sealed object of that name is
         there); else it waits that many seconds for one to be put or sealed (ShmshareTimeout after).
         With `populate`, this process's page tables are filled for every byte of the object
-        before it returns (Note [Populate on request]): for a reader that will touch it all.
+        before it returns (Note [Populate on request] in ``_plane/borrow.py``): for a reader that will touch it all.
         """
         check_name(name)
         if type(populate) is not bool:
@@ -553,7 +526,7 @@ class Store(Generic[V]):
                 raise ProtocolError(f"the store placed {size} bytes at offset {off} of a "
                                     f"{root.nbytes}-byte segment")
             if populate:
-                _populate(root, off, size)
+                populate_pages(root, off, size)
             return build(meta, root.address + off, size, root, not private, done, not private)
         except BaseException:
             done()

@@ -1,4 +1,4 @@
-"""``get(..., populate=True)`` (Note [Populate on request] in store/_client.py): every page of the object
+"""``get(..., populate=True)`` (Note [Populate on request] in _plane/borrow.py): every page of the object
 is in this process's page tables when the get returns, so reading it all takes no page fault."""
 
 from __future__ import annotations
