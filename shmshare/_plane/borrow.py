@@ -207,18 +207,22 @@ def populate(root: _native.Lease, off: int, size: int) -> None:
     ``get(..., populate=True)``).
 
     Note [Populate on request]
-        The store's get maps an object's segment (once per segment) but leaves its
-        pages to fault in as they are read: ``get(..., populate=True)``
-        asks the kernel for them all at once (``MADV_POPULATE_READ``; by
-        hand, a read of each page, where the kernel lacks it), on up to 4
-        threads from 16 MiB on. Measured on this 2-core VM, an already
-        written memfd read a byte a page: 64 MiB in 4.4-5.8 ms by faults
-        (the kernel maps 16 pages a fault), 3.7-4.0 ms populated on 2
-        threads (one thread: no faster); 1 GiB in 51 ms against 36 ms. It
-        is advice: where the kernel cannot populate (no memory for page
-        tables, say), the get returns all the same and the pages fault in
-        as they are read, as without it. It costs the page tables of bytes
-        the reader may never touch, so it is asked for, not a default.
+        The store's get maps an object's segment (once per segment) but
+        leaves its pages to fault in as they are read: ``get(...,
+        populate=True)`` asks the kernel for them all at once
+        (``MADV_POPULATE_READ``; by hand, a read of each page, where the
+        kernel lacks it), on up to 4 threads from 16 MiB on, so that the
+        reads after it take no fault. It is not faster here: through the
+        store (a client process, get then a read of a byte a page, medians
+        of 4), 64 MiB took 5.1 ms without, 6.7 ms populated on 2 threads,
+        8.0 ms on one; 256 MiB 13.6, 14.6 and 25.5 ms. The kernel's
+        fault-around maps 16 pages a fault, which populating does not use,
+        and a pre-read on 2 threads was no faster either (6.5 and 14.8 ms).
+        So it is for a reader that must not fault later (the faults taken
+        before a timed section) or a kernel whose faults cost more, not a
+        default and not a size rule. It is advice: where the kernel cannot
+        populate, the get returns all the same and the pages fault in as
+        they are read.
     """
     page = _native.PAGE_SIZE
     start = root.address + off
