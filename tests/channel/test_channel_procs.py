@@ -5,6 +5,9 @@ from __future__ import annotations
 import gc
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import numpy as np
@@ -224,10 +227,6 @@ def test_a_forked_child_closing_its_copy_keeps_the_listener():
 def test_a_fork_after_a_listening_receiver_closed_runs_every_handler_cleanly(tmp_path):
     """A closed listen() receiver stayed among the live ones: every later fork's child said "a fork handler
     failed ... Invalid file descriptor: -1", and the receivers after it in the loop missed their fix-ups."""
-    import subprocess
-    import sys
-    import textwrap
-
     script = textwrap.dedent(f"""
         import os, numpy as np, shmshare
         closed = shmshare.listen({str(tmp_path / "a.sock")!r}); closed.close()
