@@ -72,12 +72,9 @@ Note [Rings]
 from __future__ import annotations
 
 import collections
-import fcntl
 import os
 import select
 import socket
-import sys
-import termios
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -89,6 +86,7 @@ from ._errors import FdLimitError, PeerDied, ProtocolError, ShmshareTimeout
 from ._handover import stand_in_hello
 from ._handshake import State
 from ._ringmem import COUNT, SLOT, check_memfd, check_settings, enabled, make_memfd, nbytes, spin_ns
+from ._sockets import queued_bytes
 
 if TYPE_CHECKING:
     from ._fd import Fd
@@ -516,7 +514,7 @@ class RingLink:
         # on the socket now. Reading past them without it, the peer floods us (else a hang, and
         # messages kept for later without bound): its bytes are the bound, whatever the buffers.
         counts = self.conn._counts
-        budget = counts[5] + _queued(self.conn._sock)
+        budget = counts[5] + queued_bytes(self.conn._sock)
         while seq not in self.carried and seq not in self.lost:
             if counts[5] > budget:
                 raise ProtocolError(f"the peer sent more on the socket than was queued when its ring "
@@ -589,14 +587,6 @@ class RingLink:
                 f.close()
         self.carried.clear()
         self.stash.clear()
-
-
-def _queued(sock: Any) -> int:
-    """Bytes of every frame queued on the (SEQPACKET) socket now."""
-    try:
-        return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(4)), sys.byteorder, signed=True)
-    except OSError:
-        return 0  # closed meanwhile: the next read says so
 
 
 KIND_HELLO, KIND_MSG, KIND_OFFER, KIND_ACCEPT, KIND_SWITCH, KIND_CARRIED, KIND_WAKE, KIND_MARK = range(8)

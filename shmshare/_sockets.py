@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import array
 import errno
+import fcntl
 import os
+import select
 import socket
 import struct
+import sys
+import termios
 import time
 from typing import Any
 
@@ -29,7 +33,7 @@ from ._errors import FdLimitError, ProtocolError, ShmshareTimeout
 from ._fd import Fd
 
 __all__ = ["ms", "fdnum", "take_fds", "close_all", "ctrunc_error", "peer_cred", "grow_buffers",
-           "connect"]
+           "connect", "end_of_stream", "queued_bytes"]
 
 _PEERCRED = struct.Struct("3i")
 _RETRY_FIRST, _RETRY_MOST = 0.001, 0.02  # s: the first and the longest pause between connects
@@ -161,3 +165,26 @@ def connect(sock: socket.socket, path: str, timeout: float | None) -> None:
             raise OSError(exc.errno, f"cannot connect to {path!r}: {exc.strerror} "
                           f"({_HINTS.get(exc.errno or 0, 'see errno')})") from exc
     sock.setblocking(True)
+
+
+def end_of_stream(sock: socket.socket) -> bool:
+    """After a 0-byte read of `sock` (SEQPACKET): whether it was end of stream rather than an
+    empty datagram. Both read as 0 bytes. Only a closed peer sets POLLHUP; and with it set, a
+    frame still queued behind the empty one shows in a peek."""
+    poller = select.poll()
+    poller.register(sock, select.POLLHUP | select.POLLRDHUP)
+    if not poller.poll(0):
+        return False
+    try:
+        return not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:  # BlockingIOError, ECONNRESET: hung up with nothing queued
+        return True
+
+
+def queued_bytes(sock: socket.socket) -> int:
+    """Bytes of every frame queued on the (SEQPACKET) socket now (FIONREAD); 0 once it is closed."""
+    try:
+        return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.FIONREAD, bytes(4)), sys.byteorder,
+                              signed=True)
+    except OSError:
+        return 0  # closed meanwhile: the next read says so

@@ -42,6 +42,7 @@ from ._handshake import PROTOCOL_VERSION, PeerCred, State, check_hello, check_ui
 from ._lifetime import Closeable
 from ._sockets import close_all as _close_all
 from ._sockets import ctrunc_error as _ctrunc_error
+from ._sockets import end_of_stream as _end_of_stream
 from ._sockets import fdnum as _fdnum
 from ._sockets import grow_buffers as _grow_buffers
 from ._sockets import ms as _ms
@@ -347,7 +348,7 @@ class Connection(Closeable):
             # the frame itself arrived: err.header lets a caller undo what it stood for
             raise _ctrunc_error(len(fds), self._max_fds, memoryview(self._buf)[:nbytes])
         if nbytes == 0 and not fds:
-            if self._at_end_of_stream():
+            if _end_of_stream(self._sock):
                 raise PeerDied(f"the peer ({self._peer_name()}) closed the connection")
             raise ProtocolError(f"the peer ({self._peer_name()}) sent an empty datagram; a "
                                 "shmshare frame is never empty (it is not end of stream: the "
@@ -537,21 +538,6 @@ class Connection(Closeable):
                 if self.state is State.CLOSED:  # type: ignore[comparison-overlap]  # close() from another thread: POLLNVAL, or a fd number someone reused
                     raise ValueError(f"this Connection was closed while {what} waited")
                 return True
-
-    def _at_end_of_stream(self) -> bool:
-        """After a 0-byte read: whether it was end of stream rather than an empty datagram.
-
-        Both read as 0 bytes. Only a closed peer sets POLLHUP; and with it
-        set, a frame still queued behind the empty one shows in a peek.
-        """
-        poller = select.poll()
-        poller.register(self._sock, select.POLLHUP | select.POLLRDHUP)
-        if not poller.poll(0):
-            return False
-        try:
-            return not self._sock.recv(1, socket.MSG_PEEK | _DONTWAIT)
-        except OSError:  # BlockingIOError, ECONNRESET: hung up with nothing queued
-            return True
 
     def _peer_name(self) -> str:
         pid = self.peer_hello.get("pid") if self.peer_hello else self.peer_cred.pid

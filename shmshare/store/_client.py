@@ -217,10 +217,8 @@ class Store(Generic[V]):
 
         With `timeout` None it does not wait (KeyError if no sealed object of that name is
         there); else it waits that many seconds for one to be put or sealed (ShmshareTimeout after).
-        With `populate`, this process's page tables are filled for every byte of the object
-        before it returns, so reading it takes no fault afterwards (not faster here: Note
-        [Populate on request] in ``_plane/borrow.py``).
-        """
+        `populate`: fill this process's page tables for the whole object first, so reading it
+        faults no more (Note [Populate on request] in ``_plane/borrow.py``: not faster here)."""
         check_name(name)
         if type(populate) is not bool:
             raise TypeError(f"get(populate=...) takes True or False, got {populate!r}")

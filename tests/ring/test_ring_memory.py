@@ -443,19 +443,19 @@ def test_a_marker_whose_frame_never_comes_cannot_hold_the_reader_under_a_flood(f
         _put(m, 0, msgpack.packb([_ring.KIND_MARK, 0]))
         for _ in range(200):
             s2.send(frame)
-        real = _ring._queued
+        real = _ring.queued_bytes
         queued = []
 
         def less(sock):  # what was queued when the marker was read: 100 frames; the rest came after
             queued.append(real(sock))
             return queued[-1] // 2
 
-        _ring._queued = less
+        _ring.queued_bytes = less
         try:
             with pytest.raises(ProtocolError, match="without that frame"):
                 victim.recv(timeout=WAIT)
         finally:
-            _ring._queued = real
+            _ring.queued_bytes = real
         assert queued and (victim._rings is None or len(victim._rings.stash) <= 101)
     finally:
         victim.close()
