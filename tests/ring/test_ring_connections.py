@@ -241,14 +241,14 @@ def test_a_writer_gone_between_a_carried_frame_and_its_marker_leaks_no_fd():
 
 # DEFECT 4. A Connection.send(timeout=None) waiting for room in a full ring never sees its peer
 # die if any frame of the peer is still queued on its socket. _wait_room asks
-# conn._at_end_of_stream() (now _sockets.end_of_stream()), which is True only for POLLHUP *and nothing left to read* -- a reader's
+# conn._at_end_of_stream(), which is True only for POLLHUP *and nothing left to read* -- a reader's
 # test, used here by a writer. The queued frame is typically a WAKE: this end once slept in
 # recv() (armed), the peer pushed a frame and woke it. So: recv times out once, the peer sends one
 # message, this end fills the ring, the peer exits -> send() hangs forever (or, with a timeout,
 # reports ShmshareTimeout "the peer did not take from its full ring" for a dead peer). The socket
 # path sees the same death at once (sendmsg: EPIPE). (The channel's Sender escapes it only because
 # it sends in slices and drains its socket in between.)
-# Where: RingLink._wait_room (conn._at_end_of_stream(), now _sockets.end_of_stream()). Fix: for a writer, POLLHUP (or POLLERR) on
+# Where: RingLink._wait_room (conn._at_end_of_stream()). Fix: for a writer, POLLHUP (or POLLERR) on
 # the socket is the peer's end whatever is queued: poll(POLLHUP|POLLRDHUP, 0) and raise PeerDied.
 def test_a_send_waiting_on_a_full_ring_sees_its_peer_die_with_a_wake_queued():
     a, b = _ringed_pair()
