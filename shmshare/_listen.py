@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import resource
 import select
 import socket
 import stat
@@ -23,7 +24,9 @@ from ._sockets import connect as _connect
 from ._sockets import ms as _ms
 from .wire import _CLOSE_CHECK, MAX_FDS, Connection
 
-__all__ = ["Listener", "connect", "refused"]
+__all__ = ["Listener", "connect", "refused", "check_room", "ACCEPT_PAUSE"]
+
+ACCEPT_PAUSE = 0.2  # s a listener stops accepting when no connection can be taken (Note [Out of fds])
 
 _SUN_PATH_MAX = 107  # bytes of a Unix socket path (sockaddr_un.sun_path, less its final NUL)
 
@@ -192,3 +195,20 @@ def connect(path: str | os.PathLike[str], timeout: float | None = None, **conn_k
         sock.close()
         raise
     return Connection(sock, **conn_kw)
+
+
+def check_room(want: int, why: str) -> None:
+    """Raise FdLimitError unless `want` fds (or an eighth of a table too small for that, and at
+    least 2) stay free once a connection is accepted; `why` says what needs them. The one room
+    rule of every listener: the poll servers' and a ``listen()`` receiver's (Note [Out of fds]
+    in ``_pollserver.py``)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    try:
+        nopen = len(os.listdir("/proc/self/fd"))
+    except OSError as exc:  # EMFILE: no fd even to list them
+        raise FdLimitError.exhausted("accept", exc) from exc
+    need = min(want, max(2, soft // 8))  # a tiny table still takes peers
+    if soft - nopen < need:
+        raise FdLimitError.exhausted(
+            "accept", errno.EMFILE, f"a new peer is not accepted while fewer than {need} fds are "
+            f"free: {why}", cause=f"accept: only {soft - nopen} fds are free")

@@ -41,7 +41,9 @@ Note [Out of fds]
     kernel drops the fds of a message that finds no room (``MSG_CTRUNC``),
     and a store put loses its memfd.
 
-    So the one policy of the three servers: a connection is accepted only
+    So the one policy of the three servers (and of a ``listen()`` receiver,
+    which keeps a message's fds free instead: Note [A full fd table]; the
+    rule is ``_listen.check_room``): a connection is accepted only
     while at least FD_ROOM fds stay free (an eighth of a table too small
     for that, and at least 2: a tiny table still takes clients). When fewer
     are free, or ``accept`` fails with EMFILE or ENFILE, the listener leaves
@@ -60,24 +62,21 @@ Note [Out of fds]
 
 from __future__ import annotations
 
-import errno
 import math
 import os
-import resource
 import select
 import threading
 import time
 from collections.abc import Callable
 
-from ._errors import FD_EXHAUSTED, FdLimitError, ShmshareError, ShmshareTimeout, making_fds
+from ._errors import FD_EXHAUSTED, ShmshareError, ShmshareTimeout, making_fds
 from ._lifetime import Closeable
-from ._listen import Listener
+from ._listen import ACCEPT_PAUSE, Listener, check_room
 from .wire import Connection
 
 __all__ = ["PollServer", "FD_ROOM", "ACCEPT_PAUSE"]
 
 FD_ROOM = 24  # fds kept free before another connection is accepted (Note [Out of fds])
-ACCEPT_PAUSE = 0.2  # s the listener leaves the poll set when no connection can be taken
 _LONGEST_WAIT = 1.0  # s one poll waits at most: run()'s until() is looked at this often
 
 
@@ -250,7 +249,7 @@ class PollServer(Closeable):
         """The next peer's Connection; None if there is none now, it was refused (another uid),
         or accepting paused (Note [Out of fds])."""
         try:
-            _check_room()
+            check_room(FD_ROOM, "the connected clients' requests need them")
             return self.listener.accept(timeout=0)
         except ShmshareTimeout:
             return None  # it gave up, or another process took it
@@ -287,19 +286,3 @@ class _Watch:
         self.client = client  # counts against max_clients
         self.deadline = deadline  # monotonic time it goes to late(); None: never
         self.late = late
-
-
-def _check_room() -> None:
-    """Raise FdLimitError unless at least FD_ROOM fds (or an eighth of a small table) stay free
-    once a connection is accepted (Note [Out of fds])."""
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    try:
-        nopen = len(os.listdir("/proc/self/fd"))
-    except OSError as exc:  # EMFILE: no fd even to list them
-        raise FdLimitError.exhausted("accept", exc) from exc
-    need = min(FD_ROOM, max(2, soft // 8))
-    if soft - nopen < need:
-        raise FdLimitError.exhausted(
-            "accept", errno.EMFILE,
-            f"a new client is not accepted while fewer than {need} fds are free: the connected "
-            "clients' requests need them", cause=f"accept: only {soft - nopen} fds are free")

@@ -47,11 +47,11 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import resource
 import stat
 from typing import Any
 
 from .._errors import FD_EXHAUSTED, FdLimitError, ProtocolError, SegmentError, ShmshareError
+from .._listen import check_room
 
 __all__ = ["check_fd", "describe_fd", "default_max_peer_bytes", "default_max_peer_segments",
            "locally", "check_fd_room"]
@@ -183,17 +183,6 @@ def check_fd_room(max_fds: int) -> None:
     A connected sender's next batch may bring up to `max_fds` fds, which the
     kernel drops (MSG_CTRUNC, and that sender is lost) when the table is full;
     a newcomer must not take the last of that room (Note [A full fd table]):
-    one message's worth, or an eighth of a table too small for that.
+    one message's worth and a margin, by every listener's rule (``_listen.check_room``).
     """
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    try:
-        nopen = len(os.listdir("/proc/self/fd"))
-    except OSError as exc:
-        raise FdLimitError.exhausted("accept", exc) from exc
-    need = min(max_fds + _FD_MARGIN, max(2, soft // 8))  # a tiny table still takes senders
-    if soft - nopen < need:
-        raise FdLimitError.exhausted(
-            "accept", errno.EMFILE,
-            f"a new sender is not accepted while fewer than {need} fds are free: the connected "
-            "senders' segments need them",
-            cause=f"accept: only {soft - nopen} fds are free")
+    check_room(max_fds + _FD_MARGIN, "the connected senders' segments need them")

@@ -33,6 +33,7 @@ from .._errors import (
     making_fds,
 )
 from .._lifetime import Closeable
+from .._listen import ACCEPT_PAUSE
 from .._plane.trust import check_fd_room, default_max_peer_bytes, default_max_peer_segments
 from .._timeouts import check_timeout
 from .._typevars import T
@@ -58,7 +59,6 @@ from ._releases import Release, ReleaseQueue
 __all__ = ["Receiver"]
 
 _CLOSE_CHECK = wire._CLOSE_CHECK  # s: a wait looks this often whether close() was called
-_ACCEPT_BACKOFF = (0.05, 1.0)  # s: accepting pauses this long (doubling) after EMFILE
 _WHY_MAX = 2000  # characters of a refusal told to the sender
 _MAX_PEERS = 256  # connections a listen() receiver keeps at once, by default
 
@@ -117,7 +117,6 @@ class Receiver(Closeable, Generic[T]):
                           or default_max_peer_segments())
         self._max_peers = _positive(max_peers, "max_peers") or _MAX_PEERS
         self._accept_paused_until = 0.0  # Note [A full fd table]
-        self._accept_backoff = _ACCEPT_BACKOFF[0]
         self._numbers = itertools.count()
         self._peers: list[Peer] = [Peer(c, next(self._numbers)) for c in conns]
         self._sel: selectors.BaseSelector | None = None  # many senders: ready ones are selected
@@ -435,16 +434,15 @@ class Receiver(Closeable, Generic[T]):
             #     The peer stays in the listen backlog and the listener stays
             #     readable, so retrying at once would spin (the receiver once
             #     raised 429,095 errors in 3 s, serving no one). Accepting
-            #     pauses instead, doubling from 50 ms up to 1 s while the table
-            #     stays full; connected senders are served meanwhile, and a
-            #     wait with nothing else to deliver raises FdLimitError once.
+            #     pauses instead for ACCEPT_PAUSE, as every listener's does
+            #     (Note [Out of fds] in _pollserver.py); connected senders are
+            #     served meanwhile, and a wait with nothing else to deliver
+            #     raises FdLimitError once.
             self._sel.unregister(self._listener)
-            self._accept_paused_until = time.monotonic() + self._accept_backoff
-            exc.add_note(f"shmshare: {self.path!r} accepts no new sender for "
-                         f"{self._accept_backoff:g} s; connected senders are still served")
-            self._accept_backoff = min(2 * self._accept_backoff, _ACCEPT_BACKOFF[1])
+            self._accept_paused_until = time.monotonic() + ACCEPT_PAUSE
+            exc.add_note(f"shmshare: {self.path!r} accepts no new sender for {ACCEPT_PAUSE:g} s; "
+                         "connected senders are still served")
             raise
-        self._accept_backoff = _ACCEPT_BACKOFF[0]
         peer = Peer(conn, next(self._numbers))
         self._peers.append(peer)
         self._sel.register(conn._poll_fd(), selectors.EVENT_READ, peer)
