@@ -43,9 +43,10 @@ from .._plane.borrow import populate as populate_pages
 from .._plane.flusher import Waker, start_flusher
 from .._timeouts import check_timeout
 from .._typevars import V
+from . import _putting as putting
 from ._flusher import Flushing, Queued
-from ._inherited import copies_made, forget_store, map_shared, track_store
-from ._packing import Plan, build, new_memfd, one_array_meta, reserve, write_memfd
+from ._inherited import copies_made, forget_store, is_pool, map_shared, track_store, track_view
+from ._packing import Plan, build, one_array_meta
 from ._protocol import (
     BUSY,
     LARGE,
@@ -107,7 +108,10 @@ class Store(Generic[V]):
         self.daemon_pid = self._conn.peer_cred.pid
         self._lock = threading.Lock()  # one request at a time on the connection
         self._owed = 0  # replies of timed-out requests still to come (Note [Replies owed])
-        self._segs = Borrowed(Lender(f"the store daemon (pid {self.daemon_pid})"), _CAPS)  # its segments
+        lender = Lender(f"the store daemon (pid {self.daemon_pid})")
+        self._segs = Borrowed(lender, _CAPS)  # its segments, read-only (gets)
+        self._wsegs = Borrowed(lender, _CAPS)  # its pool segments, read-write (warm puts)
+        self._wforget: builtins.list[int] = []  # read-write fds sent to us that we did not map
         self._released: collections.deque[int] = collections.deque()
         self._unmapped: collections.deque[int] = collections.deque()
         self._drops: collections.deque[int] = collections.deque()  # segments the daemon dropped
@@ -126,63 +130,36 @@ class Store(Generic[V]):
 
     # -- the API -------------------------------------------------------------------
 
-    def put(self, name: str, value: V, *, replace: bool = False) -> None:
+    def put(self, name: str, value: V, *, replace: bool = False, immutable: bool = False) -> None:
         """Store `value` (an array, a CPU tensor, or a nested dict/list/tuple of them and plain
-        values) under `name`, sealed; ObjectExists if the name is taken (unless `replace`)."""
+        values) under `name`, sealed; ObjectExists if the name is taken (unless `replace`).
+        `immutable`: in a memfd of its own that the kernel seals against writes, rather than
+        the store's warm pool (Note [Warm memory] in ``_putting.py``)."""
         check_name(name)
-        plan = Plan(value)
-        header = {"k": "put", "n": name, "m": plan.meta, "s": plan.size, "t": plan.torch,
-                  "r": bool(replace)}
-        if plan.size >= LARGE:
-            fd = write_memfd(plan, name)
-            try:
-                self._call(header, [fd])
-            finally:
-                os.close(fd)
-            return
-        with self._lock:
-            self._stage(plan)
-            header["st"] = plan.size
-            self._call_locked(header, [])
+        _check_flag(immutable, "put", "immutable")
+        putting.put(self, name, Plan(value), bool(replace), immutable)
 
     @overload
-    def create(self, name: str, shape: _Shape,
-               dtype: type[_ScalarT] | np.dtype[_ScalarT]) -> npt.NDArray[_ScalarT]: ...
+    def create(self, name: str, shape: _Shape, dtype: type[_ScalarT] | np.dtype[_ScalarT], *,
+               immutable: bool = False) -> npt.NDArray[_ScalarT]: ...
     @overload
-    def create(self, name: str, shape: _Shape,
-               dtype: npt.DTypeLike | None) -> npt.NDArray[Any]: ...
+    def create(self, name: str, shape: _Shape, dtype: npt.DTypeLike | None, *,
+               immutable: bool = False) -> npt.NDArray[Any]: ...
     @overload  # last: where torch is not installed, torch.dtype is Any and would match anything
-    def create(self, name: str, shape: _Shape, dtype: torch.dtype) -> torch.Tensor: ...
+    def create(self, name: str, shape: _Shape, dtype: torch.dtype, *,
+               immutable: bool = False) -> torch.Tensor: ...
 
-    def create(self, name: str, shape: Any, dtype: Any) -> Any:
+    def create(self, name: str, shape: Any, dtype: Any, *, immutable: bool = False) -> Any:
         """Make object `name` of one uninitialized array to fill in place; :meth:`seal` it to
-        publish it. A torch dtype gives a torch tensor."""
+        publish it. A torch dtype gives a torch tensor. `immutable` as for :meth:`put`."""
         check_name(name)
+        _check_flag(immutable, "create", "immutable")
         np_dtype, torch_dtype = _empty_args.alloc_dtypes(dtype)
         shape, size = _empty_args.alloc_shape(shape, np_dtype.itemsize)  # as numpy's empty()
         tname = None if torch_dtype is None else str(torch_dtype).removeprefix("torch.")
         header = {"k": "create", "n": name, "m": one_array_meta(shape, np_dtype, tname, size > 0),
                   "s": size, "t": tname is not None}
-        if size >= LARGE:
-            fd = new_memfd(size, f"object {name!r}")
-            try:
-                reserve(fd, size, f"object {name!r}")
-                address = _native.mmap(size, fd, 0, writable=True, shared=True)
-                try:
-                    h, _ = self._call(header, [fd])
-                except BaseException:
-                    _native.unmap(address, size, release=True)
-                    raise
-            finally:
-                os.close(fd)
-            oid = h["o"]
-            lease = _native.Lease(None, address, size, False, Queued(self, self._unmapped, oid), unmap=True)
-            arr = np.ndarray(shape, np_dtype, buffer=lease)  # type: ignore[arg-type]
-            self._creating[name] = (oid, weakref.ref(arr))
-        else:
-            h, _ = self._call(header)
-            arr = np.empty(shape, np_dtype)
-            self._creating[name] = (h["o"], arr)
+        arr = putting.create(self, name, header, shape, np_dtype, immutable)
         return arr if tname is None else tensors.as_torch(arr, tname)
 
     def seal(self, name: str) -> None:
@@ -208,7 +185,7 @@ class Store(Generic[V]):
         else:
             plan = Plan(buf)
             with self._lock:
-                self._stage(plan)
+                putting.stage(self, plan)
                 self._call_locked({"k": "seal", "n": name, "st": plan.size}, [])
             buf.flags.writeable = False
 
@@ -220,8 +197,7 @@ class Store(Generic[V]):
         `populate`: fill this process's page tables for the whole object first, so reading it
         faults no more (Note [Populate on request] in ``_plane/borrow.py``: not faster here)."""
         check_name(name)
-        if type(populate) is not bool:
-            raise TypeError(f"get(populate=...) takes True or False, got {populate!r}")
+        _check_flag(populate, "get", "populate")
         check_timeout(timeout, "get", zero=True)  # NaN and negatives too
         deadline = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
         while True:
@@ -288,6 +264,7 @@ class Store(Generic[V]):
             return
         self._closed = True
         self._segs.clear()  # views keep their own mappings
+        self._wsegs.clear()
         self._waker.wake.poke()
         if threading.current_thread() is not self._flusher:
             self._flusher.join(1.0 if self._idle() else 0)
@@ -354,6 +331,8 @@ class Store(Generic[V]):
             header["rl"] = self._take_released()
         if self._forget:
             header["fg"], self._forget = self._forget, []
+        if self._wforget:
+            header["wfg"], self._wforget = self._wforget, []
         sent = False
         try:
             self._conn.send(header, fds, timeout=wait)
@@ -417,6 +396,17 @@ class Store(Generic[V]):
         if isinstance(drops, list):
             for seg in drops:
                 self._dropped(seg)
+        if h.get("k") == "room" or (h.get("k") == "ok" and "off" in h):
+            # a warm put's room, or a warm create (with its reference): given back
+            oid, seg = h.get("o"), h.get("i")
+            if type(oid) is int:
+                if h.get("k") == "room":
+                    self._abandon(oid)
+                else:
+                    self._out += 1
+                    self._released.append(oid)
+            if "n" in h and type(seg) is int and seg not in self._wsegs:
+                self._wforget.append(seg)
         if h.get("k") == "obj":
             oid = h.get("o")
             if type(oid) is int:
@@ -455,6 +445,16 @@ class Store(Generic[V]):
         fg = header.pop("fg", None)
         if fg:
             self._forget[:0] = fg
+        fg = header.pop("wfg", None)
+        if fg:
+            self._wforget[:0] = fg
+        if header.get("k") == "put" and type(header.get("o")) is int:
+            self._abandon(header["o"])  # the room it filled goes back
+
+    def _abandon(self, oid: int) -> None:
+        """Give back a warm put's room that will not be filled (an ``unmapped`` frame)."""
+        self._unmapped.append(oid)
+        self._waker.poke()
 
     def _take_released(self) -> builtins.list[int]:
         copies_made()  # a child forked with views copies them before we give references back
@@ -470,24 +470,6 @@ class Store(Generic[V]):
         if type(seg) is int:
             self._drops.append(seg)
             self._waker.poke()
-
-    def _stage(self, plan: Plan) -> None:
-        """Copy a small object's bytes into our staging memfd (under the lock)."""
-        if self._staging is None:
-            fd = new_memfd(LARGE, "the store client's staging memfd")
-            try:
-                reserve(fd, LARGE, "the store client's staging memfd")
-                address = _native.mmap(LARGE, fd, 0, writable=True, shared=True)
-                try:
-                    self._call_locked({"k": "stage", "s": LARGE}, [fd])
-                except BaseException:
-                    _native.unmap(address, LARGE, release=True)
-                    raise
-            except BaseException:
-                os.close(fd)
-                raise
-            self._staging = (fd, address)
-        plan.copy_into(self._staging[1])
 
     def _get_now(self, name: str, timeout: float | None = None, populate: bool = False) -> Any:
         root: _native.Lease | None = None
@@ -526,7 +508,8 @@ class Store(Generic[V]):
                                     f"{root.nbytes}-byte segment")
             if populate:
                 populate_pages(root, off, size)
-            return build(meta, root.address + off, size, root, not private, done, not private)
+            return build(meta, root.address + off, size, root, not private, done, not private,
+                         track_view if is_pool(root) else None)
         except BaseException:
             done()
             raise
@@ -575,6 +558,7 @@ class Store(Generic[V]):
             self._conn.close()
             self._drop_staging()
             self._segs.clear()
+            self._wsegs.clear()
         forget_store(self)
         return True
 
@@ -587,6 +571,7 @@ class Store(Generic[V]):
         self._closed = True
         self._conn.close()
         self._segs.clear()
+        self._wsegs.clear()
         self._released.clear()
         self._lock = threading.Lock()
 
@@ -597,3 +582,8 @@ class Store(Generic[V]):
             _native.unmap(address, LARGE, release=True)
             os.close(fd)
 
+
+
+def _check_flag(value: object, call: str, name: str) -> None:
+    if type(value) is not bool:
+        raise TypeError(f"{call}({name}=...) takes True or False, got {value!r}")

@@ -44,7 +44,7 @@ from .._plane.trust import check_fd
 from .._pollserver import ACCEPT_PAUSE, PollServer
 from . import _making as making
 from ._making import Bad, name_of
-from ._objects import Table
+from ._objects import Obj, Table
 from ._protocol import (
     ABORTED,
     BAD,
@@ -74,7 +74,7 @@ _LIST_BYTES = 64 * 1024  # ... and about this many bytes of them
 
 class _Client:
     __slots__ = ("id", "conn", "fd", "pid", "segments", "refs", "staging", "creating", "drops", "future",
-                 "waits", "pushed")
+                 "waits", "pushed", "pending", "wsegs")
 
     def __init__(self, cid: int, conn: wire.Connection) -> None:
         self.id = cid
@@ -89,6 +89,8 @@ class _Client:
         self.future: set[int] = set()  # oids it sealed while mapping them writable
         self.waits = 0  # its waits pending
         self.pushed = 0  # drop frames sent to it unasked since its last request
+        self.pending: dict[int, Obj] = {}  # oid -> a warm put's block it is filling
+        self.wsegs: set[int] = set()  # pool segments whose read-write fd it was sent
 
 
 class Server:
@@ -219,6 +221,9 @@ class Server:
             if obj is not None:
                 table.unref(obj, client.id, n)
         client.refs.clear()
+        for obj in client.pending.values():
+            table.free_pending(obj)
+        client.pending.clear()
         for oid in client.creating:
             obj = table.objects.get(oid)
             if obj is not None and not obj.sealed:
@@ -255,8 +260,9 @@ class Server:
         that finds no room costs the client its connection, and every reference with it.
         """
         for client in self._clients.values():
-            if seg_id in client.segments:
+            if seg_id in client.segments or seg_id in client.wsegs:
                 client.segments.discard(seg_id)
+                client.wsegs.discard(seg_id)
                 if client.pushed >= _MAX_PUSHED:
                     client.drops.append(seg_id)
                     continue
@@ -305,9 +311,17 @@ class Server:
         forget = h.get("fg")  # segments it was sent but could not map: send them again
         if isinstance(forget, list):
             client.segments.difference_update(x for x in forget if type(x) is int)
+        forget = h.get("wfg")  # ... their read-write fds, sent for warm puts and creates
+        if isinstance(forget, list):
+            client.wsegs.difference_update(x for x in forget if type(x) is int)
 
     def _unmapped(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
-        obj = self.table.objects.get(h.get("o"))  # type: ignore[arg-type]
+        oid = h.get("o")
+        pending = client.pending.pop(oid, None) if type(oid) is int else None
+        if pending is not None:  # a warm put given up between room and put: its block goes
+            self.table.free_pending(pending)
+            return
+        obj = self.table.objects.get(oid)  # type: ignore[arg-type]
         if obj is None:
             client.future.discard(h.get("o"))
         elif obj.creator == client.id and obj.sealed:
@@ -335,6 +349,10 @@ class Server:
             reply["p"] = True  # mapped copy-on-write for its tensors, once per get
             send.append(obj.fd)
             reply["n"] = obj.size
+        elif obj.held is not None and obj.torch and obj.size >= LARGE:
+            reply["p"] = True  # its pages of the pool segment, copy-on-write, once per get
+            send.append(table.ro_fd(obj.held.seg))
+            reply["n"] = obj.held.seg.size
         elif obj.seg_id not in client.segments:
             if obj.held is not None:
                 seg = obj.held.seg
@@ -489,7 +507,7 @@ _HANDLERS: dict[str, Any] = {
     "put": making.put, "create": making.create, "seal": making.seal, "get": Server._get,
     "rel": Server._release, "unmapped": Server._unmapped, "del": Server._delete,
     "info": Server._info, "list": Server._list, "stats": Server._stats, "stage": Server._stage,
-    "wait": Server._wait,
+    "wait": Server._wait, "room": making.room,
 }
 
 

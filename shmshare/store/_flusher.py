@@ -53,9 +53,11 @@ def flush(self: Store) -> None:
 def _drain_drops(self: Store, gone: list[Any]) -> None:
     """Forget the segments the daemon dropped; their roots go to `gone` (unmapped after)."""
     while self._drops:
-        root = self._segs.drop(self._drops.popleft())
-        if root is not None:
-            gone.append(root)
+        seg = self._drops.popleft()
+        for segs in (self._segs, self._wsegs):
+            root = segs.drop(seg)
+            if root is not None:
+                gone.append(root)
 
 
 def _flush_locked(self: Store, gone: list[Any]) -> None:

@@ -12,25 +12,31 @@ Note [Views across fork]
     the child's views hold none. So once the parent let go of its own, the
     child's bytes would change under it.
 
-    So at fork, in the child, each mapping of a pool segment that a live
-    view still holds is replaced in place (``MAP_FIXED``, same addresses) by
-    a private copy of its bytes. The copy is a memfd of the child's, written
-    with ``pwrite`` from the mapping, sealed ``F_SEAL_WRITE`` and mapped
-    ``PROT_READ``. The views are the same objects over the same addresses;
-    only their bytes are now the child's own. The Stores' cached mappings
-    go first (the Store itself is the parent's, unusable here), so a
-    mapping that no view holds is let go of, not copied.
+    So at fork, in the child, the pages of every live view of a pool
+    block -- a get's, or the array of a warm ``create`` -- are replaced in
+    place (``MAP_FIXED``, same addresses) by a private copy of their bytes.
+    The copy is a memfd of the child's, written with ``pwrite`` from the
+    mapping, sealed ``F_SEAL_WRITE`` and mapped ``PROT_READ`` (a create's
+    array: unsealed and writable, its writes the child's own). The views
+    are the same objects over the same addresses; only their bytes are now
+    the child's own. The Stores' cached mappings go first (the Store
+    itself is the parent's, unusable here); what no view holds of them is
+    left as it is, since nothing reads it.
 
     The copy is made when the child runs, which may be after the parent
     went on: so the parent gives back none of its references until each
-    child forked while a view held a pool segment has said its copies are
+    child forked while a view held a pool block has said its copies are
     made (a pipe made before the fork: a byte, or the child's end closing
     when it exits), waiting for that at most COPY_WAIT when it has releases
     to send (``copies_made()``).
 
-    Cost: one copy of each pool segment (2 MiB) that a live view holds, at
-    every fork, charged to the child's memory cgroup (checked first:
-    Note [Shared memory and the memory cgroup] in ``_packing``).
+    Cost: a copy of the pages the live views cover (whole pages: a
+    neighbour's bytes on a shared page come along), at every fork, charged
+    to the child's memory cgroup (checked first: Note [Shared memory and
+    the memory cgroup] in ``_packing``). A view of a large warm object is
+    as large as the object: an object that forked children should share
+    for free is put with ``immutable=True`` (its own memfd, sealed, never
+    reused: nothing to copy).
     Taking references for the child instead would need a round trip to
     the daemon inside fork, racing the parent's releases, and the daemon
     watching the child's pid to know when they go: not done. If a copy
@@ -61,13 +67,15 @@ if TYPE_CHECKING:
     from .._plane import Borrowed
     from ._client import Store
 
-__all__ = ["track_store", "forget_store", "track_pool_mapping", "reused_by_daemon", "copies_made"]
+__all__ = ["track_store", "forget_store", "track_view", "is_pool", "reused_by_daemon",
+           "copies_made"]
 
 COPY_WAIT = 5.0  # s: the longest a parent's releases wait for a forked child to copy its views
 
 _WRITE_SEALS = fcntl.F_SEAL_WRITE | getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 _stores: weakref.WeakSet[Store] = weakref.WeakSet()  # Stores of this process not shut down
-_pool_maps: weakref.WeakSet[_native.Lease] = weakref.WeakSet()  # mappings of pool segments
+_pool_roots: weakref.WeakSet[_native.Lease] = weakref.WeakSet()  # mappings of pool segments
+_views: weakref.WeakSet[_native.Lease] = weakref.WeakSet()  # live views of pool blocks
 _copying: list[int] = []  # read ends of children's "copied" pipes, in the parent
 _copying_lock = threading.Lock()
 _pipe: tuple[int, int] | None = None  # made before a fork while a view holds a pool mapping
@@ -88,9 +96,15 @@ def reused_by_daemon(fd: int) -> bool:
     return not fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _WRITE_SEALS
 
 
-def track_pool_mapping(root: _native.Lease) -> None:
-    """Note a mapping of a pool segment, to be made private in a forked child."""
-    _pool_maps.add(root)
+def track_view(lease: _native.Lease) -> None:
+    """Note a view of a pool block (a get's lease, a warm create's array), for a forked child
+    to copy."""
+    _views.add(lease)
+
+
+def is_pool(root: _native.Lease) -> bool:
+    """Whether `root` maps a pool segment (whose blocks the daemon reuses)."""
+    return root in _pool_roots
 
 
 def map_shared(segs: Borrowed, seg: int, fd: Fd, nbytes: int) -> _native.Lease:
@@ -102,7 +116,7 @@ def map_shared(segs: Borrowed, seg: int, fd: Fd, nbytes: int) -> _native.Lease:
         pool = False  # not shared memory at all: the check in map() says so
     root = segs.map(seg, fd, nbytes, writable=False, charged=pool)
     if pool:
-        track_pool_mapping(root)
+        _pool_roots.add(root)
     return root
 
 
@@ -125,7 +139,7 @@ def copies_made(wait: float = COPY_WAIT) -> None:
 
 def _before_fork() -> None:
     global _pipe
-    if _pool_maps and _pipe is None:
+    if _views and _pipe is None:
         try:
             _pipe = os.pipe2(os.O_CLOEXEC)
         except OSError:  # no fd: the child's copy races the parent's releases, as it said
@@ -162,9 +176,10 @@ def _in_child() -> None:
     for store in list(_stores):
         store._after_fork()  # its cached mappings go: what is left is held by views
     _stores.clear()
-    for root in list(_pool_maps):
-        _copy_in_place(root)
-    _pool_maps.clear()  # the copies are the child's own: a later fork need not copy them
+    for lo, hi, writable in _ranges(list(_views)):
+        _copy_in_place(lo, hi - lo, writable)
+    _views.clear()  # the copies are the child's own: a later fork need not copy them
+    _pool_roots.clear()
     if _pipe is not None:
         r, w = _pipe
         _pipe = None
@@ -176,10 +191,26 @@ def _in_child() -> None:
         os.close(w)
 
 
-def _copy_in_place(root: _native.Lease) -> None:
-    """Replace the mapping of `root` by a private, write-sealed copy of its bytes."""
-    address, nbytes = root.address, root.nbytes
-    what = "a forked child's copy of a store pool segment its views map"
+def _ranges(views: list[_native.Lease]) -> list[tuple[int, int, bool]]:
+    """The pages `views` cover, as (start, end, writable) runs: overlapping or touching runs
+    merged (writable if any view in it is)."""
+    page = _native.PAGE_SIZE
+    spans = sorted((v.address - v.address % page, -(-(v.address + v.nbytes) // page) * page,
+                    not v.readonly) for v in views if v.nbytes)
+    out: list[tuple[int, int, bool]] = []
+    for lo, hi, writable in spans:
+        if out and lo <= out[-1][1]:
+            plo, phi, pw = out[-1]
+            out[-1] = (plo, max(phi, hi), pw or writable)
+        else:
+            out.append((lo, hi, writable))
+    return out
+
+
+def _copy_in_place(address: int, nbytes: int, writable: bool) -> None:
+    """Replace the `nbytes` mapped at `address` by a private copy of their bytes: sealed and
+    read-only, or (`writable`: a warm create's array) the child's own to write."""
+    what = "a forked child's copy of the store's pool blocks its views map"
     try:
         check_cgroup(nbytes, what)  # pwrite allocates every page
         fd = new_memfd(nbytes, what)
@@ -189,18 +220,19 @@ def _copy_in_place(root: _native.Lease) -> None:
             while done < nbytes:
                 done += os.pwrite(fd, src[done:], done)
             src.release()
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
-            _native.map_fd(address, nbytes, fd, 0, writable=False)
+            if not writable:
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+            _native.map_fd(address, nbytes, fd, 0, writable=writable)
         finally:
             os.close(fd)
     except (ShmshareError, OSError) as exc:  # a fork handler must not raise
         # said on stderr, not as a warning: a warnings filter could hide it, or (-W error) raise
         # it out of the fork handlers, and the layers after this one would not be put right
-        _say(f"shmshare store: WARNING: forked child pid {os.getpid()} could not copy a "
-             f"{nbytes}-byte pool segment its inherited views map ({exc}); those views share "
-             "the daemon's pages, which it reuses for another object once the parent drops its "
-             "own views: copy what the child needs before forking, or get it again in the "
-             "child (Note [Views across fork])\n")
+        _say(f"shmshare store: WARNING: forked child pid {os.getpid()} could not copy the "
+             f"{nbytes} bytes of the store's pool its inherited views map ({exc}); those views "
+             "share the daemon's pages, which it reuses for another object once the parent "
+             "drops its own views: copy what the child needs before forking, or get it again "
+             "in the child (Note [Views across fork])\n")
 
 
 def _say(text: str) -> None:

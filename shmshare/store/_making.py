@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import fcntl
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from .. import _native
 from .._errors import ProtocolError
 from .._fd import Fd
 from .._plane.trust import check_fd
+from ..memory._policy import MIN_LARGE_ALLOC
 from ..memory._shm import _new_id
 from ..tensors import decode
 from ._objects import HostFull, Obj, daemon_refusal
@@ -33,18 +35,75 @@ from ._protocol import (
 if TYPE_CHECKING:
     from ._daemon import Server, _Client
 
-__all__ = ["Bad", "put", "create", "seal", "name_of"]
+__all__ = ["Bad", "put", "create", "seal", "room", "name_of"]
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+_MAX_PENDING = 64  # warm puts one client may have between room and put
 
 
 class Bad(Exception):
     """A request the daemon refuses: (code, text) go back in an err reply."""
 
 
+def room(srv: Server, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
+    """A warm put's first step (Note [Warm memory]): a block of the pool for an object of
+    ``s`` bytes, pending until the client has filled it and its put names it. StoreFull when
+    the pool has no room for it: the client then puts it in a memfd of its own."""
+    name = name_of(h)
+    size = h.get("s")
+    if type(size) is not int or not LARGE <= size < 1 << 48:
+        raise Bad(BAD, f"a warm put is of {LARGE}..2**48 bytes, got {size!r}")
+    if fds:
+        raise Bad(BAD, "a room request carries no fd")
+    replace = h.get("r") is True
+    if not replace and name in srv.table.names:
+        raise Bad(EXISTS, _exists(name))
+    if len(client.pending) >= _MAX_PENDING:
+        raise Bad(BAD, f"{_MAX_PENDING} warm puts of this client are unfinished already")
+    srv.table.could_ever_fit(_pages(size), f"object {name!r}", srv.table.names.get(name)
+                             if replace else None, size)
+    obj = warm_object(srv, client, name, size, b"", False)
+    client.pending[obj.oid] = obj
+    srv.table.pending[obj.oid] = obj
+    reply = {"k": "room", "o": obj.oid}
+    send: list[int] = []
+    where(srv, client, obj, reply, send)
+    srv._reply(client, reply, send)
+
+def warm_object(srv: Server, client: _Client, name: str, size: int, meta: bytes,
+                torch: bool) -> Obj:
+    """An object of LARGE bytes or more in the pool: without evicting, unless --evict is on and
+    its segment is its own size (from MIN_LARGE_ALLOC: a smaller one would take a 20 MiB
+    segment, where its own memfd takes its pages)."""
+    what = f"object {name!r}"
+    try:
+        held = srv.table.malloc(size, what, evict=False)
+    except HostFull:
+        raise
+    except StoreFull:
+        if not srv.table.evict or size < MIN_LARGE_ALLOC:
+            raise
+        held = srv.table.malloc(size, what, evict=True)
+    return Obj(srv.table.new_oid(), name, size, meta, torch, held.seg.id,
+               held.block.address - held.seg.address, held.block.size, client.id, held=held)
+
+def where(srv: Server, client: _Client, obj: Obj, reply: dict[str, Any], send: list[int]) -> None:
+    """Say where a warm object's bytes go: its segment, at an offset; with the segment's
+    read-write fd the first time this client is to write into it."""
+    assert obj.held is not None
+    seg = obj.held.seg
+    reply["i"], reply["off"] = seg.id, obj.offset
+    if seg.id not in client.wsegs:
+        send.append(seg.fd)
+        reply["n"] = seg.size
+        client.wsegs.add(seg.id)
+
 def put(srv: Server, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
     name, size, meta, torch = new_object(srv, h, client)
     replace = h.get("r") is True
+    if "o" in h:
+        put_warm(srv, client, h, name, size, meta, torch, replace, fds)
+        return
     if not replace and name in srv.table.names:
         raise Bad(EXISTS, _exists(name))
     old = srv.table.names.get(name) if replace else None
@@ -79,6 +138,33 @@ def put(srv: Server, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
     srv._reply(client, {"k": "ok", "ws": obj.write_seal})
     srv._wake_waiters(name)
 
+def put_warm(srv: Server, client: _Client, h: dict[Any, Any], name: str, size: int,
+             meta: bytes, torch: bool, replace: bool, fds: list[Fd]) -> None:
+    """A warm put's second step: name the block the client filled (given back if refused)."""
+    obj = client.pending.pop(h["o"], None) if type(h["o"]) is int else None
+    if obj is None:
+        raise Bad(BAD, f"put names room {h['o']!r}, which this client was not given (or put "
+                  "already)")
+    try:
+        if obj.size != size or obj.name != name or fds or "st" in h:
+            raise Bad(BAD, f"the put of {name!r} ({size} bytes) is not what room {obj.oid} was "
+                      f"given for ({obj.name!r}, {obj.size} bytes)")
+        if not replace and name in srv.table.names:
+            raise Bad(EXISTS, _exists(name))
+        srv.table.room_for_meta(len(meta), f"object {name!r}")
+    except BaseException:
+        srv.table.free_pending(obj)
+        raise
+    del srv.table.pending[obj.oid]
+    obj.meta, obj.torch, obj.sealed, obj.created = meta, torch, True, time.time()
+    old = srv.table.names.get(name) if replace else None
+    if old is not None:
+        unname(srv, old)
+    srv.table.add(obj)
+    srv.counts["put"] += 1
+    srv._reply(client, {"k": "ok", "ws": obj.write_seal})
+    srv._wake_waiters(name)
+
 def frees_room_for(srv: Server, old: Obj, size: int, memfd: bool) -> bool:
     """Whether letting `old` go (unreferenced: freed at once) surely makes room for a new
     object of `size`: its memfd's pages, or a pool block at least as large."""
@@ -97,18 +183,33 @@ def create(srv: Server, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> No
     name, size, meta, torch = new_object(srv, h, client)
     if name in srv.table.names:
         raise Bad(EXISTS, _exists(name))
+    warm = h.get("w") is True
     if fds:
         check_memfd(srv, name, size, fds, sealed=False)
+    elif warm and size < LARGE:
+        raise Bad(BAD, f"a warm create is of {LARGE} bytes or more, got {size}")
     srv.table.could_ever_fit(len(meta) + _pages(size), f"object {name!r}", None, size)
     srv.table.room_for_meta(len(meta), f"object {name!r}")
+    reply: dict[str, Any] = {"k": "ok"}
+    send: list[int] = []
     if fds:
         obj = memfd_object(srv, client, name, size, meta, torch, fds, sealed=False)
+    elif warm:  # the creator fills the pool block through its own mapping, and holds a
+        obj = warm_object(srv, client, name, size, meta, torch)  # reference while it does
+        try:
+            where(srv, client, obj, reply, send)
+        except BaseException:
+            free_new(srv, obj)
+            raise
+        srv.table.ref(obj, client.id)
+        client.refs[obj.oid] = client.refs.get(obj.oid, 0) + 1
     else:
         obj = small_object(srv, client, name, size, meta, torch)
     srv.table.add(obj)
     client.creating.add(obj.oid)
     srv.counts["create"] += 1
-    srv._reply(client, {"k": "ok", "o": obj.oid})
+    reply["o"] = obj.oid
+    srv._reply(client, reply, send)
 
 def seal(srv: Server, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
     name = name_of(h)

@@ -43,9 +43,18 @@ __all__ = ["Obj", "Table", "HostFull", "daemon_refusal"]
 _F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _ids = itertools.count(1)
-_TRIM_AT = 32 << 20  # cached arena bytes past which freed segments go back to the host at once
 IDLE_TRIM = 0.5  # s an empty pool keeps its segments before they go back (Note [Eviction])
 _SMALL_SEGMENT = 2 << 20  # the pool's segment for objects under 1 MiB (PyTorch's small pool)
+
+
+def default_cache() -> int:
+    """Bytes of free pool segments kept warm without a --limit (Note [Warm memory]): a quarter
+    of the host's memory, at most 8 GiB, at least 32 MiB."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError):
+        ram = 0
+    return max(32 << 20, min(8 << 30, ram // 4))
 
 
 class HostFull(StoreFull):
@@ -146,6 +155,10 @@ class Table:
         self.freed = 0
         self._sorted: list[str] | None = None  # the names in order, until they change
         self.emptied_at: float | None = None  # when the pool last became empty
+        # free pool room kept warm: all of it under a --limit (held_bytes counts it, and room
+        # is made by trimming it first), else default_cache() (Note [Warm memory])
+        self.cache_limit = limit if limit is not None else default_cache()
+        self.pending: dict[int, Obj] = {}  # oid -> a warm put's block, filled by its client
 
     def sorted_names(self) -> list[str]:
         """The names in order (sorted once per change, not once per page of a listing)."""
@@ -224,6 +237,10 @@ class Table:
         sizes: dict[int, int] = {}  # pool segment id -> its size
         all_idle: dict[int, bool] = {}  # pool segment id -> every object in it idle
         freed = 0
+        for o in self.pending.values():  # a client is writing it: never given back for room
+            if o.block is not None:
+                sizes[o.seg_id] = o.block.segment.size
+                all_idle[o.seg_id] = False
         for o in self.objects.values():
             idle = evicting and o.oid in self._idle
             if o.block is not None:
@@ -411,7 +428,7 @@ class Table:
         self.meta_bytes -= len(obj.meta)
         if obj.held is not None:
             self.free_held(obj)
-            if self._cached_arena() > _TRIM_AT:
+            if self._cached_arena() > self.cache_limit:
                 self._trim()
             elif self.arena.memory_stats()["allocated_bytes.all.current"] == 0:
                 self.emptied_at = time.monotonic()  # given back in IDLE_TRIM unless reused
@@ -420,6 +437,14 @@ class Table:
             os.close(fd)
             self.memfd_bytes -= obj.charge
             self._on_drop(obj.seg_id)
+
+    def free_pending(self, obj: Obj) -> None:
+        """A warm put's block that never became an object (refused, abandoned, or its client
+        went) goes back."""
+        if self.pending.pop(obj.oid, None) is obj:
+            self.free_held(obj)
+            if self.arena.memory_stats()["allocated_bytes.all.current"] == 0:
+                self.emptied_at = time.monotonic()
 
     def free_held(self, obj: Obj) -> None:
         """The object lets go of its pool block (back to the allocator: Note [The store's pool])."""
@@ -430,6 +455,8 @@ class Table:
 
     def close(self) -> None:
         """Free everything (the daemon is stopping)."""
+        for obj in list(self.pending.values()):
+            self.free_pending(obj)
         for obj in list(self.objects.values()):
             obj.refs.clear()
             obj.named = False
@@ -452,7 +479,8 @@ class Table:
             "arena_reserved_bytes": st["reserved_bytes.all.current"],
             "arena_allocated_bytes": st["allocated_bytes.all.current"],
             "limit": self.limit, "evict": self.evict, "evicted": self.evicted,
-            "freed": self.freed,
+            "freed": self.freed, "pending": len(self.pending),
+            "cache_limit": self.cache_limit,
         }
 
 

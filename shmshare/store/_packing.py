@@ -91,7 +91,12 @@ class Plan:
 
     def copy_into(self, address: int) -> None:
         """Copy every array to `address` + its offset (a mapping of the object's bytes)."""
-        for arr, offset in self.arrays:
+        Plan.copy_some(self.arrays, address)
+
+    @staticmethod
+    def copy_some(arrays: list[tuple[np.ndarray, int]], address: int) -> None:
+        """Copy each (array, offset) of `arrays` to `address` + offset."""
+        for arr, offset in arrays:
             raw = _native.Lease(None, address + offset, arr.nbytes)
             dst = np.ndarray(arr.shape, arr.dtype, buffer=raw)  # type: ignore[arg-type]
             _copy(dst, arr)
@@ -256,14 +261,16 @@ def _write_all(fd: int, jobs: list[tuple[np.ndarray, int]], failed: list[BaseExc
 
 
 def build(meta: bytes, address: int, size: int, root: Any, readonly: bool, on_release: Any,
-          torch_copy: bool) -> Any:
+          torch_copy: bool, track: Any = None) -> Any:
     """The value `meta` describes, as views of `size` bytes at `address` (kept alive by `root`).
 
     One lease covers the object: `on_release` runs once every view is gone.
     Torch tensors share the mapping unless `torch_copy` (then each is a
-    private copy: torch has no read-only tensors).
+    private copy: torch has no read-only tensors). `track(lease)` is told of the lease.
     """
     lease = _native.Lease(root, address, size, readonly, on_release)
+    if track is not None:
+        track(lease)  # a view of a pool block: a forked child copies it
 
     def view(seg: int, block: int, offset: int, lay: tensors.Layout) -> Any:
         dt = lay.dtype

@@ -11,11 +11,16 @@ Note [The store's frames]
     =========  ===========================================  =================
     request    header (and fds)                             reply
     =========  ===========================================  =================
+    room       n name, s size (>= LARGE), r replace         room: o id, i segment, off
+                                                            (+ its read-write fd, n size,
+                                                            the first time)
     put        n name, m meta, s size, t torch?, r replace  ok
-               + the object's memfd (size >= LARGE), or
+               + o: the room it filled (a warm put), or
+               the object's memfd (immutable), or
                st: bytes staged (smaller)
     stage      s size + the client's staging memfd          ok
-    create     n, m, s, t (+ the memfd when >= LARGE)       ok
+    create     n, m, s, t; w warm (>= LARGE: as room        ok: o id (warm: i, off, and
+               replies), or + its memfd (immutable)         the fd as room's)
     seal       n (+ st when small)                          ok, ws write seal
     get        n name                                       obj: o id, i segment, off, s,
                                                             m meta, p private? (+ fd)
@@ -25,7 +30,8 @@ Note [The store's frames]
     list       a after (name), c count                      list: l entries, more
     stats      --                                           stats: the daemon's figures
     rel        o: object ids, one per get let go of         (none)
-    unmapped   o: an object whose creator unmapped it       (none)
+    unmapped   o: an object whose creator unmapped it,      (none)
+               or a room given up before its put
     =========  ===========================================  =================
 
     A connection past the daemon's client cap gets one ``err`` frame, ``e``
@@ -53,7 +59,7 @@ __all__ = ["ObjectInfo", "LARGE", "MAX_META", "MAX_NAME", "StoreError", "StoreFu
            "BadRequest", "StoreBusy", "ObjectNotFound", "BUSY", "default_path", "check_name", "check_dir", "raise_for",
            "connect", "refusal"]
 
-LARGE = 1 << 20  # bytes from which an object owns its memfd (sealed against writes)
+LARGE = 1 << 20  # bytes from which a put is written by its client, into the pool or its own memfd
 MAX_META = 96 * 1024  # bytes of a value's description (its arrays' descriptors, plain values)
 MAX_NAME = 1024  # bytes of a name, UTF-8
 ALIGN = 64  # each array of an object starts on a 64-byte boundary

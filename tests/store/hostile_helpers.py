@@ -148,7 +148,7 @@ def fill_with_memfd_puts(store: Any, most: int = 200) -> int:
     n = 0
     while n < most:
         try:
-            store.put(f"big{n}", np.zeros(MiB, np.uint8))
+            store.put(f"big{n}", np.zeros(MiB, np.uint8), immutable=True)
         except StoreError:
             break
         n += 1

@@ -18,8 +18,9 @@ from shmshare.testing import pattern, wait_until
 SIZES = {"small": 1000, "large": LARGE // 4 + 1000}  # items of 4 bytes: one below LARGE, one above
 
 
+@pytest.mark.parametrize("immutable", [False, True], ids=["warm", "immutable"])
 @pytest.mark.parametrize("size", list(SIZES))
-def test_a_nested_value_comes_back_the_same(store: Store, size: str) -> None:
+def test_a_nested_value_comes_back_the_same(store: Store, size: str, immutable: bool) -> None:
     n = SIZES[size]
     rec = np.zeros(3, dtype=[("a", "<i2"), ("b", "<f8")])
     rec["a"], rec["b"] = [1, 2, 3], [0.5, 1.5, 2.5]
@@ -35,7 +36,7 @@ def test_a_nested_value_comes_back_the_same(store: Store, size: str) -> None:
         "bools": np.array([True, False, True]),
         "strings": np.array(["ab", "cde"]),
     }
-    store.put("v", value)
+    store.put("v", value, immutable=immutable)
     got = store.get("v")
     assert got.keys() == value.keys()
     for k in ("x", "strided", "fortran", "big_endian", "bools", "strings", "empty", "scalar0d"):
@@ -48,8 +49,8 @@ def test_a_nested_value_comes_back_the_same(store: Store, size: str) -> None:
     np.testing.assert_array_equal(got["nested"][1]["deep"]["d"], rec)
     assert got["npscalar"] == np.float32(1.5) and type(got["npscalar"]) is np.float32
     info = store.info("v")
-    assert info.kind == ("memfd" if size == "large" else "arena")
-    assert info.write_seal == ("full" if size == "large" else "none")
+    assert info.kind == ("memfd" if immutable else "arena")  # Note [Warm memory]
+    assert info.write_seal == ("full" if immutable else "none")
     assert info.sealed and info.refs == 1 and info.holders == 1
 
 
@@ -137,9 +138,10 @@ def test_get_waits_for_a_put_from_another_thread_and_times_out(store: Store, dae
         store.get("never", timeout=0.3)  # returns (the suite's per-test timeout bounds a hang)
 
 
-@pytest.mark.parametrize("n", [1000, LARGE])
-def test_create_fill_seal(store: Store, daemon, n: int) -> None:
-    arr = store.create("c", (n,), np.uint32)
+@pytest.mark.parametrize(("n", "immutable"), [(1000, False), (LARGE, False), (1000, True),
+                                              (LARGE, True)])
+def test_create_fill_seal(store: Store, daemon, n: int, immutable: bool) -> None:
+    arr = store.create("c", (n,), np.uint32, immutable=immutable)
     assert arr.flags.writeable and arr.shape == (n,)
     with pytest.raises(KeyError, match="not sealed yet"):
         store.get("c")
@@ -159,11 +161,18 @@ def test_create_fill_seal(store: Store, daemon, n: int) -> None:
     np.testing.assert_array_equal(waiter[0], pattern(10, n))  # type: ignore[arg-type]
     assert not arr.flags.writeable  # the array create() gave is read-only once sealed
     np.testing.assert_array_equal(store.get("c"), pattern(10, n))
-    if n >= LARGE:
-        assert store.info("c").write_seal == "future"  # `arr` still maps it writable
+    info = store.info("c")
+    if immutable:
+        assert info.kind == "memfd"
+        assert info.write_seal == "future"  # `arr` still maps it writable
         del arr
         gc.collect()
         wait_until(lambda: store.info("c").write_seal == "full", "the full write seal")
+    elif n >= LARGE:  # a block of the pool, which `arr` holds as a get's views do
+        assert (info.kind, info.write_seal, info.holders) == ("arena", "none", 1)
+        del arr
+        gc.collect()
+        wait_until(lambda: store.info("c").refs == 0, "the creator's reference given back")
     with pytest.raises(KeyError, match="not created through this Store"):
         store.seal("c")
 

@@ -37,7 +37,7 @@ CLIENT = textwrap.dedent("""
     with Store(sys.argv[2]) as s:
         try:
             while n < 64:
-                s.put(f"cg{n}", arr)
+                s.put(f"cg{n}", arr, immutable=True)  # its own memfd: charged here
                 n += 1
         except Exception as exc:
             print("REFUSED", n, type(exc).__name__, getattr(exc, "errno", None), exc, flush=True)
@@ -109,3 +109,10 @@ def test_a_daemon_in_a_full_memory_cgroup_refuses_small_puts_with_store_full(
                 s.delete(f"s{i}")
             s.put("after", small)  # room again
             assert int(s.get("after")[-1]) == 3
+            # a large put finds no room in the daemon's cgroup for a pool segment: it falls
+            # back to a memfd of its own, written (and charged) here (Note [Warm memory])
+            big = np.full(OBJECT // 4, 5, np.int32)
+            s.put("big", big)
+            info = s.info("big")
+            assert (info.kind, info.write_seal) == ("memfd", "full"), info
+            assert int(s.get("big")[-1]) == 5 and d.proc.poll() is None

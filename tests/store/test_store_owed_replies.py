@@ -83,7 +83,7 @@ def test_releases_carried_by_a_request_whose_fd_the_daemon_could_not_take_are_ke
             n = fill_with_memfd_puts(b)  # a fd each, until none is left
             del v  # its release waits for a's next request ...
             with pytest.raises(StoreError):
-                a.put("a-big", np.zeros(MiB, np.uint8))  # ... which is refused: no fd for it
+                a.put("a-big", np.zeros(MiB, np.uint8), immutable=True)  # ... refused: no fd for it
             for i in range(min(n, 8)):
                 b.delete(f"big{i}")
             a.stats()

@@ -35,7 +35,7 @@ def _stat_json(*args: str) -> dict:
 
 def test_stat_lists_the_stores_objects_with_their_refs_and_who_maps_them(store: Store,
                                                                           daemon: Daemon) -> None:
-    store.put("big", pattern(1, LARGE))  # 4 MiB: a memfd of its own
+    store.put("big", pattern(1, LARGE), immutable=True)  # 4 MiB: a memfd of its own
     store.put("small", pattern(2, 100))
     with procs.start_child(_holder, daemon.path) as child:
         store.get("holding", timeout=WAIT)
@@ -60,7 +60,8 @@ def test_stat_lists_the_stores_objects_with_their_refs_and_who_maps_them(store: 
 def test_stat_of_a_pid_shows_only_that_daemon_and_the_table_names_objects(store: Store,
                                                                           daemon: Daemon,
                                                                           sockdir: str) -> None:
-    store.put("weights", np.zeros(3 << 20, np.uint8))
+    store.put("weights", np.zeros(3 << 20, np.uint8), immutable=True)
+    store.put("warm", np.zeros(2 << 20, np.uint8))  # a block of the pool
     with Daemon.start(os.path.join(sockdir, "other.sock")) as other:
         report = _stat_json("--pid", str(daemon.pid))
         assert [st["pid"] for st in report["stores"]] == [daemon.pid]
@@ -70,3 +71,5 @@ def test_stat_of_a_pid_shows_only_that_daemon_and_the_table_names_objects(store:
         assert f"store pid {other.pid}: 0 objects" in got.stdout and f"at {other.path}" in got.stdout
         row = next(line for line in got.stdout.splitlines() if line.endswith(" weights"))
         assert "3.0M" in row and "memfd" in row and "full" in row
+        row = next(line for line in got.stdout.splitlines() if line.endswith(" warm"))
+        assert "2.0M" in row and "arena" in row and "none" in row
