@@ -119,6 +119,9 @@ SIZES = [4 * KiB, 1 * MiB, 64 * MiB, 1 * GiB]
 SMALL = 4 * KiB
 CLIENTS = 4
 TARGETS = {"put_1G": 2.0, "get_small_rate": 2.0}
+NO_RATE = ("stdlib", "immutable")  # paths without a small-get loop of their own
+# issue 23's: put and get-and-read at 64 MiB and 1 GiB at least Ray's; small gets 3x Ray's
+LARGE_TARGETS = {(what, s): 1.0 for what in ("put", "get") for s in (64 * MiB, GiB)}
 
 
 def plan(size: int, quick: bool) -> int:
@@ -202,6 +205,23 @@ class Shmshare(Side):
                 print(f"shmshare daemon after the cells: {', '.join(f'{k} {v}' for k, v in st.items())}")
             except Exception as exc:  # noqa: BLE001 - a note only
                 print(f"shmshare daemon after the cells: stats() failed: {exc!r}")
+        self.store.close()
+
+
+class ShmshareImmutable(Shmshare):
+    """The store's immutable mode: each object its own memfd, sealed against writes."""
+
+    name = "immutable"
+
+    def put(self, key: str, arr: np.ndarray) -> tuple[float, Any]:
+        t0 = time.perf_counter()
+        self.store.put(key, arr, immutable=True)
+        return time.perf_counter() - t0, key
+
+    def small_rate(self, secs: float) -> tuple[float, list[int]]:
+        raise NotImplementedError  # the same gets as shmshare's: not run twice
+
+    def close(self) -> None:
         self.store.close()
 
 
@@ -339,11 +359,11 @@ def bench_latency(paths: list[Side], sizes: list[int], quick: bool, rounds: int)
 def bench_rate(paths: list[Side], secs: float, rounds: int) -> tuple[dict[str, list[float | None]], int]:
     print(f"\n(3) {CLIENTS} clients each get one {fmt(SMALL)} object in a loop for {secs:g} s (view dropped "
           f"each time); {rounds} round(s)")
-    runs: dict[str, list[float | None]] = {p.name: [] for p in paths if p.name != "stdlib"}
+    runs: dict[str, list[float | None]] = {p.name: [] for p in paths if p.name not in NO_RATE}
     failed = 0
     for k in range(rounds):
         for p in paths:
-            if p.name == "stdlib":
+            if p.name in NO_RATE:
                 continue
             try:
                 rate, counts = p.small_rate(secs)
@@ -391,9 +411,15 @@ def report(runs: Cells, rates: dict[str, list[float | None]], names: list[str],
     lines.append(ratio(f"get_{fmt(SMALL)}_rate_{CLIENTS}clients_vs_ray", rate.get("shmshare"), rate.get("ray"),
                        TARGETS["get_small_rate"], f"shmshare's {fmt(SMALL)} gets/s / Ray's, {CLIENTS} clients "
                        "(small get >= 2x Ray's rate)"))
+    for (what, s), target in LARGE_TARGETS.items():
+        r = (put if what == "put" else get).get(s) or {}
+        lines.append(ratio(f"{what}_{fmt(s)}_vs_ray", r.get("ray"), r.get("shmshare"), target,
+                           f"Ray's {what} time / shmshare's at {fmt(s)} (issue 23: at least Ray's)"))
+    lines.append(ratio(f"get_{fmt(SMALL)}_rate_{CLIENTS}clients_vs_ray_x3", rate.get("shmshare"), rate.get("ray"),
+                       3.0, f"shmshare's {fmt(SMALL)} gets/s / Ray's, {CLIENTS} clients (issue 23: at least 3x)"))
     for what, res in (("put", put), ("get", get)):
         for s, r in res.items():
-            for other in ("ray", "stdlib"):
+            for other in ("ray", "stdlib", "immutable"):
                 if r.get(other) and r.get("shmshare") and not (what == "put" and s == top and other == "ray"):
                     lines.append(f"FIGURE {what}_{fmt(s)}_vs_{other} {r[other] / r['shmshare']:.3f} x  "  # type: ignore[operator]
                                  f"# {other}'s {what} time / shmshare's at {fmt(s)}")
@@ -489,6 +515,8 @@ def set_up(sizes: list[int], reaper: Reaper, folder: str, stack: list[Callable[[
     paths: list[Side] = []
     if daemon is not None and path is not None:
         paths.append(Shmshare(clients, daemon, path))
+        stack.append(paths[-1].close)
+        paths.append(ShmshareImmutable(clients, daemon, path))
         stack.append(paths[-1].close)
     if ray is not None:
         store_bytes = ray_store_bytes(top)

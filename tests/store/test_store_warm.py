@@ -1,0 +1,182 @@
+"""Warm memory for large objects (Note [Warm memory] in store/_putting.py): puts of 1 MiB or more
+copied into the daemon's pool through a mapping the putter keeps, recycled blocks that getters
+read without a fault, read-only getters, the fallback to a memfd of its own, and rooms given up
+or left behind by a client that went."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import gc
+import mmap
+import os
+import resource
+
+import numpy as np
+import pytest
+
+from shmshare import wire
+from shmshare.store import BadRequest, Daemon, Store
+from shmshare.store._packing import Plan
+from shmshare.testing import pattern, procs, wait_until
+
+from .helpers import WAIT
+
+MiB = 1 << 20
+
+
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _where(view: np.ndarray) -> int:
+    return int(view.__array_interface__["data"][0])
+
+
+def test_a_recycled_block_is_put_and_got_without_new_pages_or_faults(own_daemon: Daemon) -> None:
+    """The second put of a size lands in the first one's block: no new fd, and the getter
+    reads every page of it without a page fault (its mapping has the pages already)."""
+    n = 8 * MiB
+    with Store(own_daemon.path) as s, Store(own_daemon.path) as g:
+        s.put("a", pattern(1, n // 4))
+        v = g.get("a")
+        assert int(v[::1024].sum()) == int(pattern(1, n // 4)[::1024].sum())  # faults them in
+        first = _where(v)
+        del v
+        s.delete("a")
+        wait_until(lambda: s.stats()["arena_allocated_bytes"] == 0, "the block back in the pool")
+        fds = g._conn.statistics().fds_received
+        s.put("b", pattern(2, n // 4))
+        before = _faults()
+        v = g.get("b")
+        total = int(v[::1024].sum())  # a read of every page
+        faults = _faults() - before
+        assert _where(v) == first  # best fit: the same block, the same mapping
+        assert g._conn.statistics().fds_received == fds  # no segment sent again
+        assert total == int(pattern(2, n // 4)[::1024].sum())
+        assert faults < 16, f"{faults} page faults reading a recycled 8 MiB block"
+        assert s.info("b").kind == "arena"
+
+
+def _mprotect_writable(address: int) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    page = address - address % mmap.PAGESIZE
+    rc = libc.mprotect(ctypes.c_void_p(page), mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE)
+    return 0 if rc == 0 else ctypes.get_errno()
+
+
+def test_a_getter_maps_warm_objects_read_only(own_daemon: Daemon) -> None:
+    with Store(own_daemon.path) as s, Store(own_daemon.path) as g:
+        s.put("a", np.zeros(2 * MiB, np.uint8))
+        v = g.get("a")
+        assert not v.flags.writeable
+        with pytest.raises(ValueError, match="WRITEABLE"):
+            v.flags.writeable = True
+        assert _mprotect_writable(_where(v)) == errno.EACCES  # PROT_READ, from an O_RDONLY fd
+        del v
+
+
+@pytest.mark.daemon_args(limit=8 * MiB)
+def test_under_a_limit_an_object_the_pool_cannot_take_gets_a_memfd_of_its_own(
+        own_daemon: Daemon) -> None:
+    """A 2 MiB object would take a 20 MiB segment of the pool, past an 8 MiB limit: it falls
+    back to a sealed memfd of its own, charged by the page."""
+    with Store(own_daemon.path) as s:
+        s.put("a", pattern(3, MiB // 2))
+        info = s.info("a")
+        assert (info.kind, info.write_seal) == ("memfd", "full")
+        assert s.stats()["pending"] == 0 and s.stats()["arena_reserved_bytes"] == 0
+        np.testing.assert_array_equal(s.get("a"), pattern(3, MiB // 2))
+        arr = s.create("c", (2 * MiB,), np.uint8)  # create falls back the same way
+        arr[:] = 9
+        s.seal("c")
+        assert s.info("c").kind == "memfd" and int(s.get("c")[-1]) == 9
+
+
+@pytest.mark.daemon_args(limit=40 * MiB, evict=True)
+def test_with_evict_a_warm_object_of_10_mib_or_more_evicts_the_least_recently_used(
+        own_daemon: Daemon) -> None:
+    with Store(own_daemon.path) as s:
+        for name in ("a", "b", "c"):
+            s.put(name, np.zeros(12 * MiB, np.uint8))
+        assert s.info("a").kind == "arena"
+        s.put("d", np.zeros(12 * MiB, np.uint8))  # 48 MiB past 40: "a" goes
+        assert "a" not in s and all(n in s for n in "bcd")
+        assert s.info("d").kind == "arena" and s.stats()["evicted"] == 1
+
+
+def _raw(path: str) -> wire.Connection:
+    return wire.connect(path, timeout=WAIT)
+
+
+def test_a_room_of_a_client_that_goes_before_its_put_goes_back(own_daemon: Daemon) -> None:
+    with Store(own_daemon.path) as s:
+        conn = _raw(own_daemon.path)
+        conn.send({"k": "room", "n": "x", "s": 4 * MiB}, timeout=WAIT)
+        h, fds = conn.recv(timeout=WAIT)
+        assert h["k"] == "room" and len(fds) == 1 and h["n"] >= 4 * MiB
+        for f in fds:
+            f.close()
+        assert s.stats()["pending"] == 1 and s.stats()["arena_allocated_bytes"] >= 4 * MiB
+        assert "x" not in s  # not named until its put
+        conn.close()  # as a kill -9 between room and put
+        wait_until(lambda: s.stats()["pending"] == 0, "the room given back")
+        assert s.stats()["arena_allocated_bytes"] == 0
+
+
+def test_a_put_may_name_only_a_room_of_its_own_clients_and_of_its_size(
+        own_daemon: Daemon) -> None:
+    with Store(own_daemon.path) as s:
+        a, b = _raw(own_daemon.path), _raw(own_daemon.path)
+        try:
+            a.send({"k": "room", "n": "x", "s": 2 * MiB}, timeout=WAIT)
+            h, fds = a.recv(timeout=WAIT)
+            for f in fds:
+                f.close()
+            plan = Plan(np.zeros(2 * MiB, np.uint8))  # the meta of a 2 MiB array, as a client's
+            put = {"k": "put", "n": "x", "m": plan.meta, "s": plan.size, "t": False, "o": h["o"]}
+            b.send(put, timeout=WAIT)  # another client's room
+            got, _ = b.recv(timeout=WAIT)
+            assert got["k"] == "err" and "not given" in got["w"], got
+            small = Plan(np.zeros(MiB, np.uint8))
+            a.send({**put, "m": small.meta, "s": small.size}, timeout=WAIT)  # not its size
+            got, _ = a.recv(timeout=WAIT)
+            assert got["k"] == "err" and "is not what room" in got["w"], got
+            assert s.stats()["pending"] == 0  # a refused put gives its room back
+            for bad in ({"k": "room", "n": "y", "s": 100}, {"k": "room", "n": "y", "s": "big"}):
+                a.send(bad, timeout=WAIT)
+                got, _ = a.recv(timeout=WAIT)
+                assert got["k"] == "err" and got["e"] == "bad", got
+        finally:
+            a.close()
+            b.close()
+        with pytest.raises(BadRequest):
+            s._call({"k": "put", "n": "z", "m": plan.meta, "s": plan.size, "t": False, "o": 10**9})
+
+
+def _write_and_report(arr: np.ndarray, w: int) -> None:
+    arr[:] = 7  # the child's writes stay its own (its copy of the array's pages)
+    os.write(w, b"k")
+    os._exit(0)
+
+
+def test_a_warm_creates_array_in_a_forked_child_is_the_childs_own(own_daemon: Daemon) -> None:
+    with Store(own_daemon.path) as s:
+        arr = s.create("c", (2 * MiB,), np.uint8)
+        arr[:] = 1
+        r, w = os.pipe()
+        try:
+            with procs.start_child(_write_and_report, arr, w) as child:
+                os.close(w)
+                w = -1
+                assert os.read(r, 1) == b"k"
+                assert child.join(WAIT) == 0
+        finally:
+            for fd in (r, w):
+                if fd >= 0:
+                    os.close(fd)
+        s.seal("c")
+        assert int(arr.max()) == 1 and int(s.get("c").max()) == 1
+        del arr
+        gc.collect()
