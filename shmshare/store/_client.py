@@ -45,7 +45,15 @@ from .._timeouts import check_timeout
 from .._typevars import V
 from . import _putting as putting
 from ._flusher import Flushing, Queued
-from ._inherited import copies_made, forget_store, is_pool, map_shared, track_store, track_view
+from ._inherited import (
+    copies_made,
+    forget_store,
+    is_pool,
+    map_shared,
+    reused_by_daemon,
+    track_store,
+    track_view,
+)
 from ._packing import Plan, build, one_array_meta
 from ._protocol import (
     BUSY,
@@ -118,6 +126,7 @@ class Store(Generic[V]):
         self._forget: builtins.list[int] = []  # segments sent to us that we did not map
         self._waker = Waker()  # the flusher's wake-up (Note [One release path])
         self._out = 0  # gets whose views are still alive
+        self._putting = 0  # warm puts between room and put (Note [Warm memory])
         self._staging: tuple[int, int] | None = None  # (fd, address) of our staging memfd
         self._creating: dict[str, tuple[int, Any]] = {}  # name -> (oid, buffer or None)
         self._gone: str | None = None  # why the connection is unusable
@@ -270,8 +279,10 @@ class Store(Generic[V]):
             self._flusher.join(1.0 if self._idle() else 0)
 
     def _idle(self) -> bool:
-        """No view of a get is alive (their releases may still be queued), or no daemon."""
-        return self._out - len(self._released) <= 0 or self._gone is not None
+        """No view of a get is alive (their releases may still be queued) and no warm put is
+        writing its room (the daemon would give it to another put), or no daemon."""
+        return (self._out - len(self._released) <= 0 and not self._putting) or \
+            self._gone is not None
 
     def __del__(self) -> None:
         # collected unclosed, so no view is left (each holds the Store): end the connection
@@ -392,6 +403,7 @@ class Store(Generic[V]):
         for f in got:
             f.close()
         self._check_busy(h)
+        self._waker.poke()  # what it gives back goes with the next flush
         drops = h.get("d")
         if isinstance(drops, list):
             for seg in drops:
@@ -500,8 +512,10 @@ class Store(Generic[V]):
         try:
             if size == 0:
                 return build(meta, 0, 0, None, True, done, True)
-            if private:
-                root = self._map(fds, h.get("n"), None)
+            pool = False
+            if private:  # a tensor's copy-on-write mapping: of a pool segment, a forked child
+                pool = bool(fds) and reused_by_daemon(fds[0].fileno())  # copies it (its
+                root = self._map(fds, h.get("n"), None)  # untouched pages are the daemon's)
             assert root is not None
             if not 0 <= off <= off + size <= root.nbytes:
                 raise ProtocolError(f"the store placed {size} bytes at offset {off} of a "
@@ -509,7 +523,7 @@ class Store(Generic[V]):
             if populate:
                 populate_pages(root, off, size)
             return build(meta, root.address + off, size, root, not private, done, not private,
-                         track_view if is_pool(root) else None)
+                         track_view if pool or is_pool(root) else None)
         except BaseException:
             done()
             raise

@@ -173,13 +173,15 @@ def _in_child() -> None:
     for r in _copying:  # the parent's waits, not ours
         os.close(r)
     _copying.clear()
-    for store in list(_stores):
-        store._after_fork()  # its cached mappings go: what is left is held by views
-    _stores.clear()
+    # first the copies, then the Stores' connections closed: were the parent gone already
+    # (it exited after fork), our copy of its connection is all that keeps its references
     for lo, hi, writable in _ranges(list(_views)):
         _copy_in_place(lo, hi - lo, writable)
     _views.clear()  # the copies are the child's own: a later fork need not copy them
     _pool_roots.clear()
+    for store in list(_stores):
+        store._after_fork()  # its cached mappings go: what is left is held by views
+    _stores.clear()
     if _pipe is not None:
         r, w = _pipe
         _pipe = None

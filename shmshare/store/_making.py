@@ -99,11 +99,21 @@ def where(srv: Server, client: _Client, obj: Obj, reply: dict[str, Any], send: l
         client.wsegs.add(seg.id)
 
 def put(srv: Server, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
+    if "o" in h:
+        oid = h["o"]
+        room = client.pending.pop(oid, None) if type(oid) is int else None
+        if room is None:
+            raise Bad(BAD, f"put names room {oid!r}, which this client was not given (or put "
+                      "already)")
+        try:  # a refused put gives its room back, whatever refused it
+            name, size, meta, torch = new_object(srv, h, client)
+            put_warm(srv, client, h, room, name, size, meta, torch, h.get("r") is True, fds)
+        except BaseException:
+            srv.table.free_pending(room)
+            raise
+        return
     name, size, meta, torch = new_object(srv, h, client)
     replace = h.get("r") is True
-    if "o" in h:
-        put_warm(srv, client, h, name, size, meta, torch, replace, fds)
-        return
     if not replace and name in srv.table.names:
         raise Bad(EXISTS, _exists(name))
     old = srv.table.names.get(name) if replace else None
@@ -138,23 +148,16 @@ def put(srv: Server, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
     srv._reply(client, {"k": "ok", "ws": obj.write_seal})
     srv._wake_waiters(name)
 
-def put_warm(srv: Server, client: _Client, h: dict[Any, Any], name: str, size: int,
+def put_warm(srv: Server, client: _Client, h: dict[Any, Any], obj: Obj, name: str, size: int,
              meta: bytes, torch: bool, replace: bool, fds: list[Fd]) -> None:
-    """A warm put's second step: name the block the client filled (given back if refused)."""
-    obj = client.pending.pop(h["o"], None) if type(h["o"]) is int else None
-    if obj is None:
-        raise Bad(BAD, f"put names room {h['o']!r}, which this client was not given (or put "
-                  "already)")
-    try:
-        if obj.size != size or obj.name != name or fds or "st" in h:
-            raise Bad(BAD, f"the put of {name!r} ({size} bytes) is not what room {obj.oid} was "
-                      f"given for ({obj.name!r}, {obj.size} bytes)")
-        if not replace and name in srv.table.names:
-            raise Bad(EXISTS, _exists(name))
-        srv.table.room_for_meta(len(meta), f"object {name!r}")
-    except BaseException:
-        srv.table.free_pending(obj)
-        raise
+    """A warm put's second step: name the block the client filled (the caller gives it back if
+    this raises)."""
+    if obj.size != size or obj.name != name or fds or "st" in h:
+        raise Bad(BAD, f"the put of {name!r} ({size} bytes) is not what room {obj.oid} was "
+                  f"given for ({obj.name!r}, {obj.size} bytes)")
+    if not replace and name in srv.table.names:
+        raise Bad(EXISTS, _exists(name))
+    srv.table.room_for_meta(len(meta), f"object {name!r}")
     del srv.table.pending[obj.oid]
     obj.meta, obj.torch, obj.sealed, obj.created = meta, torch, True, time.time()
     old = srv.table.names.get(name) if replace else None

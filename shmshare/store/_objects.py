@@ -271,7 +271,8 @@ class Table:
         held = self.held_bytes
         objs = list(self.objects.values())
         viewed = sum(o.size for o in objs if o.refs)
-        besides = max(0, held - sum(o.size for o in objs))
+        besides = max(0, held - sum(o.size for o in objs)
+                      - sum(o.size for o in self.pending.values()))
         if segment > need:  # the pool's segments are larger than small objects
             asked = (f"{what} needs {_amount(need)} (and for it the store's pool a new "
                      f"{format_size(segment)} segment)")
@@ -283,8 +284,10 @@ class Table:
                 f"{format_size(held)} already, so {format_size(max(0, limit - held))} is free. "
                 f"It holds {_objects([o for o in objs if o.named], '')} by name, "
                 f"{_objects([o for o in objs if not o.named], 'deleted ')} that getters still "
-                f"view, and {format_size(besides)} besides (room between objects in its pool, "
-                f"the objects' descriptions); getters are viewing {format_size(viewed)} of it.")
+                f"view, {_objects(list(self.pending.values()), 'unfinished ')} that putters are "
+                f"writing, and {format_size(besides)} besides (room between objects in its "
+                f"pool, the objects' descriptions); getters are viewing {format_size(viewed)} "
+                "of it.")
         if max(need, segment) > limit:
             fix = (f"Deleting objects cannot make room for {format_size(max(need, segment))} "
                    f"under a limit of {format_size(limit)}: restart the store with a larger "
@@ -339,6 +342,11 @@ class Table:
         return self.provider.used < before
 
     def _on_segment(self, kind: str, rec: Any, offset: int, nbytes: int) -> None:
+        if kind == "segment_alloc":
+            # no more seals: a putter holds its fd read-write, and a write seal it added would
+            # refuse every other putter's mapping and pass the segment off as an object's own
+            # memfd (whose views a forked child need not copy)
+            fcntl.fcntl(rec.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
         if kind == "segment_free":
             fd = self.ro_fds.pop(rec.id, -1)
             if fd >= 0:

@@ -30,6 +30,7 @@ Note [Warm memory]
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
@@ -39,12 +40,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import _native
-from .._errors import ProtocolError
+from .._errors import FdLimitError, ProtocolError
 from .._fd import Fd
 from ._flusher import Queued
 from ._inherited import track_view
 from ._packing import Plan, new_memfd, reserve, write_memfd
-from ._protocol import LARGE, StoreFull
+from ._protocol import LARGE, StoreError, StoreFull
 
 if TYPE_CHECKING:
     from ._client import Store
@@ -83,18 +84,21 @@ def _put_warm(store: Store, name: str, plan: Plan, header: dict[str, Any]) -> No
         h, fds = store._call_locked({"k": "room", "n": name, "s": plan.size,
                                      "r": header["r"]}, [])
         oid = h["o"]
-        try:
-            root = _writable(store, h, fds, plan.size)  # held: a close() meanwhile keeps it
-        except BaseException:
-            store._abandon(oid)
-            raise
+        store._putting += 1  # a close() meanwhile keeps the connection (and so the room)
     try:
-        copy_plan(plan, root.address + h["off"])
-    except BaseException:
-        store._abandon(oid)  # its block goes back with the next request
-        raise
-    header["o"] = oid
-    store._call(header)
+        try:
+            with store._lock:
+                root = _writable(store, h, fds, plan.size)  # held: kept mapped while we copy
+            copy_plan(plan, root.address + h["off"])
+        except BaseException:
+            store._abandon(oid)  # its block goes back with the next request
+            raise
+        header["o"] = oid
+        store._call(header)  # not sent (closed meanwhile): _unsent abandons the room
+    finally:
+        with store._lock:
+            store._putting -= 1
+        store._waker.poke()
 
 
 def stage(store: Store, plan: Plan) -> None:
@@ -155,7 +159,12 @@ def _create_warm(store: Store, name: str, header: dict[str, Any], shape: tuple[i
     this client's, as a get's views do, until it is gone (else the daemon could reuse it)."""
     size = header["s"]
     with store._lock:
-        h, fds = store._call_locked({**header, "w": True}, [])
+        try:
+            h, fds = store._call_locked({**header, "w": True}, [])
+        except FdLimitError:  # created, its fd lost (its reference given back): unmade
+            with contextlib.suppress(StoreError):
+                store._call_locked({"k": "del", "n": name}, [])
+            raise
         oid = h["o"]
         store._out += 1
         done = Queued(store, store._released, oid)
