@@ -388,8 +388,10 @@ def _render_stores(report: Report, width: int) -> list[str]:
         f = st.get("stats") or {}
         limit = f" of --limit {_size_or(f.get('limit'))}" if f.get("limit") else ""
         # the figures before the path, which may be long: a narrow terminal cuts the path
+        spilled = (f"{f['spilled']} spilled ({_size_or(f.get('spilled_bytes'))} in "
+                   f"{f.get('spill_dir')}), " if f.get("spilled") else "")
         lines.append(_cut(f"{who}: {f.get('objects', '?')} objects, {_size_or(f.get('held_bytes'))} "
-                          f"held{limit}, {f.get('deleted_viewed', '?')} deleted but viewed, "
+                          f"held{limit}, {spilled}{f.get('deleted_viewed', '?')} deleted but viewed, "
                           f"{f.get('connected', '?')} clients, {where}", width))
         objects = sorted(st.get("objects") or [], key=lambda o: -o["size"])
         if objects:

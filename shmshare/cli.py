@@ -47,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="most bytes of objects held, e.g. 4G (default: no limit but the host's)")
     srv.add_argument("--evict", action="store_true",
                      help="past --limit, evict unreferenced objects, least recently used first")
+    srv.add_argument("--spill", default=None, metavar="DIR",
+                     help="past --limit, spill unreferenced objects to files in DIR, least "
+                     "recently used first; a get reads them back")
     srv.add_argument("--log-level", default="warning",
                      choices=("debug", "info", "warning", "error", "critical"))
     srv.add_argument("--detach", action="store_true",
@@ -62,6 +65,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve" and args.evict and args.limit is None:
         srv.error("--evict evicts past --limit, and no --limit was given: add one (e.g. --limit 4G), "
                   "or leave --evict out")
+    if args.command == "serve":
+        from .store._daemon import check_spill_args
+
+        try:
+            check_spill_args(args.limit, args.evict, args.spill)
+        except ValueError as exc:
+            srv.error(str(exc))
     try:
         if args.command == "doctor":
             return doctor(as_json=args.json)
@@ -72,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             from .store._launch import main_serve
 
-            return main_serve(args.socket, args.limit, args.evict, args.log_level, args.detach)
+            return main_serve(args.socket, args.limit, args.evict, args.log_level, args.detach,
+                              args.spill)
         if args.command == "demo":
             return demo(backend=args.backend, size=args.size, loader_seconds=args.loader_seconds)
     except KeyboardInterrupt:

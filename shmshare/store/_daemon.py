@@ -58,6 +58,7 @@ from ._protocol import (
     check_dir,
     default_path,
 )
+from ._spill import Spiller
 
 __all__ = ["Server", "serve", "MAX_CLIENTS"]
 
@@ -97,9 +98,11 @@ class Server:
     """The store: a listening socket, the table, and the clients (Note [One thread])."""
 
     def __init__(self, path: str | None = None, limit: int | None = None,
-                 evict: bool = False, max_clients: int = MAX_CLIENTS) -> None:
+                 evict: bool = False, max_clients: int = MAX_CLIENTS,
+                 spill: str | None = None) -> None:
         if limit is not None and limit <= 0:
             raise ValueError(f"--limit must be a positive number of bytes, got {limit}")
+        check_spill_args(limit, evict, spill)
         if max_clients < 1:
             raise ValueError(f"max_clients must be at least 1, got {max_clients}")
         self.max_clients = max_clients
@@ -108,7 +111,9 @@ class Server:
         if chosen:
             check_dir(self.path)
         _remove_stale(self.path)
-        self.table = Table(limit, evict, self._dropped)
+        self.table = Table(limit, evict, self._dropped,
+                           None if spill is None else Spiller(spill))
+        making.recover_spilled(self)  # a killed daemon's spilled objects (Note [Spilling])
         self._clients: dict[int, _Client] = {}  # socket fd -> client
         self._waits: dict[str, list[tuple[_Client, float]]] = {}  # name -> (client, deadline)
         self._deadlines: list[tuple[float, str]] = []  # a heap of the waits' (deadline, name)
@@ -338,6 +343,12 @@ class Server:
             raise Bad(NOT_SEALED, f"object {name!r} is not sealed yet (its creator is filling "
                        "it): pass get(..., timeout=SECONDS) to wait for it")
         table = self.table
+        if obj.spilled is not None:
+            try:
+                table.restore(obj)  # StoreFull when no room can be made: it stays spilled
+            except OSError as exc:
+                raise Bad(BAD, f"spilled object {name!r} could not be read back from "
+                          f"{obj.spilled!r}: {exc}") from exc
         if obj.write_seal == "future":
             table.write_seal(obj)
         reply = {"k": "obj", "o": obj.oid, "i": obj.seg_id, "off": obj.offset, "s": obj.size,
@@ -536,9 +547,9 @@ def _remove_stale(path: str) -> None:
 
 
 def serve(path: str | None = None, limit: int | None = None, evict: bool = False,
-          ready: Any = None, max_clients: int = MAX_CLIENTS) -> int:
+          ready: Any = None, max_clients: int = MAX_CLIENTS, spill: str | None = None) -> int:
     """Run the store until SIGINT or SIGTERM; `ready(daemon)` is called once it listens."""
-    daemon = Server(path, limit, evict, max_clients)
+    daemon = Server(path, limit, evict, max_clients, spill)
     old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def stop(signum: int, frame: Any) -> None:
@@ -559,3 +570,15 @@ def serve(path: str | None = None, limit: int | None = None, evict: bool = False
 
 def _said_out_of_fds(exc: BaseException) -> None:
     log.warning("out of fds, not accepting clients for %.1f s: %s", ACCEPT_PAUSE, exc)
+
+
+def check_spill_args(limit: int | None, evict: bool, spill: str | None) -> None:
+    """Refuse --spill without --limit (nothing would ever spill) or with --evict (spilling is
+    how room is made instead of evicting)."""
+    if spill is None:
+        return
+    if limit is None:
+        raise ValueError("--spill spills past --limit, and no --limit was given: add one "
+                         "(e.g. --limit 4G), or leave --spill out")
+    if evict:
+        raise ValueError("--spill keeps what --evict would delete: pass one of them, not both")

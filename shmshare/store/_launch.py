@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from .._sizes import parse_size
-from ._daemon import MAX_CLIENTS, Server, serve
+from ._daemon import MAX_CLIENTS, Server, check_spill_args, serve
 from ._protocol import StoreError
 
 __all__ = ["Daemon", "main_serve"]
@@ -40,12 +40,13 @@ class Daemon:
     def start(cls, path: str | os.PathLike[str] | None = None, limit: int | str | None = None,
               evict: bool = False, timeout: float = 10.0, log_level: str = "warning",
               env: dict[str, str] | None = None, die_with_parent: bool = True,
-              max_clients: int | None = None) -> Daemon:
+              max_clients: int | None = None,
+              spill: str | os.PathLike[str] | None = None) -> Daemon:
         """Run a daemon and wait (at most `timeout` s) until it listens.
 
         `limit` is bytes, or a size as ``serve --limit`` takes it ("8M", "64MiB", "1G").
         `max_clients` caps the clients connected at once (``SHMSHARE_STORE_MAX_CLIENTS``
-        in its environment; 4096 by default).
+        in its environment; 4096 by default). `spill` is ``serve --spill``'s directory.
 
         With `die_with_parent` the daemon gets SIGTERM when the thread that
         started it ends (``PR_SET_PDEATHSIG``: the kernel's rule is the
@@ -55,6 +56,7 @@ class Daemon:
         if evict and limit is None:
             raise ValueError("Daemon.start(evict=True) evicts past a limit, and no limit= was given: "
                              "pass one (e.g. limit='4G'), or leave evict out")
+        check_spill_args(None if limit is None else 0, evict, None if spill is None else os.fspath(spill))
         cmd = [sys.executable, "-m", "shmshare", "serve", "--log-level", log_level]
         if path is not None:
             cmd += ["--socket", os.fspath(path)]
@@ -62,6 +64,8 @@ class Daemon:
             cmd += ["--limit", str(_limit_bytes(limit))]
         if evict:
             cmd.append("--evict")
+        if spill is not None:
+            cmd += ["--spill", os.path.abspath(spill)]
         child_env = dict(os.environ if env is None else env)
         child_env.pop(_PARENT, None)
         if max_clients is not None:
@@ -127,7 +131,7 @@ class Daemon:
 
 
 def main_serve(socket_path: str | None, limit: int | None, evict: bool, log_level: str,
-               detach: bool) -> int:
+               detach: bool, spill: str | None = None) -> int:
     """``shmshare serve``: run the store in the foreground, or detached (printing its socket)."""
     logging.basicConfig(level=log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s shmshare-store[%(process)d] %(levelname)s %(message)s")
@@ -135,11 +139,13 @@ def main_serve(socket_path: str | None, limit: int | None, evict: bool, log_leve
         socket_path = os.path.abspath(socket_path)  # --detach changes to / before it binds
     elif os.environ.get("SHMSHARE_STORE"):  # so does the path named there: it is taken from here
         os.environ["SHMSHARE_STORE"] = os.path.abspath(os.environ["SHMSHARE_STORE"])
+    if spill is not None:
+        spill = os.path.abspath(spill)  # as the socket: --detach changes to /
     max_clients = _max_clients()
     if max_clients is None:
         return 1
     if detach:
-        return _detach(socket_path, limit, evict, max_clients)
+        return _detach(socket_path, limit, evict, max_clients, spill)
     parent = os.environ.pop(_PARENT, None)
     if parent is not None and not _die_with(parent):
         return 1
@@ -148,8 +154,8 @@ def main_serve(socket_path: str | None, limit: int | None, evict: bool, log_leve
         print(f"{_READY}{server.path} (pid {os.getpid()})", flush=True)
 
     try:
-        return serve(socket_path, limit, evict, ready, max_clients)
-    except (StoreError, OSError) as exc:  # OSError: the socket (a path too long, no permission, ...)
+        return serve(socket_path, limit, evict, ready, max_clients, spill)
+    except (StoreError, OSError, ValueError) as exc:  # OSError: the socket (a path too long, no permission, ...)
         print(f"shmshare serve: {exc}", file=sys.stderr)
         return 1
 
@@ -178,7 +184,8 @@ def _max_clients() -> int | None:
     return int(raw)
 
 
-def _detach(socket_path: str | None, limit: int | None, evict: bool, max_clients: int) -> int:
+def _detach(socket_path: str | None, limit: int | None, evict: bool, max_clients: int,
+            spill: str | None) -> int:
     """Fork twice (a new session, no terminal), serve there; print the socket once it listens."""
     r, w = os.pipe()
     pid = os.fork()
@@ -210,7 +217,7 @@ def _detach(socket_path: str | None, limit: int | None, evict: bool, max_clients
             os.write(w, f"{_READY}{server.path} (pid {os.getpid()})\n".encode())
             os.close(w)
 
-        serve(socket_path, limit, evict, ready, max_clients)
+        serve(socket_path, limit, evict, ready, max_clients, spill)
     except BaseException as exc:  # noqa: BLE001 - told to the parent, then this process ends
         try:
             os.write(w, f"{exc}\n".encode())

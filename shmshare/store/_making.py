@@ -8,6 +8,7 @@ leaves the store as it was.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import time
 from typing import TYPE_CHECKING, Any
@@ -35,8 +36,9 @@ from ._protocol import (
 if TYPE_CHECKING:
     from ._daemon import Server, _Client
 
-__all__ = ["Bad", "put", "create", "seal", "room", "name_of"]
+__all__ = ["Bad", "put", "create", "seal", "room", "name_of", "recover_spilled"]
 
+log = logging.getLogger("shmshare.store")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _MAX_PENDING = 64  # warm puts one client may have between room and put
 
@@ -364,6 +366,32 @@ def free_new(srv: Server, obj: Obj) -> None:
         os.close(fd)
         srv.table.memfd_bytes -= obj.charge
 
+
+
+def recover_spilled(srv: Server) -> None:
+    """Take back the objects a killed daemon spilled to the directory (Note [Spilling]): under
+    their names, spilled; a file whose meta the daemon would refuse is reported and kept."""
+    table = srv.table
+    if table.spill is None:
+        return
+    for f in table.spill.recover():
+        try:
+            check_name(f.name)
+            _check_meta(f.meta, f.size)
+        except (Bad, TypeError, ValueError) as exc:
+            log.error("spill file %s is not an object the store would take (%s): left as it "
+                      "is", f.path, exc.args[-1])
+            table.spill.bytes -= f.size
+            continue
+        old = table.names.get(f.name)
+        if old is not None:
+            log.warning("spill files %s and %s both hold %r: the newer is kept", old.spilled,
+                        f.path, f.name)
+            table.unname(old)
+        table.add(Obj(table.new_oid(), f.name, f.size, f.meta, f.torch, 0, 0, 0, 0,
+                      sealed=True, write_seal="full", created=f.created, spilled=f.path,
+                      spill_at=f.data_at))
+        log.info("recovered spilled object %r (%d bytes) from %s", f.name, f.size, f.path)
 
 
 def name_of(h: dict[Any, Any]) -> str:

@@ -31,12 +31,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import _native
 from .._errors import SegmentError
 from .._plane.pool import Held, LendingPool
 from ..memory import OutOfMemoryError
 from ..memory._policy import format_size
-from ._packing import cgroup_refusal
+from ..memory._shm import _new_id
+from ._packing import allocate_pages, cgroup_refusal, new_memfd
 from ._protocol import StoreFull
+from ._spill import Spiller, write_from_fd, write_from_memory
 
 __all__ = ["Obj", "Table", "HostFull", "daemon_refusal"]
 
@@ -95,6 +98,8 @@ class Obj:
     created: float = field(default_factory=time.time)
     named: bool = True  # still under its name (not deleted, evicted or aborted)
     staged: bool = False  # its bytes come through the client's staging memfd (small objects)
+    spilled: str | None = None  # its spill file, while its bytes are there (Note [Spilling])
+    spill_at: int = 0  # where its bytes start in that file
 
     @property
     def block(self) -> Any:
@@ -103,6 +108,8 @@ class Obj:
 
     @property
     def kind(self) -> str:
+        if self.spilled is not None:
+            return "spilled"
         return "arena" if self.held is not None else "memfd" if self.fd >= 0 else "empty"
 
     @property
@@ -137,9 +144,11 @@ class Table:
         ones held 35.7 MB where 18.9 MB do.
     """
 
-    def __init__(self, limit: int | None, evict: bool, on_drop: Any) -> None:
+    def __init__(self, limit: int | None, evict: bool, on_drop: Any, spill: Spiller | None = None
+                 ) -> None:
         self.limit = limit
-        self.evict = evict
+        self.spill = spill  # room is made by spilling what --evict would evict (Note [Spilling])
+        self.evict = evict or spill is not None
         self._on_drop = on_drop  # on_drop(seg_id): a segment clients may map is gone
         self.names: dict[str, Obj] = {}
         self.objects: dict[int, Obj] = {}  # oid -> every object not freed yet
@@ -248,7 +257,7 @@ class Table:
                 all_idle[o.seg_id] = all_idle.get(o.seg_id, True) and idle
             elif idle:
                 freed += o.charge
-            if idle:
+            if idle and self.spill is None:  # a spilled object keeps its description here
                 freed += len(o.meta)
         wholly_free = max(0, self.provider.used - sum(sizes.values()))  # cached, no object
         return freed + wholly_free + sum(n for sid, n in sizes.items() if all_idle[sid])
@@ -256,10 +265,30 @@ class Table:
     def _evict_one(self) -> bool:
         if not self.evict or not self._idle:
             return False
+        if self.spill is not None:
+            return self._spill_one()
         oid, _ = self._idle.popitem(last=False)
         obj = self.objects[oid]
         self.evicted += 1
         self.unname(obj)
+        return True
+
+    def _spill_one(self) -> bool:
+        """Spill the least recently used unreferenced object that holds memory (Note [Spilling]);
+        StoreFull (and nothing spilled) if the spill directory is full."""
+        assert self.spill is not None
+        obj = next((o for o in map(self.objects.__getitem__, self._idle) if o.size), None)
+        if obj is None:
+            return False
+        if obj.held is not None:
+            view = memoryview(_native.Lease(None, obj.held.block.address, obj.size, readonly=True))
+            source = write_from_memory(view)
+        else:
+            source = write_from_fd(obj.fd, obj.size)
+        obj.spilled, obj.spill_at = self.spill.write(obj.oid, obj.name, obj.size, obj.meta,
+                                                     obj.torch, obj.created, source)
+        del self._idle[obj.oid]
+        self._let_go_of_memory(obj)
         return True
 
     def _full(self, need: int, what: str, *, size: int | None = None, counted: str = "",
@@ -293,9 +322,10 @@ class Table:
                    f"under a limit of {format_size(limit)}: restart the store with a larger "
                    "--limit (`shmshare serve --limit ...`), or put less at once.")
         elif self.evict:
-            fix = ("It runs with --evict, but nothing unreferenced is left to evict: getters "
-                   "hold views of the rest. Drop those views or delete objects (Store.delete), "
-                   "or restart the store with a larger --limit.")
+            how = "--spill, but nothing unreferenced is left to spill" if self.spill else \
+                "--evict, but nothing unreferenced is left to evict"
+            fix = (f"It runs with {how}: getters hold views of the rest. Drop those views or "
+                   "delete objects (Store.delete), or restart the store with a larger --limit.")
         else:
             fix = ("To make room: delete objects that are no longer needed (Store.delete), "
                    "restart the store with a larger --limit, or run `shmshare serve --evict` so "
@@ -371,7 +401,7 @@ class Table:
         self.meta_bytes += len(obj.meta)
         self.names[obj.name] = obj
         self.objects[obj.oid] = obj
-        if obj.sealed:
+        if obj.sealed and obj.spilled is None:
             self._idle[obj.oid] = None
 
     def seal(self, obj: Obj) -> None:
@@ -429,11 +459,44 @@ class Table:
         if not obj.refs:
             self._free(obj)
 
+    def restore(self, obj: Obj) -> None:
+        """Read a spilled object back into a memfd of the daemon's own, sealed against writes,
+        making room as a put does (StoreFull, and it stays spilled, if there is none)."""
+        assert self.spill is not None and obj.spilled is not None
+        what = f"spilled object {obj.name!r}"
+        refused = daemon_refusal(-(-obj.size // _PAGE) * _PAGE, what)
+        if refused is not None:
+            raise refused
+        charge = self.charge_memfd(obj.size, what)
+        try:
+            fd = new_memfd(obj.size, what)
+            try:
+                allocate_pages(fd, obj.size, what)
+                self.spill.read_into(obj.spilled, obj.size, obj.spill_at, fd)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
+            except BaseException:
+                os.close(fd)
+                raise
+        except BaseException:
+            self.memfd_bytes -= charge
+            raise
+        self.spill.remove(obj.spilled, obj.size)
+        obj.spilled, obj.fd, obj.charge, obj.seg_id, obj.offset = None, fd, charge, _new_id(), 0
+        obj.write_seal = "full"
+        self._idle[obj.oid] = None  # in memory again: its get takes a reference next
+
     def _free(self, obj: Obj) -> None:
         if self.objects.pop(obj.oid, None) is None:
             return
         self.freed += 1
         self.meta_bytes -= len(obj.meta)
+        self._let_go_of_memory(obj)
+        if obj.spilled is not None and self.spill is not None:
+            self.spill.remove(obj.spilled, obj.size)
+            obj.spilled = None
+
+    def _let_go_of_memory(self, obj: Obj) -> None:
+        """Its pool block back to the pool, or its memfd closed (freed, or spilled)."""
         if obj.held is not None:
             self.free_held(obj)
             if self._cached_arena() > self.cache_limit:
@@ -488,6 +551,11 @@ class Table:
             "arena_allocated_bytes": st["allocated_bytes.all.current"],
             "limit": self.limit, "evict": self.evict, "evicted": self.evicted,
             "freed": self.freed, "pending": len(self.pending),
+            "spilled": sum(1 for o in self.objects.values() if o.spilled is not None),
+            "spilled_bytes": 0 if self.spill is None else self.spill.bytes,
+            "spills": 0 if self.spill is None else self.spill.spilled,
+            "restores": 0 if self.spill is None else self.spill.restored,
+            "spill_dir": None if self.spill is None else self.spill.dir,
             "cache_limit": self.cache_limit,
         }
 
