@@ -43,17 +43,9 @@ from .._plane.borrow import populate as populate_pages
 from .._plane.flusher import Waker, start_flusher
 from .._timeouts import check_timeout
 from .._typevars import V
+from . import _inherited as inherited
 from . import _putting as putting
 from ._flusher import Flushing, Queued
-from ._inherited import (
-    copies_made,
-    forget_store,
-    is_pool,
-    map_shared,
-    reused_by_daemon,
-    track_store,
-    track_view,
-)
 from ._packing import Plan, build, one_array_meta
 from ._protocol import (
     BUSY,
@@ -135,7 +127,7 @@ class Store(Generic[V]):
         # left, since views hold it) is collected, and the thread then ends
         self._flushing = Flushing(self)
         self._flusher = start_flusher(self._flushing, self._waker, "shmshare-store-flusher")
-        track_store(self)
+        inherited.track_store(self)
 
     # -- the API -------------------------------------------------------------------
 
@@ -469,7 +461,7 @@ class Store(Generic[V]):
         self._waker.poke()
 
     def _take_released(self) -> builtins.list[int]:
-        copies_made()  # a child forked with views copies them before we give references back
+        inherited.copies_made()  # a child forked with views copies them before we give references back
         q, out = self._released, []
         while q:
             out.append(q.popleft())
@@ -514,7 +506,7 @@ class Store(Generic[V]):
                 return build(meta, 0, 0, None, True, done, True)
             pool = False
             if private:  # a tensor's copy-on-write mapping: of a pool segment, a forked child
-                pool = bool(fds) and reused_by_daemon(fds[0].fileno())  # copies it (its
+                pool = bool(fds) and inherited.reused_by_daemon(fds[0].fileno())  # copies it (its
                 root = self._map(fds, h.get("n"), None)  # untouched pages are the daemon's)
             assert root is not None
             if not 0 <= off <= off + size <= root.nbytes:
@@ -523,7 +515,7 @@ class Store(Generic[V]):
             if populate:
                 populate_pages(root, off, size)
             return build(meta, root.address + off, size, root, not private, done, not private,
-                         track_view if pool or is_pool(root) else None)
+                         inherited.track_view if pool or inherited.is_pool(root) else None)
         except BaseException:
             done()
             raise
@@ -539,7 +531,7 @@ class Store(Generic[V]):
             return self._segs.map_private(fds[0], nbytes)
         if type(seg) is not int:
             raise ProtocolError(f"the store named segment {seg!r}")
-        return map_shared(self._segs, seg, fds.pop(), nbytes)
+        return inherited.map_shared(self._segs, seg, fds.pop(), nbytes)
 
     def _wait(self, name: str, seconds: float) -> None:
         """Wait on a connection of its own until `name` is sealed (Note [Replies owed])."""
@@ -573,7 +565,7 @@ class Store(Generic[V]):
             self._drop_staging()
             self._segs.clear()
             self._wsegs.clear()
-        forget_store(self)
+        inherited.forget_store(self)
         return True
 
     def _after_fork(self) -> None:

@@ -103,7 +103,7 @@ def test_a_full_spill_directory_refuses_the_put_and_loses_nothing(sockdir: str, 
         s.put("a", pattern(1, OBJ))
         s.put("b", pattern(2, OBJ))
         _limit_files(d.pid, MiB)
-        with pytest.raises(StoreFull, match="spill directory .* is full") as info:
+        with pytest.raises(StoreFull, match=r"spill directory .* is full") as info:
             s.put("c", pattern(3, OBJ))
         assert "stays in memory" in str(info.value) and spill in str(info.value)
         assert _files(spill) == [] and _kinds(s) == {"a": "memfd", "b": "memfd"}
