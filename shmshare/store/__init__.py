@@ -14,7 +14,8 @@ loop and requests), ``_making.py`` (its put, create and seal), ``_client.py``
 (``Store``), ``_flusher.py`` (what a client sends and reads while idle),
 ``_inherited.py`` (what a forked child does with the Stores and views it inherits),
 ``_launch.py`` (``shmshare serve`` and ``Daemon``), ``_find.py`` (the daemons
-``stat`` finds).
+``stat`` finds), ``_putting.py`` (a client's puts and creates: warm, immutable or
+staged), ``_spill.py`` (spill files).
 """
 
 from __future__ import annotations
