@@ -346,9 +346,11 @@ class Server:
         if obj.spilled is not None:
             try:
                 table.restore(obj)  # StoreFull when no room can be made: it stays spilled
-            except OSError as exc:
-                raise Bad(BAD, f"spilled object {name!r} could not be read back from "
-                          f"{obj.spilled!r}: {exc}") from exc
+            except StoreFull:
+                raise
+            except (OSError, StoreError) as exc:  # the daemon's trouble: told, not dropped
+                raise Bad("daemon", f"the store daemon (pid {os.getpid()}) could not read "
+                          f"spilled object {name!r} back: {exc}") from exc
         if obj.write_seal == "future":
             table.write_seal(obj)
         reply = {"k": "obj", "o": obj.oid, "i": obj.seg_id, "off": obj.offset, "s": obj.size,

@@ -472,7 +472,7 @@ class Table:
             fd = new_memfd(obj.size, what)
             try:
                 allocate_pages(fd, obj.size, what)
-                self.spill.read_into(obj.spilled, obj.size, obj.spill_at, fd)
+                self.spill.read_into(obj.spilled, obj.name, obj.size, fd)
                 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE)
             except BaseException:
                 os.close(fd)
@@ -535,6 +535,8 @@ class Table:
         self.names.clear()
         self._idle.clear()
         self.arena.empty_cache()
+        if self.spill is not None:
+            self.spill.close()
         for fd in self.ro_fds.values():
             os.close(fd)
         self.ro_fds.clear()

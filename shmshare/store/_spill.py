@@ -31,6 +31,7 @@ Note [Spilling]
 from __future__ import annotations
 
 import errno
+import fcntl
 import itertools
 import logging
 import os
@@ -94,6 +95,8 @@ class Spiller:
 
     def __init__(self, directory: str) -> None:
         self.dir = check_spill_dir(directory)
+        self._lock_fd = -1
+        self.lock()
         self.bytes = 0  # object bytes in spill files now
         self.spilled = 0  # spills ever
         self.restored = 0  # objects read back ever
@@ -131,13 +134,22 @@ class Spiller:
         self.spilled += 1
         return final, data_at
 
-    def read_into(self, path: str, size: int, data_at: int, fd: int) -> None:
-        """Copy a spill file's `size` bytes into `fd` (a memfd) from offset 0."""
-        src = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    def read_into(self, path: str, name: str, size: int, fd: int) -> None:
+        """Copy the bytes of object `name` (`size` bytes) from its spill file into `fd` (a
+        memfd) from offset 0: StoreError unless the file is still that object's own."""
         try:
-            if os.fstat(src).st_size < data_at + size:
-                raise StoreError(f"the spill file {path!r} is shorter than its object: it was "
-                                 "cut short outside the store")
+            src = _open(path)
+        except OSError as exc:
+            raise StoreError(f"the spill file {path!r} of object {name!r} cannot be read "
+                             f"({exc.strerror}): it was removed or changed outside the store, "
+                             "and the object is lost") from exc
+        try:
+            f = _parse_header(src, path)
+            if (f.name, f.size) != (name, size):
+                raise StoreError(f"the spill file {path!r} holds {f.name!r} ({f.size} bytes), "
+                                 f"not object {name!r} ({size} bytes): it was replaced outside "
+                                 "the store")
+            data_at = f.data_at
             done = 0
             while done < size:
                 n = os.sendfile(fd, src, data_at + done, min(_CHUNK, size - done))
@@ -149,9 +161,31 @@ class Spiller:
         self.restored += 1
 
     def remove(self, path: str, size: int) -> None:
-        """The object is back in memory, or gone: its file goes."""
-        _unlink(path)
+        """The object is back in memory, or gone: its file goes (one that cannot be removed is
+        logged: a daemon started on the directory would take it back)."""
         self.bytes -= size
+        try:
+            _unlink(path)
+        except OSError as exc:
+            log.error("cannot remove spill file %s (%s): a daemon started on %s would take "
+                      "its object back; remove it by hand", path, exc, self.dir)
+
+    def lock(self) -> None:
+        """Hold the directory for this daemon (a second one on it would take its files)."""
+        fd = os.open(os.path.join(self.dir, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC,
+                     0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            raise StoreError(f"--spill {self.dir!r} is in use by another store daemon (its "
+                             "lock is held): give each daemon a directory of its own") from exc
+        self._lock_fd = fd
+
+    def close(self) -> None:
+        if self._lock_fd >= 0:
+            fd, self._lock_fd = self._lock_fd, -1
+            os.close(fd)  # the lock goes with it
 
     def recover(self) -> list[SpillFile]:
         """The objects a killed daemon left in the directory (oldest first); a killed spill's
@@ -175,12 +209,27 @@ class Spiller:
         return found
 
 
+def _open(path: str) -> int:
+    """Open a spill file to read: never through a symlink, never blocking (a FIFO), and only a
+    regular file."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file")
+    return fd
+
+
 def _read_header(path: str) -> SpillFile:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    fd = _open(path)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise StoreError("not a regular file")
+        return _parse_header(fd, path)
+    finally:
+        os.close(fd)
+
+
+def _parse_header(fd: int, path: str) -> SpillFile:
+    st = os.fstat(fd)
+    try:
         head = os.pread(fd, len(MAGIC) + 8, 0)
         if len(head) < len(MAGIC) + 8 or head[:len(MAGIC)] != MAGIC:
             raise StoreError("no spill file's magic")
@@ -198,11 +247,9 @@ def _read_header(path: str) -> SpillFile:
         if st.st_size < data_at + size:
             raise StoreError(f"{st.st_size} bytes, short of its object's {size}")
         return SpillFile(path, name, size, meta, torch, float(created), data_at)
-    except (KeyError, TypeError, msgpack.ExtraData, msgpack.FormatError,
+    except (KeyError, TypeError, ValueError, msgpack.ExtraData, msgpack.FormatError,
             msgpack.StackError) as exc:
-        raise StoreError(f"a malformed header ({exc!r})") from exc
-    finally:
-        os.close(fd)
+        raise StoreError(f"{path!r}: a malformed header ({exc!r})") from exc
 
 
 def _write_all(fd: int, data: bytes | memoryview, offset: int) -> None:

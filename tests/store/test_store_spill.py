@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from shmshare.store import Daemon, Store, StoreFull
+from shmshare.store import Daemon, Store, StoreError, StoreFull
 from shmshare.testing import pattern, wait_until
 
 from .helpers import WAIT
@@ -39,7 +39,7 @@ def _kinds(s: Store) -> dict[str, str]:
 
 
 def _files(spill: str) -> list[str]:
-    return sorted(os.listdir(spill))
+    return sorted(f for f in os.listdir(spill) if not f.startswith("."))  # not its .lock
 
 
 def test_past_the_limit_the_least_recently_used_object_is_spilled_and_read_back(
@@ -158,3 +158,64 @@ def test_spill_needs_a_limit_no_evict_and_a_private_directory(tmp_path) -> None:
     assert got.returncode == 1 and "not writable by others (chmod 700)" in got.stderr
     with pytest.raises(ValueError, match="no --limit was given"):
         Daemon.start(tmp_path / "y.sock", spill=tmp_path / "s")
+
+
+def test_a_spill_file_changed_outside_the_store_is_an_error_not_a_drop_nor_its_bytes(
+        sockdir: str, tmp_path) -> None:
+    """Cut short, replaced by another object's file, or by a symlink or a FIFO: the get raises a
+    StoreError naming the file, and the client keeps its connection and its other views."""
+    spill = str(tmp_path / "spill")
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"A" * (OBJ * 4 + 8192))
+    with _daemon(sockdir, spill) as d, Store(d.path) as s:
+        s.put("held", pattern(9, 100))
+        held = s.get("held")
+        for k, tamper in enumerate(("truncate", "swap", "symlink", "fifo")):
+            a, b, c = f"a{k}", f"b{k}", f"c{k}"
+            s.put(a, pattern(1, OBJ))
+            s.put(b, pattern(2, OBJ))
+            s.put(c, pattern(3, OBJ))  # a is spilled
+            s.put(f"d{k}", pattern(4, OBJ))  # and b
+            files = {s2: os.path.join(spill, f) for f in _files(spill)
+                     for s2 in (a, b) if _owner(os.path.join(spill, f)) == s2}
+            path = files[a]
+            if tamper == "truncate":
+                os.truncate(path, 5000)
+            elif tamper == "swap":
+                os.replace(files[b], path)
+            elif tamper == "symlink":
+                os.unlink(path)
+                os.symlink(outside, path)
+            else:
+                os.unlink(path)
+                os.mkfifo(path)
+            with pytest.raises(StoreError, match="spill"):
+                s.get(a)
+            np.testing.assert_array_equal(held, pattern(9, 100))
+            assert s.info("held").refs == 1  # still connected, its reference kept
+            for name in (a, b, c, f"d{k}"):
+                with contextlib.suppress(KeyError):
+                    s.delete(name)
+            for f in os.listdir(spill):
+                if not f.startswith("."):
+                    os.unlink(os.path.join(spill, f))
+        del held
+
+
+def _owner(path: str) -> str | None:
+    """The object name a spill file holds, read as the daemon does."""
+    from shmshare.store._spill import _read_header
+
+    try:
+        return _read_header(path).name
+    except Exception:  # noqa: BLE001 - not a spill file
+        return None
+
+
+def test_a_second_daemon_on_a_spill_directory_in_use_is_refused(sockdir: str, tmp_path) -> None:
+    spill = str(tmp_path / "spill")
+    with _daemon(sockdir, spill):
+        got = subprocess.run([sys.executable, "-m", "shmshare", "serve", "--socket",
+                              str(tmp_path / "second.sock"), "--limit", "8M", "--spill", spill],
+                             capture_output=True, text=True, timeout=WAIT)
+        assert got.returncode == 1 and "in use by another store daemon" in got.stderr
