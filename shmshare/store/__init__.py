@@ -4,8 +4,9 @@
 socket); ``Store()`` connects to it. ``put(name, value)`` stores an array,
 a CPU tensor or a nested batch of them, sealed; ``create`` + ``seal`` fills
 one in place; ``get(name)`` returns it as read-only zero-copy views. Objects
-outlive their producer; memory comes back once the name is deleted and the
-last view of it is gone. See ``docs/store.md``.
+outlive their producer; an object's memory is free again once the name is
+deleted and the last view of it is gone (kept warm in the daemon's pool for
+later puts). See ``docs/store.md``.
 
 Files: ``_protocol.py`` (frames, errors, the socket path), ``_packing.py``
 (a value as one object's bytes, and views back), ``_objects.py`` (the

@@ -138,7 +138,8 @@ class Store(Generic[V]):
         the store's warm pool (Note [Warm memory] in ``_putting.py``)."""
         check_name(name)
         _check_flag(immutable, "put", "immutable")
-        putting.put(self, name, Plan(value), bool(replace), immutable)
+        _check_flag(replace, "put", "replace")
+        putting.put(self, name, Plan(value), replace, immutable)
 
     @overload
     def create(self, name: str, shape: _Shape, dtype: type[_ScalarT] | np.dtype[_ScalarT], *,

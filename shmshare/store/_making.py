@@ -62,9 +62,8 @@ def room(srv: Server, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None
         raise Bad(EXISTS, _exists(name))
     if len(client.pending) >= _MAX_PENDING:
         raise Bad(BAD, f"{_MAX_PENDING} warm puts of this client are unfinished already")
-    srv.table.could_ever_fit(_pages(size), f"object {name!r}", srv.table.names.get(name)
-                             if replace else None, size)
-    obj = warm_object(srv, client, name, size, b"", False)
+    old = srv.table.names.get(name) if replace else None
+    obj = warm_object(srv, client, name, size, b"", False, old)
     client.pending[obj.oid] = obj
     srv.table.pending[obj.oid] = obj
     reply = {"k": "room", "o": obj.oid}
@@ -73,10 +72,12 @@ def room(srv: Server, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None
     srv._reply(client, reply, send)
 
 def warm_object(srv: Server, client: _Client, name: str, size: int, meta: bytes,
-                torch: bool) -> Obj:
-    """An object of LARGE bytes or more in the pool: without evicting, unless --evict is on and
-    its segment is its own size (from MIN_LARGE_ALLOC: a smaller one would take a 20 MiB
-    segment, where its own memfd takes its pages)."""
+                torch: bool, old: Obj | None = None) -> Obj:
+    """An object of LARGE bytes or more in the pool: in room the pool has (free room in its
+    segments counts, under a limit too); evicting only with --evict, and only from
+    MIN_LARGE_ALLOC (a smaller one would take a 20 MiB segment, where its own memfd takes its
+    pages), and not unless it could fit once every unreferenced object (and `old`, which a put
+    replaces) went."""
     what = f"object {name!r}"
     try:
         held = srv.table.malloc(size, what, evict=False)
@@ -85,6 +86,7 @@ def warm_object(srv: Server, client: _Client, name: str, size: int, meta: bytes,
     except StoreFull:
         if not srv.table.evict or size < MIN_LARGE_ALLOC:
             raise
+        srv.table.could_ever_fit(_pages(size), what, old, size)
         held = srv.table.malloc(size, what, evict=True)
     return Obj(srv.table.new_oid(), name, size, meta, torch, held.seg.id,
                held.block.address - held.seg.address, held.block.size, client.id, held=held)
@@ -177,7 +179,15 @@ def frees_room_for(srv: Server, old: Obj, size: int, memfd: bool) -> bool:
         return False
     if old.fd >= 0:  # a memfd (a large object's, or a small one's under a tight limit)
         return old.charge >= -(-size // _PAGE) * _PAGE
-    return not memfd and old.block is not None and old.block.size >= size
+    if old.block is None:
+        return False
+    if not memfd:
+        return bool(old.block.size >= size)
+    # a pool object replaced by a memfd one: its segment goes back (trimmed) if it is alone there
+    seg = old.block.segment
+    alone = not any(o.seg_id == old.seg_id and o is not old
+                    for o in (*srv.table.objects.values(), *srv.table.pending.values()))
+    return alone and bool(seg.size >= -(-size // _PAGE) * _PAGE)
 
 def unname(srv: Server, obj: Obj) -> None:
     for c in srv._clients.values():
@@ -193,7 +203,8 @@ def create(srv: Server, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> No
         check_memfd(srv, name, size, fds, sealed=False)
     elif warm and size < LARGE:
         raise Bad(BAD, f"a warm create is of {LARGE} bytes or more, got {size}")
-    srv.table.could_ever_fit(len(meta) + _pages(size), f"object {name!r}", None, size)
+    if not warm or fds:  # a warm one looks for room in the pool first (warm_object)
+        srv.table.could_ever_fit(len(meta) + _pages(size), f"object {name!r}", None, size)
     srv.table.room_for_meta(len(meta), f"object {name!r}")
     reply: dict[str, Any] = {"k": "ok"}
     send: list[int] = []

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from .. import _cgroup, _native, tensors
+from .. import _cgroup, _native, _segcalls, tensors
 from .._errors import SegmentError, making_fds
 from ._protocol import ALIGN, MAX_META, StoreError
 
@@ -201,11 +201,13 @@ def allocate_pages(fd: int, size: int, what: str) -> None:
 
 
 def check_cgroup(size: int, what: str) -> None:
-    """SegmentError(ENOMEM) unless this process's memory cgroup can take `size` more bytes."""
-    refused = cgroup_refusal(-(-size // _native.PAGE_SIZE) * _native.PAGE_SIZE, what,
-                             "this process", _CLIENT_FIX)
+    """SegmentError(ENOMEM) unless this process's memory cgroup, and the host, can take `size`
+    more bytes (past the host's, the OOM killer may pick any process)."""
+    pages = -(-size // _native.PAGE_SIZE) * _native.PAGE_SIZE
+    refused = cgroup_refusal(pages, what, "this process", _CLIENT_FIX)
     if refused is not None:
         raise SegmentError(errno.ENOMEM, refused)
+    _segcalls.check_host(pages, f"memfd of {what}")
 
 
 def write_memfd(plan: Plan, name: str) -> int:

@@ -120,7 +120,7 @@ class ObjectInfo:
 
 def raise_for(code: str, text: str) -> None:
     """Raise the exception an ``err`` reply of `code` means."""
-    if code in (NOT_FOUND, NOT_SEALED, ABORTED):
+    if code in (NOT_FOUND, NOT_SEALED, ABORTED, NOT_YOURS):
         raise ObjectNotFound(text)
     if code == EXISTS:
         raise ObjectExists(text)

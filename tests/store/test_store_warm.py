@@ -356,3 +356,41 @@ def test_a_put_refused_for_its_meta_gives_its_room_back(own_daemon: Daemon) -> N
             assert s.stats()["pending"] == 0
     finally:
         conn.close()
+
+
+# -- what a new user's review found ----------------------------------------------------------
+
+
+@pytest.mark.daemon_args(limit=64 * MiB)
+def test_replacing_a_large_object_under_a_limit_it_fits_once_works(own_daemon: Daemon) -> None:
+    """40 MiB put twice with replace=True under 64 MiB: no room for two in the pool, so the new
+    one takes a memfd of its own, for which the old one (unreferenced, alone in its segment) is
+    let go first -- as delete and put would."""
+    with Store(own_daemon.path) as s:
+        s.put("w", np.ones(40 * MiB, np.uint8))
+        s.put("w", np.full(40 * MiB, 2, np.uint8), replace=True)
+        assert int(s.get("w")[-1]) == 2
+        s.put("w", np.full(40 * MiB, 3, np.uint8), replace=True)
+        assert int(s.get("w")[0]) == 3 and s.stats()["objects"] == 1
+
+
+@pytest.mark.daemon_args(limit=24 * MiB)
+def test_under_a_limit_free_room_in_a_pool_segment_takes_a_warm_put(own_daemon: Daemon) -> None:
+    with Store(own_daemon.path) as s:
+        s.put("a", np.ones(5 * MiB, np.uint8))  # a 20 MiB segment, 15 MiB of it free
+        s.put("b", np.ones(5 * MiB, np.uint8))
+        assert s.info("a").kind == s.info("b").kind == "arena"
+
+
+def test_seal_of_a_created_object_another_client_replaced_raises_key_error(
+        own_daemon: Daemon) -> None:
+    with Store(own_daemon.path) as a, Store(own_daemon.path) as b:
+        arr = a.create("x", (2 * MiB,), np.uint8)
+        b.put("x", np.zeros(2 * MiB, np.uint8), replace=True)
+        with pytest.raises(KeyError):
+            a.seal("x")
+        with pytest.raises(KeyError, match="not created through this Store"):
+            a.seal("x")  # forgotten: the same error, not the daemon's again
+        with pytest.raises(TypeError, match=r"put\(replace=...\) takes True or False"):
+            a.put("y", 1, replace="no")  # type: ignore[arg-type]
+        del arr
