@@ -61,6 +61,22 @@ def extent(obj: Buffer | np.ndarray[Any, Any], /) -> tuple[int, int, int]:
     """(address, lo, span): where element 0 of a strided buffer lies, and the bytes its elements
     cover, [address + lo, address + lo + span); an empty buffer gives lo = span = 0."""
 
+def add64(address: int, delta: int, /) -> int:
+    """Atomically add `delta` to the 8-byte word at `address`; the new value (seq_cst)."""
+
+def load64(address: int, /) -> int:
+    """The 8-byte word at `address`, loaded seq_cst."""
+
+def store64(address: int, value: int, /) -> None:
+    """Store `value` in the 8-byte word at `address`, seq_cst."""
+
+class Unref:
+    """Calling it subtracts 1 from the 8-byte word at `address` (seq_cst); it keeps `keep1` and
+    `keep2` alive, out of the garbage collector's reach."""
+
+    def __init__(self, address: int, keep1: object, keep2: object, /) -> None: ...
+    def __call__(self) -> None: ...
+
 def cas64(buffer: Buffer, index: int, expected: int, desired: int, /) -> int:
     """Atomically set the `index`-th 8-byte word of a writable, 8-byte aligned buffer to
     `desired` if it holds `expected`; return the value found (swapped iff it equals `expected`)."""

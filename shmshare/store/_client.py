@@ -45,7 +45,8 @@ from .._timeouts import check_timeout
 from .._typevars import V
 from . import _inherited as inherited
 from . import _putting as putting
-from ._flusher import Flushing, Queued
+from ._fastget import MISS, FastGets
+from ._flusher import Flushing, Queued, late, late_lost
 from ._packing import Plan, build, one_array_meta
 from ._protocol import (
     BUSY,
@@ -125,6 +126,7 @@ class Store(Generic[V]):
         self._gone_as: type[StoreError] = StoreGone  # ... and what that raises
         # the thread holds the Store only weakly: a Store dropped unclosed (and with no view
         # left, since views hold it) is collected, and the thread then ends
+        self._fastgets = FastGets()
         self._flushing = Flushing(self)
         self._flusher = start_flusher(self._flushing, self._waker, "shmshare-store-flusher")
         inherited.track_store(self)
@@ -198,15 +200,22 @@ class Store(Generic[V]):
         there); else it waits that many seconds for one to be put or sealed (ShmshareTimeout after).
         `populate`: fill this process's page tables for the whole object first, so reading it
         faults no more (Note [Populate on request] in ``_plane/borrow.py``: not faster here)."""
+        if type(name) is str and timeout is None and populate is False:
+            got: V = self._fastgets.get(self, name, False)  # Note [Gets without a round trip]
+            if got is not MISS:  # (a name got before: valid)
+                return got
         check_name(name)
         _check_flag(populate, "get", "populate")
         check_timeout(timeout, "get", zero=True)  # NaN and negatives too
+        got = self._fastgets.get(self, name, populate)
+        if got is not MISS:
+            return got
         deadline = None if timeout is None else time.monotonic() + max(0.0, float(timeout))
         while True:
             try:
                 # the daemon gets at least _MIN_ANSWER to answer, even with timeout=0
                 left = None if deadline is None else max(_MIN_ANSWER, deadline - time.monotonic())
-                got: V = self._get_now(name, left, populate)  # what was put, by the Store's word (V)
+                got = self._get_now(name, left, populate)  # what was put, by the Store's word (V)
                 return got
             except ObjectNotFound:
                 if deadline is None:
@@ -274,8 +283,8 @@ class Store(Generic[V]):
     def _idle(self) -> bool:
         """No view of a get is alive (their releases may still be queued) and no warm put is
         writing its room (the daemon would give it to another put), or no daemon."""
-        return (self._out - len(self._released) <= 0 and not self._putting) or \
-            self._gone is not None
+        return (self._out - len(self._released) <= 0 and not self._putting
+                and not self._fastgets.out()) or self._gone is not None
 
     def __del__(self) -> None:
         # collected unclosed, so no view is left (each holds the Store): end the connection
@@ -382,45 +391,10 @@ class Store(Generic[V]):
         return h, got
 
     def _late_lost(self, exc: FdLimitError) -> None:
-        """A frame read whose fds our table had no room for: what it stood for is undone."""
-        lost: Any = getattr(exc, "header", None)
-        if isinstance(lost, dict) and lost.get("k") == "drop":
-            self._dropped(lost.get("i"))
-        elif self._owed:
-            self._owed -= 1
-            if isinstance(lost, dict):
-                self._late(lost, [])
+        late_lost(self, exc)
 
     def _late(self, h: dict[Any, Any], got: builtins.list[Fd]) -> None:
-        """A reply of a request given up on (Note [Replies owed]): what it gave is given back."""
-        for f in got:
-            f.close()
-        self._check_busy(h)
-        self._waker.poke()  # what it gives back goes with the next flush
-        drops = h.get("d")
-        if isinstance(drops, list):
-            for seg in drops:
-                self._dropped(seg)
-        if h.get("k") == "room" or (h.get("k") == "ok" and "off" in h):
-            # a warm put's room, or a warm create (with its reference): given back
-            oid, seg = h.get("o"), h.get("i")
-            if type(oid) is int:
-                if h.get("k") == "room":
-                    self._abandon(oid)
-                else:
-                    self._out += 1
-                    self._released.append(oid)
-            if "n" in h and type(seg) is int and seg not in self._wsegs:
-                self._wforget.append(seg)
-        if h.get("k") == "obj":
-            oid = h.get("o")
-            if type(oid) is int:
-                self._out += 1
-                self._released.append(oid)  # the reference the get took
-            seg = h.get("i")
-            # "n": the reply carried the segment's fd (which we did not map, or never got)
-            if "n" in h and h.get("p") is not True and type(seg) is int and seg not in self._segs:
-                self._forget.append(seg)  # not mapped: the daemon must send it again
+        late(self, h, got)
 
     def _died(self, exc: Exception) -> StoreError:
         """The connection ended: StoreBusy if the daemon said it was full first, else StoreGone."""
@@ -502,6 +476,8 @@ class Store(Generic[V]):
                     f.close()
                 done()  # nothing of it lives on: give the reference back with the next request
                 raise
+            if not self._fastgets.tried:  # the daemon answers: fast gets from the next one on
+                self._fastgets.set_up(self, timeout)
         try:
             if size == 0:
                 return build(meta, 0, 0, None, True, done, True)
@@ -515,6 +491,8 @@ class Store(Generic[V]):
                                     f"{root.nbytes}-byte segment")
             if populate:
                 populate_pages(root, off, size)
+            if not private:
+                self._fastgets.remember(name, h, root)
             return build(meta, root.address + off, size, root, not private, done, not private,
                          inherited.track_view if pool or inherited.is_pool(root) else None)
         except BaseException:
@@ -566,6 +544,7 @@ class Store(Generic[V]):
             self._drop_staging()
             self._segs.clear()
             self._wsegs.clear()
+            self._fastgets.drop()
         inherited.forget_store(self)
         return True
 

@@ -32,8 +32,6 @@ import heapq
 import logging
 import os
 import signal
-import socket
-import stat
 import time
 from typing import Any
 
@@ -43,6 +41,7 @@ from .._fd import Fd
 from .._plane.trust import check_fd
 from .._pollserver import ACCEPT_PAUSE, PollServer
 from . import _making as making
+from ._index import HELD_POLL, WORDS, map_counts
 from ._making import Bad, name_of
 from ._objects import Obj, Table
 from ._protocol import (
@@ -57,6 +56,7 @@ from ._protocol import (
     StoreFull,
     check_dir,
     default_path,
+    remove_stale,
 )
 from ._spill import Spiller
 
@@ -110,7 +110,7 @@ class Server:
         self.path = os.fspath(path) if path is not None else default_path()
         if chosen:
             check_dir(self.path)
-        _remove_stale(self.path)
+        remove_stale(self.path)
         self.table = Table(limit, evict, self._dropped,
                            None if spill is None else Spiller(spill))
         making.recover_spilled(self)  # a killed daemon's spilled objects (Note [Spilling])
@@ -149,7 +149,9 @@ class Server:
         while heap and heap[0][1] not in self._waits:
             heapq.heappop(heap)  # woken or dropped since
         trim = self.table.trim_if_idle(now)
-        return min([t for t in (heap[0][0] if heap else None, trim) if t is not None], default=None)
+        held = now + HELD_POLL if self.table.fast_held and self.table.recheck_held() else None
+        return min([t for t in (heap[0][0] if heap else None, trim, held) if t is not None],
+                   default=None)
 
     def _accept(self, conn: wire.Connection) -> None:
         self.counts["clients"] += 1
@@ -226,6 +228,8 @@ class Server:
             if obj is not None:
                 table.unref(obj, client.id, n)
         client.refs.clear()
+        if table.index.counts.pop(client.id, None) is not None:  # its fast gets' views go too
+            table.recheck_held()
         for obj in client.pending.values():
             table.free_pending(obj)
         client.pending.clear()
@@ -375,6 +379,8 @@ class Server:
                 send.append(obj.fd)
                 reply["n"] = obj.size
             client.segments.add(obj.seg_id)
+        if obj.slot >= 0 and "p" not in reply:
+            reply["x"], reply["g"] = obj.slot, obj.gen  # its next get may skip us
         # the reference only now: a reply that could not be made (no fd for ro_fd) takes none
         table.ref(obj, client.id)
         client.refs[obj.oid] = client.refs.get(obj.oid, 0) + 1
@@ -415,7 +421,7 @@ class Server:
         obj = self.table.names.get(name)
         if obj is None:
             raise Bad(NOT_FOUND, f"no object {name!r} in the store")
-        self._reply(client, {"k": "info", "l": obj.entry(time.time())})
+        self._reply(client, {"k": "info", "l": self.table.entry(obj, time.time())})
 
     def _list(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
         after = h.get("a")
@@ -429,7 +435,7 @@ class Server:
             budget -= len(n.encode()) + 96
             if budget < 0 and page:
                 break
-            page.append(self.table.names[n].entry(now))
+            page.append(self.table.entry(self.table.names[n], now))
         self._reply(client, {"k": "list", "l": page, "more": len(names) > len(page)})
 
     def _stats(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
@@ -450,6 +456,17 @@ class Server:
             os.close(client.staging[0])
         client.staging = (fds[0].take(), size)
         self._reply(client, {"k": "ok"})
+
+    def _fast(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
+        """A client's counts of fast gets (Note [Gets without a round trip]); the index back."""
+        index = self.table.index
+        if len(fds) != 1 or client.id in index.counts:
+            raise Bad(BAD, "a fast request carries one fd, once per connection")
+        try:
+            index.counts[client.id] = map_counts(fds[0])
+        except ProtocolError as exc:
+            raise Bad(BAD, str(exc)) from exc
+        self._reply(client, {"k": "fast", "n": WORDS}, [index.ro_fd])
 
     def _wait(self, client: _Client, h: dict[Any, Any], fds: list[Fd]) -> None:
         name = name_of(h)
@@ -520,32 +537,8 @@ _HANDLERS: dict[str, Any] = {
     "put": making.put, "create": making.create, "seal": making.seal, "get": Server._get,
     "rel": Server._release, "unmapped": Server._unmapped, "del": Server._delete,
     "info": Server._info, "list": Server._list, "stats": Server._stats, "stage": Server._stage,
-    "wait": Server._wait, "room": making.room,
+    "wait": Server._wait, "room": making.room, "fast": Server._fast,
 }
-
-
-def _remove_stale(path: str) -> None:
-    """Remove a socket file nobody listens on (a killed daemon's); refuse a live one."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise StoreError(f"{path!r} is there and is not a socket: choose another --socket (a "
-                         "store never removes what is not its own)")
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    try:
-        s.settimeout(1.0)
-        s.connect(path)
-    except ConnectionRefusedError:
-        os.unlink(path)  # a socket nobody listens on: a killed daemon's
-        return
-    except OSError:
-        return  # not a socket, or not ours: the listener's own error says what it is
-    finally:
-        s.close()
-    raise StoreError(f"a store daemon already listens on {path!r}: stop it first (or choose "
-                     "another --socket)")
 
 
 def serve(path: str | None = None, limit: int | None = None, evict: bool = False,

@@ -16,11 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _fork
 from .._errors import FdLimitError, PeerDied, ShmshareError
+from .._fd import Fd
 
 if TYPE_CHECKING:
     from ._client import Store
 
-__all__ = ["Queued", "flush", "Flushing"]
+__all__ = ["Queued", "flush", "Flushing", "late", "late_lost"]
 
 IDLE_POLL = 1.0  # s a flush waits for a request in flight to end
 _pid = os.getpid()  # the process whose views queue releases (a forked child's do not)
@@ -44,6 +45,7 @@ class Queued:
 
 def flush(self: Store) -> None:
     """Send what waits (releases, unmapped notices), read drop frames and owed replies."""
+    self._fastgets.take_back()  # counts held for forked children, once copied (no lock: waits)
     gone: list[Any] = []  # mappings to let go of, outside the lock
     try:
         _flush_locked(self, gone)
@@ -131,7 +133,8 @@ class Flushing:
 
     def _flusher_pending(self) -> bool:
         store = self.ref()
-        return store is not None and bool(store._released or store._unmapped or store._drops)
+        return store is not None and bool(store._released or store._unmapped or store._drops
+                                          or store._fastgets.fork_holds)
 
     def _flusher_idle(self) -> None:
         store = self.ref()
@@ -141,6 +144,49 @@ class Flushing:
     def _flusher_done(self) -> bool:
         store = self.ref()
         return store is None or (store._closed and store._idle() and store._shutdown())
+
+
+def late_lost(self: Store, exc: FdLimitError) -> None:
+    """A frame read whose fds our table had no room for: what it stood for is undone."""
+    lost: Any = getattr(exc, "header", None)
+    if isinstance(lost, dict) and lost.get("k") == "drop":
+        self._dropped(lost.get("i"))
+    elif self._owed:
+        self._owed -= 1
+        if isinstance(lost, dict):
+            self._late(lost, [])
+
+
+def late(self: Store, h: dict[Any, Any], got: list[Fd]) -> None:
+    """A reply of a request given up on (Note [Replies owed]): what it gave is given back."""
+    for f in got:
+        f.close()
+    self._check_busy(h)
+    self._waker.poke()  # what it gives back goes with the next flush
+    drops = h.get("d")
+    if isinstance(drops, list):
+        for seg in drops:
+            self._dropped(seg)
+    if h.get("k") == "room" or (h.get("k") == "ok" and "off" in h):
+        # a warm put's room, or a warm create (with its reference): given back
+        oid, seg = h.get("o"), h.get("i")
+        if type(oid) is int:
+            if h.get("k") == "room":
+                self._abandon(oid)
+            else:
+                self._out += 1
+                self._released.append(oid)
+        if "n" in h and type(seg) is int and seg not in self._wsegs:
+            self._wforget.append(seg)
+    if h.get("k") == "obj":
+        oid = h.get("o")
+        if type(oid) is int:
+            self._out += 1
+            self._released.append(oid)  # the reference the get took
+        seg = h.get("i")
+        # "n": the reply carried the segment's fd (which we did not map, or never got)
+        if "n" in h and h.get("p") is not True and type(seg) is int and seg not in self._segs:
+            self._forget.append(seg)  # not mapped: the daemon must send it again
 
 
 def _after_fork_in_child() -> None:

@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from ._client import Store
 
 __all__ = ["track_store", "forget_store", "track_view", "is_pool", "reused_by_daemon",
-           "copies_made"]
+           "copies_made", "copy_in_place"]
 
 COPY_WAIT = 5.0  # s: the longest a parent's releases wait for a forked child to copy its views
 
@@ -139,7 +139,10 @@ def copies_made(wait: float = COPY_WAIT) -> None:
 
 def _before_fork() -> None:
     global _pipe
-    if _views and _pipe is None:
+    fast = False
+    for store in list(_stores):  # fast gets' views: counted once more until the children
+        fast = store._fastgets.hold_for_fork() or fast  # copied theirs (the flusher)
+    if (_views or fast) and _pipe is None:
         try:
             _pipe = os.pipe2(os.O_CLOEXEC)
         except OSError:  # no fd: the child's copy races the parent's releases, as it said
@@ -155,6 +158,10 @@ def _in_parent() -> None:
         with _copying_lock:
             _copying[:] = [fd for fd in _copying if not _done(fd)]  # a parent forking often keeps few
             _copying.append(r)
+    for store in list(_stores):  # only now: the child's pipe is there for copies_made to wait on
+        if store._fastgets.fork_pending:
+            store._fastgets.forked()
+            store._waker.poke()  # its flusher takes the holds back once the children copied
 
 
 def _done(fd: int) -> bool:
@@ -175,11 +182,14 @@ def _in_child() -> None:
     _copying.clear()
     # first the copies, then the Stores' connections closed: were the parent gone already
     # (it exited after fork), our copy of its connection is all that keeps its references
-    for lo, hi, writable in _ranges(list(_views)):
-        _copy_in_place(lo, hi - lo, writable)
+    fast = [place for store in list(_stores) for place in store._fastgets.live_views()]
+    for lo, hi, writable in _ranges([(v.address, v.nbytes, not v.readonly) for v in _views]
+                                    + [(address, n, False) for address, n in fast]):
+        copy_in_place(lo, hi - lo, writable)
     _views.clear()  # the copies are the child's own: a later fork need not copy them
     _pool_roots.clear()
     for store in list(_stores):
+        store._fastgets.in_child()  # its counts: a private copy, before any view dies here
         store._after_fork()  # its cached mappings go: what is left is held by views
     _stores.clear()
     if _pipe is not None:
@@ -193,12 +203,11 @@ def _in_child() -> None:
         os.close(w)
 
 
-def _ranges(views: list[_native.Lease]) -> list[tuple[int, int, bool]]:
-    """The pages `views` cover, as (start, end, writable) runs: overlapping or touching runs
-    merged (writable if any view in it is)."""
+def _ranges(views: list[tuple[int, int, bool]]) -> list[tuple[int, int, bool]]:
+    """The pages `views` (address, bytes, writable) cover, as (start, end, writable) runs:
+    overlapping or touching runs merged (writable if any view in it is)."""
     page = _native.PAGE_SIZE
-    spans = sorted((v.address - v.address % page, -(-(v.address + v.nbytes) // page) * page,
-                    not v.readonly) for v in views if v.nbytes)
+    spans = sorted((a - a % page, -(-(a + n) // page) * page, w) for a, n, w in views if n)
     out: list[tuple[int, int, bool]] = []
     for lo, hi, writable in spans:
         if out and lo <= out[-1][1]:
@@ -209,7 +218,7 @@ def _ranges(views: list[_native.Lease]) -> list[tuple[int, int, bool]]:
     return out
 
 
-def _copy_in_place(address: int, nbytes: int, writable: bool) -> None:
+def copy_in_place(address: int, nbytes: int, writable: bool) -> None:
     """Replace the `nbytes` mapped at `address` by a private copy of their bytes: sealed and
     read-only, or (`writable`: a warm create's array) the child's own to write."""
     what = "a forked child's copy of the store's pool blocks its views map"

@@ -32,13 +32,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import _native
-from .._errors import SegmentError
 from .._plane.pool import Held, LendingPool
 from ..memory import OutOfMemoryError
 from ..memory._policy import format_size
 from ..memory._shm import _new_id
-from ._packing import allocate_pages, cgroup_refusal, new_memfd
+from ._index import DaemonIndex
+from ._packing import allocate_pages, new_memfd
 from ._protocol import StoreFull
+from ._refusals import HostFull, amount, daemon_refusal, host_cause, objects
 from ._spill import Spiller, write_from_fd, write_from_memory
 
 __all__ = ["Obj", "Table", "HostFull", "daemon_refusal"]
@@ -58,23 +59,6 @@ def default_cache() -> int:
     except (OSError, ValueError):
         ram = 0
     return max(32 << 20, min(8 << 30, ram // 4))
-
-
-class HostFull(StoreFull):
-    """The daemon's own memory -- its memory cgroup, or the host -- cannot take an object's
-    pages (Note [Shared memory and the memory cgroup] in ``_packing``). Evicting is not tried
-    for it: room under --limit is not what is missing."""
-
-
-def daemon_refusal(nbytes: int, what: str) -> HostFull | None:
-    """The error for `nbytes` of shared memory the daemon's memory cgroup cannot take, if so."""
-    who = f"the store daemon (pid {os.getpid()})"
-    refused = cgroup_refusal(nbytes, what, who, (
-        "Delete objects, or raise that cgroup's limit (docker run --memory; memory.max, or "
-        "memory.limit_in_bytes on cgroup v1); a "
-        "`shmshare serve --limit` below it makes the store refuse (or, with --evict, evict) "
-        "before the cgroup is reached"))
-    return None if refused is None else HostFull(refused)
 
 
 @dataclass(eq=False)
@@ -100,6 +84,8 @@ class Obj:
     staged: bool = False  # its bytes come through the client's staging memfd (small objects)
     spilled: str | None = None  # its spill file, while its bytes are there (Note [Spilling])
     spill_at: int = 0  # where its bytes start in that file
+    slot: int = -1  # its word in the index, and its generation there (Note [Gets without a
+    gen: int = 0  # round trip] in _index.py); -1: not published
 
     @property
     def block(self) -> Any:
@@ -116,10 +102,6 @@ class Obj:
     def nrefs(self) -> int:
         return sum(self.refs.values())
 
-    def entry(self, now: float) -> list[Any]:
-        """The object as ``info``/``list`` tell it."""
-        return [self.name, self.size, self.sealed, self.nrefs, round(now - self.created, 3),
-                self.kind, self.write_seal, len(self.refs)]
 
 
 class Table:
@@ -168,6 +150,36 @@ class Table:
         # is made by trimming it first), else default_cache() (Note [Warm memory])
         self.cache_limit = limit if limit is not None else default_cache()
         self.pending: dict[int, Obj] = {}  # oid -> a warm put's block, filled by its client
+        self.index = DaemonIndex()  # Note [Gets without a round trip]
+        self.fast_held: dict[int, Obj] = {}  # oid -> freed but for views of fast gets
+
+    def entry(self, obj: Obj, now: float) -> list[Any]:
+        """The object as ``info``/``list`` tell it (views of fast gets counted)."""
+        fast, holders = self.index.count(obj.slot)
+        return [obj.name, obj.size, obj.sealed, obj.nrefs + fast, round(now - obj.created, 3),
+                obj.kind, obj.write_seal, len(holders | set(obj.refs))]
+
+    def publish(self, obj: Obj) -> None:
+        """Let fast gets find it (a new generation: its bytes may have moved)."""
+        if obj.size and obj.named and obj.sealed and obj.spilled is None:
+            obj.slot, obj.gen = self.index.publish(obj.slot)
+
+    def _held_by_fast_gets(self, obj: Obj) -> bool:
+        """Retire its slot, and whether fast gets' views still hold it (then published again:
+        it stays as it was)."""
+        if obj.slot < 0:
+            return False
+        self.index.retire(obj.slot)
+        if self.index.held(obj.slot):
+            self.publish(obj)
+            return True
+        return False
+
+    def recheck_held(self) -> bool:
+        """Free the objects fast gets' views no longer hold; whether some are still held."""
+        for obj in list(self.fast_held.values()):
+            self._free(obj)
+        return bool(self.fast_held)
 
     def sorted_names(self) -> list[str]:
         """The names in order (sorted once per change, not once per page of a listing)."""
@@ -215,7 +227,7 @@ class Table:
             try:
                 return self.pool.hold(self.arena.malloc(size), size, True)
             except OutOfMemoryError as exc:
-                if self.limit is None or _host_cause(exc) is not None:
+                if self.limit is None or host_cause(exc) is not None:
                     raise self._host_full(size, what, exc) from exc
                 # it needs a new segment of the pool (2 MiB for objects under 1 MiB)
                 need = max(size, _SMALL_SEGMENT)
@@ -251,7 +263,7 @@ class Table:
                 sizes[o.seg_id] = o.block.segment.size
                 all_idle[o.seg_id] = False
         for o in self.objects.values():
-            idle = evicting and o.oid in self._idle
+            idle = evicting and o.oid in self._idle and not self.index.held(o.slot)
             if o.block is not None:
                 sizes[o.seg_id] = o.block.segment.size
                 all_idle[o.seg_id] = all_idle.get(o.seg_id, True) and idle
@@ -267,17 +279,22 @@ class Table:
             return False
         if self.spill is not None:
             return self._spill_one()
-        oid, _ = self._idle.popitem(last=False)
-        obj = self.objects[oid]
-        self.evicted += 1
-        self.unname(obj)
-        return True
+        for oid in list(self._idle):  # least recently used first
+            obj = self.objects[oid]
+            if self._held_by_fast_gets(obj):
+                continue
+            del self._idle[oid]
+            self.evicted += 1
+            self.unname(obj)
+            return True
+        return False
 
     def _spill_one(self) -> bool:
         """Spill the least recently used unreferenced object that holds memory (Note [Spilling]);
         StoreFull (and nothing spilled) if the spill directory is full."""
         assert self.spill is not None
-        obj = next((o for o in map(self.objects.__getitem__, self._idle) if o.size), None)
+        obj = next((o for o in map(self.objects.__getitem__, list(self._idle))
+                    if o.size and not self._held_by_fast_gets(o)), None)
         if obj is None:
             return False
         if obj.held is not None:
@@ -285,8 +302,12 @@ class Table:
             source = write_from_memory(view)
         else:
             source = write_from_fd(obj.fd, obj.size)
-        obj.spilled, obj.spill_at = self.spill.write(obj.oid, obj.name, obj.size, obj.meta,
-                                                     obj.torch, obj.created, source)
+        try:
+            obj.spilled, obj.spill_at = self.spill.write(obj.oid, obj.name, obj.size, obj.meta,
+                                                         obj.torch, obj.created, source)
+        except BaseException:
+            self.publish(obj)  # retired for the spill, which did not happen
+            raise
         del self._idle[obj.oid]
         self._let_go_of_memory(obj)
         return True
@@ -303,17 +324,17 @@ class Table:
         besides = max(0, held - sum(o.size for o in objs)
                       - sum(o.size for o in self.pending.values()))
         if segment > need:  # the pool's segments are larger than small objects
-            asked = (f"{what} needs {_amount(need)} (and for it the store's pool a new "
+            asked = (f"{what} needs {amount(need)} (and for it the store's pool a new "
                      f"{format_size(segment)} segment)")
         elif size is not None and size != need:
-            asked = f"{what} of {_amount(size)} needs {need} bytes of the limit ({counted})"
+            asked = f"{what} of {amount(size)} needs {need} bytes of the limit ({counted})"
         else:
-            asked = f"{what} needs {_amount(need)}"
-        text = (f"{asked}, but the store's --limit is {_amount(limit)} and it holds "
+            asked = f"{what} needs {amount(need)}"
+        text = (f"{asked}, but the store's --limit is {amount(limit)} and it holds "
                 f"{format_size(held)} already, so {format_size(max(0, limit - held))} is free. "
-                f"It holds {_objects([o for o in objs if o.named], '')} by name, "
-                f"{_objects([o for o in objs if not o.named], 'deleted ')} that getters still "
-                f"view, {_objects(list(self.pending.values()), 'unfinished ')} that putters are "
+                f"It holds {objects([o for o in objs if o.named], '')} by name, "
+                f"{objects([o for o in objs if not o.named], 'deleted ')} that getters still "
+                f"view, {objects(list(self.pending.values()), 'unfinished ')} that putters are "
                 f"writing, and {format_size(besides)} besides (room between objects in its "
                 f"pool, the objects' descriptions); getters are viewing {format_size(viewed)} "
                 "of it.")
@@ -338,12 +359,12 @@ class Table:
                              f"the store's pool, for {what} ({format_size(size)})")
         if got is not None:
             return got
-        cause = _host_cause(exc) or exc
-        limit = f" under a --limit of {_amount(self.limit)}" if self.limit is not None else ""
-        return HostFull(f"{what} needs {_amount(size)}, and the store daemon (pid "
+        cause = host_cause(exc) or exc
+        limit = f" under a --limit of {amount(self.limit)}" if self.limit is not None else ""
+        return HostFull(f"{what} needs {amount(size)}, and the store daemon (pid "
                         f"{os.getpid()}) could not grow its pool: {cause}. The store holds "
                         f"{format_size(self.held_bytes)}{limit}, "
-                        f"{_objects(list(self.objects.values()), '')} among it. Delete objects "
+                        f"{objects(list(self.objects.values()), '')} among it. Delete objects "
                         "that are no longer needed (Store.delete), or give the daemon more "
                         "memory (the host's, or its container's).")
 
@@ -403,12 +424,14 @@ class Table:
         self.objects[obj.oid] = obj
         if obj.sealed and obj.spilled is None:
             self._idle[obj.oid] = None
+            self.publish(obj)
 
     def seal(self, obj: Obj) -> None:
         """Seal it (OSError, and left unsealed, if its memfd takes no write seal)."""
         if obj.fd >= 0:
             self.write_seal(obj)
         obj.sealed = True
+        self.publish(obj)
         if not obj.refs and obj.named:
             self._idle[obj.oid] = None
 
@@ -450,6 +473,7 @@ class Table:
 
     def unname(self, obj: Obj) -> None:
         """Take the object's name away (delete, evict, abort); free it unless it is viewed."""
+        self.index.retire(obj.slot)  # first: no fast get finds it from now on
         if obj.named:
             obj.named = False
             if self.names.get(obj.name) is obj:
@@ -483,11 +507,21 @@ class Table:
         self.spill.remove(obj.spilled, obj.size)
         obj.spilled, obj.fd, obj.charge, obj.seg_id, obj.offset = None, fd, charge, _new_id(), 0
         obj.write_seal = "full"
+        self.publish(obj)  # a new generation: fast gets cached its old place
         self._idle[obj.oid] = None  # in memory again: its get takes a reference next
 
     def _free(self, obj: Obj) -> None:
-        if self.objects.pop(obj.oid, None) is None:
+        if obj.oid not in self.objects:
             return
+        if obj.slot >= 0:
+            self.index.retire(obj.slot)
+            if self.index.held(obj.slot):  # a fast get's views: as a reference (recheck_held)
+                self.fast_held[obj.oid] = obj
+                return
+            self.index.free(obj.slot)
+            obj.slot = -1
+        self.fast_held.pop(obj.oid, None)
+        del self.objects[obj.oid]
         self.freed += 1
         self.meta_bytes -= len(obj.meta)
         self._let_go_of_memory(obj)
@@ -528,6 +562,7 @@ class Table:
         """Free everything (the daemon is stopping)."""
         for obj in list(self.pending.values()):
             self.free_pending(obj)
+        self.index.counts.clear()  # every client is gone: nothing holds anything
         for obj in list(self.objects.values()):
             obj.refs.clear()
             obj.named = False
@@ -537,6 +572,7 @@ class Table:
         self.arena.empty_cache()
         if self.spill is not None:
             self.spill.close()
+        self.index.close()
         for fd in self.ro_fds.values():
             os.close(fd)
         self.ro_fds.clear()
@@ -552,7 +588,7 @@ class Table:
             "arena_reserved_bytes": st["reserved_bytes.all.current"],
             "arena_allocated_bytes": st["allocated_bytes.all.current"],
             "limit": self.limit, "evict": self.evict, "evicted": self.evicted,
-            "freed": self.freed, "pending": len(self.pending),
+            "freed": self.freed, "pending": len(self.pending), "fast_held": len(self.fast_held),
             "spilled": sum(1 for o in self.objects.values() if o.spilled is not None),
             "spilled_bytes": 0 if self.spill is None else self.spill.bytes,
             "spills": 0 if self.spill is None else self.spill.spilled,
@@ -560,31 +596,3 @@ class Table:
             "spill_dir": None if self.spill is None else self.spill.dir,
             "cache_limit": self.cache_limit,
         }
-
-
-def _host_cause(exc: BaseException) -> SegmentError | None:
-    """The segment layer's refusal behind a pool's OutOfMemoryError (no memory on the host, or
-    in the cgroup), if that is what it was rather than the provider's limit (our --limit)."""
-    seen: BaseException | None = exc
-    for _ in range(8):  # OutOfMemoryError <- ProviderOutOfMemory <- SegmentError
-        if seen is None:
-            return None
-        if isinstance(seen, SegmentError):
-            return seen
-        seen = seen.__cause__
-    return None
-
-
-def _amount(n: int) -> str:
-    """`n` bytes as a person reads them, exact where rounding would hide it: "4.00 MiB (4194304
-    bytes)", "1000 bytes"."""
-    short = format_size(n)
-    return short if short.endswith(" bytes") else f"{short} ({n} bytes)"
-
-
-def _objects(objs: list[Obj], kind: str) -> str:
-    """How many `objs` and their bytes: "2 objects (5.00 MiB)", "no deleted objects"."""
-    if not objs:
-        return f"no {kind}objects"
-    return (f"{len(objs)} {kind}object{'s' if len(objs) != 1 else ''} "
-            f"({format_size(sum(o.size for o in objs))})")

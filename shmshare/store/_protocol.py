@@ -48,6 +48,7 @@ Note [The store's frames]
 from __future__ import annotations
 
 import os
+import socket
 import stat
 from dataclasses import dataclass
 from typing import Any
@@ -57,7 +58,7 @@ from .._errors import ShmshareError, ShmshareTimeout
 
 __all__ = ["ObjectInfo", "LARGE", "MAX_META", "MAX_NAME", "StoreError", "StoreFull", "StoreGone", "ObjectExists",
            "BadRequest", "StoreBusy", "ObjectNotFound", "BUSY", "default_path", "check_name", "check_dir", "raise_for",
-           "connect", "refusal"]
+           "connect", "refusal", "remove_stale"]
 
 LARGE = 1 << 20  # bytes from which a put is written by its client, into the pool or its own memfd
 MAX_META = 96 * 1024  # bytes of a value's description (its arrays' descriptors, plain values)
@@ -264,3 +265,27 @@ def socket_path(path: Any) -> str:
         raise TypeError(f"Store(path=...) takes the daemon's socket path (a str or an "
                         f"os.PathLike) or None for the default one, got {path!r}")
     return os.fspath(path)
+
+
+def remove_stale(path: str) -> None:
+    """Remove a socket file nobody listens on (a killed daemon's); refuse a live one."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise StoreError(f"{path!r} is there and is not a socket: choose another --socket (a "
+                         "store never removes what is not its own)")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        s.settimeout(1.0)
+        s.connect(path)
+    except ConnectionRefusedError:
+        os.unlink(path)  # a socket nobody listens on: a killed daemon's
+        return
+    except OSError:
+        return  # not a socket, or not ours: the listener's own error says what it is
+    finally:
+        s.close()
+    raise StoreError(f"a store daemon already listens on {path!r}: stop it first (or choose "
+                     "another --socket)")

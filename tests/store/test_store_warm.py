@@ -264,13 +264,13 @@ def _fork_and_exit(path: str, w: int, w2: int, gate: int) -> None:
     handler waits on `gate`) and then reports what it reads, and exit at once."""
     from shmshare.store import _inherited
 
-    copy = _inherited._copy_in_place
+    copy = _inherited.copy_in_place
 
     def gated(*args: object) -> None:
         os.read(gate, 1)
         copy(*args)  # type: ignore[arg-type]
 
-    _inherited._copy_in_place = gated  # type: ignore[assignment]
+    _inherited.copy_in_place = gated  # type: ignore[assignment]
     s = Store(path)
     v = s.get("a")
     child = os.fork()
