@@ -81,6 +81,9 @@ def serve(store: Any, msg: tuple[Any, ...]) -> tuple[Any, ...]:
     if kind == "loop" and path == "shm":
         start_at, secs = rest
         return small_loop(lambda: store.get(name), start_at, secs)
+    if kind == "loop" and path == "stdlib":  # attach by name, view, detach: each get
+        start_at, secs = rest
+        return small_loop(lambda: _attach(name), start_at, secs)
     raise ValueError(f"unknown command {msg!r}")
 
 
@@ -95,6 +98,19 @@ def small_loop(get: Callable[[], Any], start_at: float, secs: float) -> tuple[in
         del view
         n += 1
     return n, time.monotonic() - start_at
+
+
+def _attach(name: str) -> np.ndarray:
+    """A stdlib get: SharedMemory(name=...) attached, a copy of its first byte's array, detached."""
+    shm = shared_memory.SharedMemory(name=name)
+    try:
+        return np.ndarray((SMALL_BYTES,), np.uint8, shm.buf).copy()[:1]  # no view past close()
+    finally:
+        _untrack(shm)
+        shm.close()
+
+
+SMALL_BYTES = 4096
 
 
 def _untrack(shm: shared_memory.SharedMemory) -> None:

@@ -16,7 +16,8 @@ loop and requests), ``_making.py`` (its put, create and seal), ``_client.py``
 ``_inherited.py`` (what a forked child does with the Stores and views it inherits),
 ``_launch.py`` (``shmshare serve`` and ``Daemon``), ``_find.py`` (the daemons
 ``stat`` finds), ``_putting.py`` (a client's puts and creates: warm, immutable or
-staged), ``_spill.py`` (spill files).
+staged), ``_spill.py`` (spill files), ``_index.py`` and ``_fastget.py`` (gets without
+a round trip), ``_refusals.py`` (refusals for want of memory).
 """
 
 from __future__ import annotations
