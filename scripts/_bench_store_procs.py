@@ -87,17 +87,18 @@ def serve(store: Any, msg: tuple[Any, ...]) -> tuple[Any, ...]:
     raise ValueError(f"unknown command {msg!r}")
 
 
-def small_loop(get: Callable[[], Any], start_at: float, secs: float) -> tuple[int, float]:
-    """From `start_at` (time.monotonic, one clock for every process), get and drop for `secs`; return the count."""
+def small_loop(get: Callable[[], Any], start_at: float, secs: float) -> tuple[int, float, float]:
+    """From `start_at` (time.monotonic, one clock for every process), get and drop for `secs`; return the count,
+    the seconds and this process's CPU seconds over them."""
     while time.monotonic() < start_at:
         time.sleep(min(0.001, max(0.0, start_at - time.monotonic())))
-    n, end = 0, start_at + secs
+    n, end, cpu = 0, start_at + secs, time.process_time()
     while time.monotonic() < end:
         view = get()
         int(view[0])
         del view
         n += 1
-    return n, time.monotonic() - start_at
+    return n, time.monotonic() - start_at, time.process_time() - cpu
 
 
 def _attach(name: str) -> np.ndarray:

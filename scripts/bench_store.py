@@ -147,7 +147,7 @@ class Side:
     def drop(self, handle: Any) -> None:
         raise NotImplementedError
 
-    def small_rate(self, secs: float) -> tuple[float, list[int]]:
+    def small_rate(self, secs: float) -> tuple[float, list[tuple[int, float]]]:
         raise NotImplementedError
 
     def note(self, handle: Any) -> str:
@@ -186,7 +186,7 @@ class Shmshare(Side):
             return f"info() failed: {exc!r}"
         return f"kind={getattr(info, 'kind', '?')} write_seal={getattr(info, 'write_seal', '?')}"
 
-    def small_rate(self, secs: float) -> tuple[float, list[int]]:
+    def small_rate(self, secs: float) -> tuple[float, list[tuple[int, float]]]:
         self.store.put("small", np.full(SMALL, 7, np.uint8))
         try:
             start_at = time.monotonic() + 0.2
@@ -195,7 +195,7 @@ class Shmshare(Side):
             reps = [c.reply(secs + WAIT) for c in self.clients]
         finally:
             self.store.delete("small")
-        return sum(n / t for n, t in reps), [n for n, _ in reps]
+        return sum(n / t for n, t, _ in reps), [(n, c) for n, _, c in reps]
 
     def close(self) -> None:
         stats = getattr(self.store, "stats", None)  # not in the API: what the daemon still holds, if it says
@@ -218,7 +218,7 @@ class ShmshareImmutable(Shmshare):
         self.store.put(key, arr, immutable=True)
         return time.perf_counter() - t0, key
 
-    def small_rate(self, secs: float) -> tuple[float, list[int]]:
+    def small_rate(self, secs: float) -> tuple[float, list[tuple[int, float]]]:
         raise NotImplementedError  # the same gets as shmshare's: not run twice
 
     def close(self) -> None:
@@ -244,7 +244,7 @@ class Stdlib(Side):
         handle.close()
         handle.unlink()
 
-    def small_rate(self, secs: float) -> tuple[float, list[int]]:
+    def small_rate(self, secs: float) -> tuple[float, list[tuple[int, float]]]:
         shm = shared_memory.SharedMemory(create=True, size=SMALL)
         try:
             np.ndarray((SMALL,), np.uint8, shm.buf)[...] = 7
@@ -255,7 +255,7 @@ class Stdlib(Side):
         finally:
             shm.close()
             shm.unlink()
-        return sum(n / t for n, t in reps), [n for n, _ in reps]
+        return sum(n / t for n, t, _ in reps), [(n, c) for n, _, c in reps]
 
 
 class Getter:
@@ -270,7 +270,7 @@ class Getter:
         del view
         return secs, ok
 
-    def loop(self, box: list[Any], start_at: float, secs: float) -> tuple[int, float]:
+    def loop(self, box: list[Any], start_at: float, secs: float) -> tuple[int, float, float]:
         ref = box[0]
         return small_loop(lambda: ray.get(ref, timeout=WAIT), start_at, secs)
 
@@ -303,11 +303,11 @@ class Ray(Side):
     def drop(self, handle: Any) -> None:
         pass  # the last ObjectRef going frees it
 
-    def small_rate(self, secs: float) -> tuple[float, list[int]]:
+    def small_rate(self, secs: float) -> tuple[float, list[tuple[int, float]]]:
         ref = ray.put(np.full(SMALL, 7, np.uint8))
         start_at = time.monotonic() + 0.5  # an actor call takes longer to arrive than a pipe message
         reps = ray.get([a.loop.remote([ref], start_at, secs) for a in self.actors], timeout=secs + WAIT)
-        return sum(n / t for n, t in reps), [n for n, _ in reps]
+        return sum(n / t for n, t, _ in reps), [(n, c) for n, _, c in reps]
 
     def close(self) -> None:
         ray.shutdown()
@@ -388,7 +388,9 @@ def bench_rate(paths: list[Side], secs: float, rounds: int) -> tuple[dict[str, l
                 sys.stdout.flush()
                 continue
             runs[p.name].append(rate)
-            print(f"  round {k + 1} {p.name:<9} {rate:>10,.0f} gets/s  (per client: {counts})", flush=True)
+            cpu = sum(c for _, c in counts) / max(1, sum(n for n, _ in counts)) * 1e6
+            print(f"  round {k + 1} {p.name:<9} {rate:>10,.0f} gets/s, client CPU {cpu:,.1f} us/get "
+                  f"(per client: {[n for n, _ in counts]})", flush=True)
     return runs, failed
 
 
