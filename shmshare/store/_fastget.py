@@ -161,7 +161,7 @@ class FastGets:
         counts = self.counts
         if counts is None:
             return False
-        slots = np.flatnonzero(np.frombuffer(memoryview(counts), np.uint64))
+        slots = np.flatnonzero(np.frombuffer(memoryview(counts), np.uint64).copy())  # (others count meanwhile)
         for slot in slots:
             ref = counts.address + 8 * int(slot)
             _native.add64(ref, 1)
@@ -192,7 +192,7 @@ class FastGets:
         counts = self.counts
         if counts is None:
             return []
-        slots = np.flatnonzero(np.frombuffer(memoryview(counts), np.uint64))
+        slots = np.flatnonzero(np.frombuffer(memoryview(counts), np.uint64).copy())  # (others count meanwhile)
         return [self.places[int(k)] for k in slots if int(k) in self.places]
 
     def drop(self) -> None:
