@@ -499,12 +499,19 @@ static PyObject *py_store64(PyObject *mod, PyObject *const *args, Py_ssize_t nar
  * the count -- for as long as it lives. Not tracked by the garbage collector, on purpose: a
  * collection never clears what it holds, so the word stays mapped for every call (a fast get's
  * views' on_release: Note [Gets without a round trip] in store/_index.py). Neither kept object
- * may refer back to the Unref. */
+ * may refer back to the Unref. In a forked child it does nothing (fork_epoch). */
 typedef struct {
     PyObject_HEAD
     uint64_t *word;
     PyObject *keep1, *keep2;
+    uint64_t epoch;  /* fork_epoch when made: in a forked child the word is the parent's */
 } UnrefObject;
+
+/* Incremented in every forked child (pthread_atfork), before any Python code runs there: an
+ * Unref made before the fork does nothing in the child -- its word is its parent's count. */
+static volatile uint64_t fork_epoch = 0;
+
+static void unref_in_child(void) { fork_epoch++; }
 
 static PyObject *unref_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     unsigned long long address;
@@ -518,6 +525,7 @@ static PyObject *unref_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     self->word = (uint64_t *)(uintptr_t)address;
     self->keep1 = Py_NewRef(keep1);
     self->keep2 = Py_NewRef(keep2);
+    self->epoch = fork_epoch;
     return (PyObject *)self;
 }
 
@@ -530,7 +538,7 @@ static void unref_dealloc(UnrefObject *self) {
 static PyObject *unref_call(UnrefObject *self, PyObject *args, PyObject *kwds) {
     (void)args;
     (void)kwds;
-    __atomic_sub_fetch(self->word, 1, __ATOMIC_SEQ_CST);
+    if (self->epoch == fork_epoch) __atomic_sub_fetch(self->word, 1, __ATOMIC_SEQ_CST);
     Py_RETURN_NONE;
 }
 
@@ -601,6 +609,10 @@ static void probe_populate(void) {
 
 PyMODINIT_FUNC PyInit__native(void) {
     page_size_value = sysconf(_SC_PAGESIZE);
+    if (pthread_atfork(NULL, NULL, unref_in_child) != 0) {
+        PyErr_SetString(PyExc_OSError, "pthread_atfork failed");
+        return NULL;
+    }
     probe_populate();
     if (PyType_Ready(&LeaseType) < 0 || PyType_Ready(&RingType) < 0 ||
         PyType_Ready(&UnrefType) < 0) return NULL;

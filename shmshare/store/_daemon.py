@@ -121,6 +121,7 @@ class Server:
                                 max_clients=max_clients, refuse=self._refuse, tick=self._timers,
                                 on_pause=_said_out_of_fds)
         self._started = time.time()
+        self._held_at = 0.0  # when to look next at objects fast gets' views hold
         self.counts = {"put": 0, "get": 0, "create": 0, "delete": 0, "clients": 0, "refused": 0}
 
     def stop(self) -> None:
@@ -149,7 +150,12 @@ class Server:
         while heap and heap[0][1] not in self._waits:
             heapq.heappop(heap)  # woken or dropped since
         trim = self.table.trim_if_idle(now)
-        held = now + HELD_POLL if self.table.fast_held and self.table.recheck_held() else None
+        held = None
+        if self.table.fast_held:  # looked at every HELD_POLL s, not every round
+            if now >= self._held_at:
+                self._held_at = now + HELD_POLL
+                self.table.recheck_held()
+            held = self._held_at if self.table.fast_held else None
         return min([t for t in (heap[0][0] if heap else None, trim, held) if t is not None],
                    default=None)
 

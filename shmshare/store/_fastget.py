@@ -112,7 +112,7 @@ class FastGets:
             self.known.pop(name, None)
             return MISS
         # the count goes back when the views die: one atomic add, in any thread at any
-        # bytecode (a forked child's views count in its private copy: in_child)
+        # bytecode (never from a forked child's inherited views: Unref knows a fork)
         # views keep the Store (hence the connection, whose end would free the objects) and
         # the counts' mapping, beyond the garbage collector's reach (a cycle it clears must
         # never unmap the word a view's count goes back to)
@@ -203,11 +203,8 @@ class FastGets:
         self.poller = None
 
     def in_child(self) -> None:
-        """In a forked child: our counts become a private copy (the inherited views' counts go
-        back there, never into the parent's), and nothing here is used again."""
-        counts = self.counts
-        if counts is not None:
-            inherited.copy_in_place(counts.address, WORDS, writable=True)
+        """In a forked child: nothing here is used again. The inherited views' counts are the
+        parent's, and their releases (``_native.Unref``) do nothing here: made before the fork."""
         self.places.clear()
         self.known.clear()
         self.counts = self.index = None

@@ -51,6 +51,8 @@ import itertools
 import os
 from typing import Any
 
+import numpy as np
+
 from .. import _native
 from .._fd import Fd
 from .._plane.trust import check_fd
@@ -61,6 +63,7 @@ __all__ = ["SLOTS", "HELD_POLL", "DaemonIndex", "map_counts", "new_counts"]
 SLOTS = 1 << 14  # published objects at once (more are got through the daemon, as before)
 WORDS = SLOTS * 8  # bytes of the index, and of each client's counts
 HELD_POLL = 0.02  # s between looks at objects a fast get's views still hold
+_F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)
 
 
 def new_counts() -> tuple[int, int]:
@@ -100,8 +103,10 @@ class DaemonIndex:
 
     def __init__(self) -> None:
         self.fd = _new(WORDS, "the store's index")
-        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SEAL)
         self.address = _native.mmap(WORDS, self.fd, 0, writable=True, shared=True)
+        # written through this mapping only: no write(), no new writable mapping, not even of
+        # a client's fd reopened read-write through /proc (a forged generation), no more seals
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, _F_SEAL_FUTURE_WRITE | fcntl.F_SEAL_SEAL)
         self.ro_fd = os.open(f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_CLOEXEC)
         self._free = list(range(SLOTS - 1, -1, -1))  # slots to hand out, lowest first
         self._gens = itertools.count(1)
@@ -129,6 +134,17 @@ class DaemonIndex:
             return False
         off = 8 * slot
         return any(_native.load64(c.address + off) for c in self.counts.values())
+
+    def still_held(self, slots: list[int]) -> set[int]:
+        """Which of `slots` some client's views hold (after :meth:`retire`): one look per
+        client at all of them, so that many held objects and many clients stay cheap."""
+        if not slots or not self.counts:
+            return set()
+        want = np.asarray(slots, np.intp)
+        held = np.zeros(len(slots), bool)
+        for c in self.counts.values():
+            held |= np.frombuffer(memoryview(c), np.uint64)[want] != 0
+        return {s for s, h in zip(slots, held.tolist(), strict=True) if h}
 
     def count(self, slot: int) -> tuple[int, set[int]]:
         """(views held through fast gets, the clients holding them) of a slot (for info)."""

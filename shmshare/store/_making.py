@@ -175,8 +175,8 @@ def put_warm(srv: Server, client: _Client, h: dict[Any, Any], obj: Obj, name: st
 def frees_room_for(srv: Server, old: Obj, size: int, memfd: bool) -> bool:
     """Whether letting `old` go (unreferenced: freed at once) surely makes room for a new
     object of `size`: its memfd's pages, or a pool block at least as large."""
-    if old.refs or srv.table.limit is None:
-        return False
+    if old.refs or srv.table.limit is None or srv.table.index.held(old.slot):
+        return False  # viewed (a fast get's views too): it would not be freed
     if old.fd >= 0:  # a memfd (a large object's, or a small one's under a tight limit)
         return old.charge >= -(-size // _PAGE) * _PAGE
     if old.block is None:

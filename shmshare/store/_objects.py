@@ -177,7 +177,8 @@ class Table:
 
     def recheck_held(self) -> bool:
         """Free the objects fast gets' views no longer hold; whether some are still held."""
-        for obj in list(self.fast_held.values()):
+        held = self.index.still_held([o.slot for o in self.fast_held.values()])
+        for obj in [o for o in self.fast_held.values() if o.slot not in held]:
             self._free(obj)
         return bool(self.fast_held)
 
@@ -209,7 +210,8 @@ class Table:
         if self.limit is None or self.held_bytes + need <= self.limit:
             return
         room = self._reclaimable(self.evict)
-        if old is not None and not old.refs and not (self.evict and old.oid in self._idle):
+        if old is not None and not old.refs and not self.index.held(old.slot) \
+                and not (self.evict and old.oid in self._idle):
             room += old.charge + len(old.meta)  # not counted among the evictable already
         if self.held_bytes - room + need > self.limit:
             raise self._full(need, what, size=size, counted="in whole pages, with its description")

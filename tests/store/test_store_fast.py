@@ -210,22 +210,24 @@ def test_hostile_counts_pin_objects_only_while_their_client_lives(own_daemon: Da
         _native.unmap(address, WORDS, release=True)
 
 
-def test_a_scribbled_index_only_sends_gets_to_the_daemon(own_daemon: Daemon) -> None:
-    """The index as hostile shared memory: random words (written through the daemon's own fd of
-    it) make a client's gets miss and ask the daemon, whose answers are right."""
-    with Store(own_daemon.path) as s, Store(own_daemon.path) as g:
-        for i in range(20):
-            s.put(f"o{i}", pattern(i, 500))
-            _once(g, f"o{i}")
+def test_the_index_can_be_written_by_the_daemon_only(own_daemon: Daemon) -> None:
+    """The index as hostile shared memory: a client's read-only fd of it, or the daemon's own,
+    reopened read-write through /proc, can neither write it nor map it writable (sealed
+    F_SEAL_FUTURE_WRITE): no generation can be forged."""
+    import mmap
+
+    with Store(own_daemon.path) as s:
+        s.put("a", pattern(1, 500))
+        _once(s, "a")
         fd = _index_fd(own_daemon.pid)
         try:
-            rng = random.Random(7)
-            for _ in range(200):
-                os.pwrite(fd, rng.getrandbits(64).to_bytes(8, "little"), 8 * rng.randrange(64))
-            for i in range(20):
-                np.testing.assert_array_equal(g.get(f"o{i}"), pattern(i, 500))
+            with pytest.raises(PermissionError):
+                os.pwrite(fd, (12345).to_bytes(8, "little"), 0)
+            with pytest.raises(PermissionError):
+                mmap.mmap(fd, WORDS, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+        np.testing.assert_array_equal(_fast(s, "a"), pattern(1, 500))
 
 
 def _index_fd(pid: int) -> int:
@@ -258,4 +260,38 @@ def test_a_full_store_counts_fast_views_as_viewed(own_daemon: Daemon) -> None:
         v = _fast(s, "a")
         with pytest.raises(StoreFull):
             s.put("b", np.zeros(3 * MiB, np.uint8), immutable=True)
+        del v
+
+
+def _drop_inherited(view: np.ndarray) -> None:
+    del view
+    gc.collect()  # the child's views die, in a collection too: nothing of the parent's counts
+    os._exit(0)
+
+
+def test_a_forked_childs_views_never_give_back_the_parents_counts(own_daemon: Daemon) -> None:
+    with Store(own_daemon.path) as s:
+        s.put("a", pattern(1, 1000))
+        _once(s, "a")
+        v = _fast(s, "a")
+        slot = s._fastgets.known["a"][0]
+        word = s._fastgets.counts.address + 8 * slot
+        for _ in range(3):
+            with procs.start_child(_drop_inherited, [v, v[1:]]) as child:
+                assert child.join(WAIT) == 0
+            wait_until(lambda: _native.load64(word) == 1, "the parent's fork holds taken back")
+        assert s.info("a").refs == 1
+        del v
+
+
+@pytest.mark.daemon_args(limit=8 * MiB)
+def test_a_failed_replace_keeps_an_object_fast_views_hold(own_daemon: Daemon) -> None:
+    with Store(own_daemon.path) as s:
+        s.put("a", pattern(1, 3 * MiB // 4))
+        _once(s, "a")
+        v = _fast(s, "a")
+        wait_until(lambda: s.info("a").refs == 1, "the first get's reference back")
+        with pytest.raises(StoreFull):
+            s.put("a", pattern(2, 6 * MiB // 4), replace=True)
+        np.testing.assert_array_equal(s.get("a"), pattern(1, 3 * MiB // 4))
         del v
