@@ -70,12 +70,15 @@ def load64(address: int, /) -> int:
 def store64(address: int, value: int, /) -> None:
     """Store `value` in the 8-byte word at `address`, seq_cst."""
 
+# No Py_TPFLAGS_BASETYPE: the type cannot be subclassed.
+@final
 class Unref:
-    """Calling it subtracts 1 from the 8-byte word at `address` (seq_cst); it keeps `keep1` and
-    `keep2` alive, out of the garbage collector's reach."""
+    """Calling it subtracts 1 from the 8-byte word at `address` (seq_cst), unless made before
+    a fork and called in the child; it keeps `keep1` and `keep2` alive, out of the garbage
+    collector's reach."""
 
-    def __init__(self, address: int, keep1: object, keep2: object, /) -> None: ...
-    def __call__(self) -> None: ...
+    def __new__(cls, address: int, keep1: object, keep2: object, /) -> Unref: ...
+    def __call__(self, *args: object, **kwargs: object) -> None: ...
 
 def cas64(buffer: Buffer, index: int, expected: int, desired: int, /) -> int:
     """Atomically set the `index`-th 8-byte word of a writable, 8-byte aligned buffer to
