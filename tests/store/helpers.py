@@ -7,7 +7,7 @@ import os
 
 from ..cgroup_helpers import memory_cgroup
 
-__all__ = ["WAIT", "memfds", "mapped_memfds", "dev_shm", "memory_cgroup"]
+__all__ = ["WAIT", "memfds", "mapped_memfds", "dev_shm", "memory_cgroup", "close_fds"]
 
 WAIT = 30.0  # s: the bound of every wait on a child or a condition
 
@@ -37,3 +37,10 @@ def mapped_memfds(pid: int) -> int:
 
 def dev_shm() -> set[str]:
     return set(os.listdir("/dev/shm"))
+
+
+def close_fds(*fds: int) -> None:
+    """Close each fd that is still open here (-1: closed already)."""
+    for fd in fds:
+        if fd >= 0:
+            os.close(fd)

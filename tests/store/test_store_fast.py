@@ -18,7 +18,7 @@ from shmshare.store import BadRequest, Daemon, Store, StoreFull
 from shmshare.store._index import WORDS
 from shmshare.testing import pattern, procs, wait_until
 
-from .helpers import WAIT
+from .helpers import WAIT, close_fds
 
 MiB = 1 << 20
 
@@ -170,9 +170,7 @@ def test_a_forked_childs_fast_view_keeps_its_bytes(own_daemon: Daemon) -> None:
                 os.write(w, b"g")
                 rc = child.join(WAIT)
         finally:
-            for fd in (r, w):
-                if fd >= 0:
-                    os.close(fd)
+            close_fds(r, w)
         assert rc == 0, "a forked child's fast view changed once its parent let go"
 
 

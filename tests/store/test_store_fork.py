@@ -12,7 +12,7 @@ import pytest
 from shmshare.store import Daemon, Store
 from shmshare.testing import pattern, procs, wait_until
 
-from .helpers import WAIT
+from .helpers import WAIT, close_fds
 
 
 def _check_after_go(view: np.ndarray, r: int, w: int, want: np.ndarray) -> None:
@@ -46,9 +46,7 @@ def test_a_forked_childs_view_keeps_its_bytes_after_the_parent_lets_go(
                 os.write(w, b"g")
                 rc = child.join(WAIT)
         finally:
-            for fd in (r, w):
-                if fd >= 0:
-                    os.close(fd)
+            close_fds(r, w)
         assert rc == 0, "the child's inherited view changed once the parent let go of its own"
         assert np.array_equal(s.get("second"), pattern(2, n))  # the parent's side is as it was
         for name in ("anchor", "second"):
@@ -85,9 +83,7 @@ def test_a_forked_child_copies_the_pages_its_views_cover_not_their_segments(
                 rc = child.join(WAIT)
                 copied = int(os.read(r, 64) or b"-1")
         finally:
-            for fd in (r, w):
-                if fd >= 0:
-                    os.close(fd)
+            close_fds(r, w)
         assert rc == 0
         assert page + (3 << 20) <= copied <= 2 * page + (3 << 20), copied
         del small, large

@@ -21,7 +21,7 @@ from shmshare.store import BadRequest, Daemon, Store
 from shmshare.store._packing import Plan
 from shmshare.testing import pattern, procs, wait_until
 
-from .helpers import WAIT
+from .helpers import WAIT, close_fds
 
 MiB = 1 << 20
 
@@ -174,9 +174,7 @@ def test_a_warm_creates_array_in_a_forked_child_is_the_childs_own(own_daemon: Da
                 assert os.read(r, 1) == b"k"
                 assert child.join(WAIT) == 0
         finally:
-            for fd in (r, w):
-                if fd >= 0:
-                    os.close(fd)
+            close_fds(r, w)
         s.seal("c")
         assert int(arr.max()) == 1 and int(s.get("c").max()) == 1
         del arr
@@ -212,9 +210,7 @@ def test_a_forked_childs_tensor_of_a_warm_object_keeps_its_bytes(own_daemon: Dae
                 os.write(w, b"g")
                 rc = child.join(WAIT)
         finally:
-            for fd in (r, w):
-                if fd >= 0:
-                    os.close(fd)
+            close_fds(r, w)
         assert rc == 11, f"the child's tensor read {rc // 10}, {rc % 10}: not the bytes it had"
 
 
@@ -313,9 +309,7 @@ def test_a_child_whose_parent_exits_at_fork_copies_its_views_before_letting_go(
                 os.write(gate_w, b"g")
                 got = os.read(r2, 3)  # the grandchild then exits (it is init's to reap)
         finally:
-            for fd in (r, w, r2, w2, gate_r, gate_w):
-                if fd >= 0:
-                    os.close(fd)
+            close_fds(r, w, r2, w2, gate_r, gate_w)
         assert list(got) == [1, 1, 1], f"the child's view read {list(got)}"
 
 
