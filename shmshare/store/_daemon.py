@@ -578,6 +578,9 @@ def check_spill_args(limit: int | None, evict: bool, spill: str | None) -> None:
     how room is made instead of evicting)."""
     if spill is None:
         return
+    if not spill:
+        raise ValueError("--spill takes a directory, and got an empty path (an unset variable?): "
+                         "name the directory to spill to")
     if limit is None:
         raise ValueError("--spill spills past --limit, and no --limit was given: add one "
                          "(e.g. --limit 4G), or leave --spill out")

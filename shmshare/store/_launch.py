@@ -15,6 +15,7 @@ from typing import Any
 from .._sizes import parse_size
 from ._daemon import MAX_CLIENTS, Server, check_spill_args, serve
 from ._protocol import StoreError
+from ._spill import check_spill_dir
 
 __all__ = ["Daemon", "main_serve"]
 
@@ -57,6 +58,8 @@ class Daemon:
             raise ValueError("Daemon.start(evict=True) evicts past a limit, and no limit= was given: "
                              "pass one (e.g. limit='4G'), or leave evict out")
         check_spill_args(None if limit is None else 0, evict, None if spill is None else os.fspath(spill))
+        if spill is not None:
+            check_spill_dir(os.fspath(spill))  # its error here, not on the daemon's stderr
         cmd = [sys.executable, "-m", "shmshare", "serve", "--log-level", log_level]
         if path is not None:
             cmd += ["--socket", os.fspath(path)]

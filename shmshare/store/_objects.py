@@ -322,7 +322,7 @@ class Table:
         limit = self.limit or 0
         held = self.held_bytes
         objs = list(self.objects.values())
-        viewed = sum(o.size for o in objs if o.refs)
+        viewed = sum(o.size for o in objs if o.refs or self.index.held(o.slot))
         besides = max(0, held - sum(o.size for o in objs)
                       - sum(o.size for o in self.pending.values()))
         if segment > need:  # the pool's segments are larger than small objects

@@ -158,6 +158,12 @@ def test_spill_needs_a_limit_no_evict_and_a_private_directory(tmp_path) -> None:
     assert got.returncode == 1 and "not writable by others (chmod 700)" in got.stderr
     with pytest.raises(ValueError, match="no --limit was given"):
         Daemon.start(tmp_path / "y.sock", spill=tmp_path / "s")
+    got = serve("--spill", "", "--limit", "8M")  # an unset variable: never the current directory
+    assert got.returncode == 2 and "empty path" in got.stderr
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    with pytest.raises(StoreError, match="name a directory"):  # its reason, not "see stderr"
+        Daemon.start(tmp_path / "z.sock", limit="8M", spill=a_file)
 
 
 def test_a_spill_file_changed_outside_the_store_is_an_error_not_a_drop_nor_its_bytes(
