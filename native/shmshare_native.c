@@ -19,6 +19,7 @@
 #include "lease.h"
 #include "ring.h"
 #include "counts.h"
+#include "strhash.h"
 
 #ifndef MADV_POPULATE_READ
 #define MADV_POPULATE_READ 22
@@ -461,6 +462,12 @@ static PyMethodDef native_methods[] = {
      "load64(address) -> value\n\nLoad the 8-byte word at address (seq_cst)."},
     {"store64", (PyCFunction)(void (*)(void))py_store64, METH_FASTCALL,
      "store64(address, value)\n\nStore the 8-byte word at address (seq_cst)."},
+    {"hash_bytes", py_hash_bytes, METH_O,
+     "hash_bytes(buffer) -> int\n\nA 64-bit hash of the bytes, the same in every process (signed)."},
+    {"hash_spans", (PyCFunction)(void (*)(void))py_hash_spans, METH_FASTCALL,
+     "hash_spans(data, offsets, out)\n\nout[i] = hash_bytes(data[offsets[i]:offsets[i+1]]) (int64 buffers)."},
+    {"find_key", (PyCFunction)(void (*)(void))py_find_key, METH_FASTCALL,
+     "find_key(key, hashes, order, offsets, data) -> index or -1\n\nLook a key's bytes up in a packed mapping."},
     {"reserve", py_reserve, METH_VARARGS,
      "reserve(nbytes) -> address\n\nReserve address space: PROT_NONE, MAP_PRIVATE|MAP_ANONYMOUS|MAP_NORESERVE."},
     {"map_fd", (PyCFunction)(void (*)(void))py_map_fd, METH_VARARGS | METH_KEYWORDS,

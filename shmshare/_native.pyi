@@ -61,6 +61,18 @@ def extent(obj: Buffer | np.ndarray[Any, Any], /) -> tuple[int, int, int]:
     """(address, lo, span): where element 0 of a strided buffer lies, and the bytes its elements
     cover, [address + lo, address + lo + span); an empty buffer gives lo = span = 0."""
 
+def hash_bytes(data: Buffer, /) -> int:
+    """A 64-bit hash of the bytes (signed), the same in every process: shared mappings' keys."""
+
+def hash_spans(data: Buffer | np.ndarray[Any, Any], offsets: Buffer | np.ndarray[Any, Any],
+               out: Buffer | np.ndarray[Any, Any], /) -> None:
+    """out[i] = hash_bytes(data[offsets[i]:offsets[i+1]]) for int64 offsets (n + 1) and out (n)."""
+
+def find_key(key: Buffer, hashes: Buffer | np.ndarray[Any, Any], order: Buffer | np.ndarray[Any, Any],
+             offsets: Buffer | np.ndarray[Any, Any], data: Buffer | np.ndarray[Any, Any], /) -> int:
+    """The index of the key equal to `key` in a packed mapping (sorted int64 `hashes`, `order[j]`
+    the key of hashes[j], key i = data[offsets[i]:offsets[i+1]]), or -1."""
+
 def add64(address: int, delta: int, /) -> int:
     """Atomically add `delta` to the 8-byte word at `address`; the new value (seq_cst)."""
 

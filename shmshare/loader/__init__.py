@@ -9,7 +9,8 @@ datasets into numpy batches, with the samplers below.
 
 Modules: ``_dataloader`` (the class), ``_iters`` (the main process's side),
 ``_worker`` (a worker), ``_collate`` and ``_pool`` (batches made in the
-pool), ``_batch`` (a batch on the wire), ``_fetch``, ``_wrap`` (worker
+pool), ``_batch`` (a batch on the wire), ``_frozen`` (``share``: read-only
+containers in sealed shared memory, one copy for every worker), ``_fetch``, ``_wrap`` (worker
 exceptions), ``_samplers`` and ``_seeding`` (torch's, without torch);
 with torch imported, ``_torch_loader`` (the loader's class: torch's
 DataLoader too) and ``_accelerate`` (Accelerate's ``prepare`` keeps it).
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 from ._collate import default_collate, default_convert, numpy_collate, numpy_convert
 from ._dataloader import DataLoader
+from ._frozen import SharedMapping, SharedSequence, share
 from ._samplers import (
     BatchSampler,
     Dataset,
@@ -49,4 +51,7 @@ __all__ = [
     "WeightedRandomSampler",
     "BatchSampler",
     "DistributedSampler",
+    "share",
+    "SharedSequence",
+    "SharedMapping",
 ]
