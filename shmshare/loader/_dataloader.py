@@ -20,6 +20,7 @@ Note [Two modes: torch's and numpy's]
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import multiprocessing
@@ -34,6 +35,7 @@ from ..channel import DEFAULT_LIMIT
 from . import _collate, _samplers
 from ._device import parse_device
 from ._iters import MultiProcessIter, SingleProcessIter
+from ._progress import check_layout
 
 __all__ = ["DataLoader"]
 
@@ -202,6 +204,9 @@ class DataLoader(Generic[T_co]):
         self.__initialized = True
         self._IterableDataset_len_called: int | None = None
         self._iterator: Any = None
+        self._next_state: dict[str, Any] | None = None  # load_state_dict()'s, for the next iterator
+        self._progress: Any = None  # the last iterator's (Note [Resuming mid-epoch] in _resume.py)
+        self._initial_iter: Any = None  # one state_dict() made before iter(): iter() returns it
         self.check_worker_number_rationality()
 
     # -- torch's attributes ----------------------------------------------------------
@@ -246,19 +251,77 @@ class DataLoader(Generic[T_co]):
     # -- iterating ---------------------------------------------------------------------
 
     def _get_iterator(self) -> Any:
+        state, self._next_state = self._next_state, None
+        it: Any
         if self.num_workers == 0:
-            return SingleProcessIter(self)
-        self.check_worker_number_rationality()
-        return MultiProcessIter(self)
+            it = SingleProcessIter(self, state)
+        else:
+            self.check_worker_number_rationality()
+            it = MultiProcessIter(self, state)
+        self._progress = it._progress
+        return it
 
     def __iter__(self) -> Iterator[Any]:  # batches, collated: Any, as torch's
-        if self.persistent_workers and self.num_workers > 0:
-            if self._iterator is None:
-                self._iterator = self._get_iterator()
-            else:
+        persistent = self.persistent_workers and self.num_workers > 0
+        it, self._initial_iter = self._initial_iter, None
+        if it is None:
+            if persistent and self._iterator is not None:
                 self._iterator._reset(self)
-            return self._iterator  # type: ignore[no-any-return]
-        return self._get_iterator()  # type: ignore[no-any-return]
+                return self._iterator  # type: ignore[no-any-return]
+            it = self._get_iterator()
+        if persistent:
+            self._iterator = it
+        if it._progress.finished:  # a state saved at the end of an epoch: the next epoch
+            if persistent:
+                it._reset(self)
+            else:
+                _stop(it)
+                it = self._get_iterator()
+        return it  # type: ignore[no-any-return]
+
+    # -- resuming (torchdata's StatefulDataLoader API: Note [Resuming mid-epoch] in _resume.py) ---------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return where the current epoch is: the state ``load_state_dict`` resumes from.
+
+        The layout is torchdata's ``StatefulDataLoader`` (0.11): a loader of
+        either kind loads the other's state (docs/loader.md says where the
+        two differ). Called before the first ``iter()``, it starts the
+        iterator that ``iter()`` then returns, as torchdata does; after a
+        ``load_state_dict()`` and before ``iter()``, it returns that state.
+        The dict is the caller's: later batches do not change it.
+        """
+        if self._next_state is not None:
+            return copy.deepcopy(self._next_state)
+        if self._progress is None:
+            self._initial_iter = self._get_iterator()
+            if self.persistent_workers and self.num_workers > 0:
+                self._iterator = self._initial_iter
+        return self._progress.state_dict()  # type: ignore[no-any-return]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from `state_dict` (from ``state_dict()``, this loader's or a torchdata
+        ``StatefulDataLoader``'s) at the next ``iter()``: its batches are those the saved run would
+        have yielded next. An empty dict means start afresh. Persistent workers are restarted.
+
+        Raises
+        ------
+        TypeError
+            If `state_dict` is not a dict.
+        ValueError
+            If it is no loader state, or was saved with another ``num_workers``.
+        """
+        if not isinstance(state_dict, dict):
+            raise TypeError("load_state_dict() takes the dict state_dict() returned, not "
+                            f"{type(state_dict).__name__}")
+        if state_dict:
+            check_layout(state_dict, self.num_workers)
+        it, self._initial_iter = self._initial_iter, None
+        if it is not None:
+            _stop(it)
+        self.close()  # persistent workers: the next iter() starts them from the state
+        self._progress = None
+        self._next_state = copy.deepcopy(state_dict) if state_dict else None
 
     def __len__(self) -> int:
         if self._iterable:
@@ -301,6 +364,12 @@ class DataLoader(Generic[T_co]):
 
 # inspect.signature(DataLoader) and help() read a class's __new__ before its __init__: show __init__'s parameters
 DataLoader.__new__.__signature__ = inspect.signature(DataLoader.__init__)  # type: ignore[attr-defined]
+
+
+def _stop(it: Any) -> None:
+    """Stop an iterator's workers now (one that will not be iterated)."""
+    if hasattr(it, "_shutdown_workers"):
+        it._shutdown_workers()
 
 
 def _is_iter_datapipe(dataset: Any) -> bool:

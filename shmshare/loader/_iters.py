@@ -31,9 +31,11 @@ from typing import Any, NoReturn
 from .. import wire
 from .._errors import FdLimitError, PeerDied, PeerRefused, ProtocolError, SegmentError, ShmshareTimeout
 from ..channel import Receiver
+from . import _resume as r
 from ._batch import pack, unpack
 from ._device import DeviceCopier
 from ._pin import choose, pin_by_copy
+from ._progress import Progress, check_layout
 from ._seeding import draw_base_seed
 from ._worker import SpecHandoff, WorkerSpec, worker_main
 
@@ -55,7 +57,7 @@ def close_inherited() -> None:
 
 
 class _BaseIter:
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, state: dict[str, Any] | None = None) -> None:
         self._dataset = loader.dataset
         self._iterable = loader._iterable
         self._len_called = loader._IterableDataset_len_called
@@ -68,13 +70,18 @@ class _BaseIter:
         self._pin_memory = self._pin_how == "copy"  # pinned by torch's copy
         self._timeout = loader.timeout
         self._collate_fn = loader.collate_fn
-        self._sampler_iter = iter(self._index_sampler)
-        self._base_seed = draw_base_seed(loader.generator)
+        if state is not None:
+            check_layout(state, loader.num_workers)
+        self._sampler_iter = r.sampler_iter(self._index_sampler)  # resumable (Note [Resuming mid-epoch])
+        self._drawn = 0  # indices (batches) drawn from it this epoch
+        self._base_seed = draw_base_seed(loader.generator)  # drawn on resuming too: the generator moves as it did
         self._persistent_workers = loader.persistent_workers
         self._num_yielded = 0
+        self._progress = Progress(loader.num_workers, self._base_seed, self._len_called)
+        self._pending: tuple[Any, ...] | None = None  # the progress the batch being returned makes
         self._copier = None if loader._device is None else DeviceCopier(loader._device,
                                                                         self._use_torch)
-        self._staged: tuple[str, Any] | None = None  # device=: the next batch, copy started
+        self._staged: tuple[str, Any, Any] | None = None  # device=: the next batch, copy started
 
     def __iter__(self) -> _BaseIter:
         return self
@@ -87,19 +94,38 @@ class _BaseIter:
 
     def _reset(self, loader: Any, first_iter: bool = False) -> None:
         self._staged = None  # a batch of the last epoch copied ahead: dropped
-        self._sampler_iter = iter(self._index_sampler)
+        if not first_iter:
+            self._sampler_iter = r.sampler_iter(self._index_sampler)
+            self._drawn = 0
         self._num_yielded = 0
         self._len_called = loader._IterableDataset_len_called
 
     def _next_index(self) -> Any:
-        return next(self._sampler_iter)
+        index = next(self._sampler_iter)
+        self._drawn += 1
+        return index
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this epoch is, in torchdata's layout (Note [Resuming mid-epoch] in ``_resume.py``)."""
+        return self._progress.state_dict()
 
     def _next_data(self) -> Any:
         raise NotImplementedError
 
     def __next__(self) -> Any:
-        data = self._next_data() if self._copier is None else self._next_on_device()
+        try:
+            if self._copier is None:
+                data = self._next_data()
+                pending, self._pending = self._pending, None
+            else:
+                data, pending = self._next_on_device()
+        except StopIteration:
+            self._progress.finished = True
+            raise
         self._num_yielded += 1
+        if pending is not None:
+            self._progress.yielded(*pending)
+        self._progress.num_yielded = self._num_yielded
         if self._iterable and self._len_called is not None and self._num_yielded > self._len_called:
             msg = (f"Length of IterableDataset {self._dataset} was reported to be {self._len_called}"
                    f"(when accessing len(dataloader)), but {self._num_yielded} samples have been "
@@ -113,24 +139,26 @@ class _BaseIter:
         return data
 
 
-    def _next_on_device(self) -> Any:
-        """device=: return the batch whose copy started last time, and start the next one's."""
+    def _next_on_device(self) -> tuple[Any, Any]:
+        """device=: return the batch whose copy started last time (and its progress), and start the next one's."""
         staged, self._staged = self._staged or self._stage(), None
-        kind, value = staged
+        kind, value, pending = staged
         if kind == "end":
             raise StopIteration
         if kind == "error":
             raise value
         self._staged = self._stage()  # one batch ahead: its copy overlaps the program's work
-        return value
+        return value, pending
 
-    def _stage(self) -> tuple[str, Any]:
+    def _stage(self) -> tuple[str, Any, Any]:
         try:
-            return "batch", self._next_data()
+            data = self._next_data()
+            pending, self._pending = self._pending, None
+            return "batch", data, pending
         except StopIteration:
-            return "end", None
+            return "end", None, None
         except Exception as exc:  # noqa: BLE001 - raised in its turn, after the batch before it
-            return "error", exc
+            return "error", exc, None
 
     def _on_device(self, payload: bytes, arrays: list[Any]) -> Any:
         assert self._copier is not None
@@ -140,14 +168,33 @@ class _BaseIter:
 class SingleProcessIter(_BaseIter):
     """``num_workers=0``: fetch and collate in this process (no shared memory involved)."""
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, state: dict[str, Any] | None = None) -> None:
         if loader.timeout != 0:  # before anything that holds resources is made
             raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
-        super().__init__(loader)
+        super().__init__(loader, state)
         from ._fetch import make_fetcher
 
-        self._fetcher = make_fetcher(self._iterable, self._dataset, self._auto_collation,
-                                     self._collate_fn, self._drop_last)
+        make = functools.partial(make_fetcher, self._iterable, self._dataset, self._auto_collation,
+                                 self._collate_fn, self._drop_last)
+        if state is None:
+            self._fetcher = make()
+        else:
+            self._sampler_iter, self._drawn = r.restore_sampler(self._index_sampler, state)
+            n = int(state[r.NUM_YIELDED])
+            self._fetcher = r.restore_fetcher(state, self._dataset, make, self._iterable,
+                                              _replay_index(loader), n)
+            self._num_yielded = self._progress.num_yielded = n
+            self._len_called = self._progress.len_called = state.get(r.LEN_CALLED)
+            self._progress.finished = bool(state.get(r.ITERATOR_FINISHED))
+        self._progress.drawn = self._drawn
+        self._progress.live = functools.partial(r.single_state, self._progress, self._index_sampler,
+                                                self._sampler_iter, self._fetcher, self._dataset,
+                                                self._iterable)
+
+    def _next_index(self) -> Any:
+        index = super()._next_index()
+        self._progress.drawn = self._drawn
+        return index
 
     def _next_data(self) -> Any:
         index = self._next_index()
@@ -165,11 +212,21 @@ class SingleProcessIter(_BaseIter):
 class MultiProcessIter(_BaseIter):
     """Workers collating into their pools; batches arrive as leases on those pools."""
 
-    def __init__(self, loader: Any) -> None:
+    def __init__(self, loader: Any, state: dict[str, Any] | None = None) -> None:
         if loader.prefetch_factor <= 0:  # before anything that holds resources is made
             raise AssertionError("prefetch_factor must be greater than 0 for "
                                  "MultiProcessingDataLoaderIter")
-        super().__init__(loader)
+        super().__init__(loader, state)
+        resumes: list[Any] = [None] * self._num_workers
+        self._replay = 0  # batches to take again after starting (a torchdata state of another kind)
+        if state is not None and self._iterable and r.stateless_iterable(state):
+            self._replay = int(state[r.SNAPSHOT][r.SNAPSHOT_STEP])  # torchdata's: again from the start
+        elif state is not None:
+            snap = state[r.SNAPSHOT]
+            self._base_seed = self._progress.base_seed = int(snap[r.MAIN_SNAPSHOT][r.BASE_SEED])
+            resumes = [snap[r.WORKER_SNAPSHOTS][f"worker_{i}"] for i in range(self._num_workers)]
+        self._rng_seen: list[bytes | None] = [None] * self._num_workers  # each worker's RNG state, last sent
+        self._task_main: dict[int, tuple[Any, Any, int]] = {}  # task -> the sampler's state once drawn
         self._prefetch_factor: int = loader.prefetch_factor
         self._in_order = loader.in_order
         self._owner = os.getpid()
@@ -189,7 +246,8 @@ class MultiProcessIter(_BaseIter):
                 spec = SpecHandoff(WorkerSpec(self._iterable, self._dataset, self._auto_collation,
                                               self._collate_fn, self._drop_last, self._base_seed,
                                               loader.worker_init_fn, i, self._num_workers,
-                                              self._use_torch, loader._pool_limit))
+                                              self._use_torch, loader._pool_limit, resumes[i],
+                                              _replay_index(loader)))
                 # spawn, forkserver: start() returns without waiting for the child to read its
                 # spec (Note [The spec beside the start pipe] in _worker.py)
                 w = ctx.Process(target=worker_main, args=(a, spec), daemon=True)
@@ -215,20 +273,27 @@ class MultiProcessIter(_BaseIter):
                     c.close()
             self._shutdown_workers()
             raise
-        self._reset(loader, first_iter=True)
+        self._reset(loader, first_iter=True, state=None if self._replay else state)
+        if state is not None:
+            for _ in range(self._replay + int(state.get(r.STEPS_SINCE) or 0)):  # as torchdata replays
+                next(self)
+            self._progress.finished = bool(state.get(r.ITERATOR_FINISHED))
 
     # -- epochs ------------------------------------------------------------------
 
-    def _reset(self, loader: Any, first_iter: bool = False) -> None:
+    def _reset(self, loader: Any, first_iter: bool = False, state: dict[str, Any] | None = None) -> None:
         super()._reset(loader, first_iter)
         self._send_idx = 0  # the next task to hand out
         self._rcvd_idx = 0  # the next task to return
         self._task_info: dict[int, tuple[Any, ...]] = {}  # task -> (worker,) or (worker, message)
+        self._task_main.clear()
         self._tasks_outstanding = 0
         n = self._num_workers
         self._workers_status = [True] * n
         self._workers_num_tasks = [0] * n
         self._worker_cycle = itertools.cycle(range(n))
+        if state is not None:
+            self._resume_main(state)
         if not first_iter:
             if self._failed is not None:
                 self._shutdown_workers()  # a persistent loader's iterator that failed
@@ -236,12 +301,32 @@ class MultiProcessIter(_BaseIter):
             for i in range(n):
                 self._tell(i, ["r", 0])
             waiting = n
+            snaps: list[Any] = [None] * n
             while waiting:  # batches of the last epoch still coming are dropped
-                _, msg = self._get_data()
+                worker, msg = self._get_data()
                 if msg[1] == "r":
                     waiting -= 1
+                    snaps[worker] = msg[4]
+            self._progress.new_epoch(self._len_called, snaps)
         for _ in range(self._prefetch_factor * n):
             self._try_put_index()
+
+    def _resume_main(self, state: dict[str, Any]) -> None:
+        """Where the saved epoch was: the sampler, the counts, the worker the next batch comes from."""
+        snap = state[r.SNAPSHOT]
+        main = snap[r.MAIN_SNAPSHOT]
+        self._sampler_iter, self._drawn = r.restore_sampler(self._index_sampler, main)
+        p = self._progress
+        self._num_yielded = p.num_yielded = int(snap[r.SNAPSHOT_STEP])
+        self._len_called = p.len_called = main.get(r.LEN_CALLED)
+        p.main = (main.get(r.SAMPLER_ITER_STATE), main.get(r.INDEX_SAMPLER_STATE), self._drawn)
+        p.last_worker = int(snap[r.LAST_WORKER]) % self._num_workers
+        for i in range(self._num_workers):
+            w = snap[r.WORKER_SNAPSHOTS][f"worker_{i}"]
+            p.snaps[i] = w
+            p.batches[i] = int(w.get(r.BATCHES) or 0)
+        for _ in range(p.last_worker + 1):  # the next task goes to the worker after the last one's
+            next(self._worker_cycle)
 
     # -- batches -----------------------------------------------------------------
 
@@ -303,6 +388,11 @@ class MultiProcessIter(_BaseIter):
             payload = arrays.pop().tobytes()
         if msg[1] == "e":
             pickle.loads(payload).reraise()
+        task = msg[0]
+        self._pending = (worker, msg[4], self._task_main.pop(task, None) or self._progress.main)
+        if len(self._task_main) > 2 * self._prefetch_factor * self._num_workers:  # skipped tasks' states
+            for stale in [t for t in self._task_main if t < task]:
+                del self._task_main[stale]
         if self._copier is not None:
             return self._on_device(payload, arrays)
         data = unpack(payload, arrays)
@@ -325,6 +415,8 @@ class MultiProcessIter(_BaseIter):
         else:
             return
         self._tell_task(worker, self._send_idx, index if _plain(index) else pickle.dumps(index))
+        self._task_main[self._send_idx] = (r.state_of(self._sampler_iter), r.state_of(self._index_sampler),
+                                           self._drawn)
         self._task_info[self._send_idx] = (worker,)
         self._workers_num_tasks[worker] += 1
         self._tasks_outstanding += 1
@@ -355,8 +447,15 @@ class MultiProcessIter(_BaseIter):
                                                              max(0.0, deadline - time.monotonic()))
             try:
                 worker, msg = self._rx.recv_from(timeout=step)
-                if type(msg) is not list or len(msg) < 2 or (msg[1] in ("d", "e") and len(msg) != 4):
+                if type(msg) is not list or len(msg) < 2 or (msg[1] in ("d", "e", "r") and (
+                        len(msg) != 5 or not _snap_ok(msg[4]))):
                     raise RuntimeError(f"DataLoader worker {worker} sent a malformed message")
+                snap = msg[4] if len(msg) == 5 else None
+                if snap is not None:  # its RNG state comes only when it changed (capture() in _resume.py)
+                    if snap[0] is None:
+                        snap[0] = self._rng_seen[worker]
+                    else:
+                        self._rng_seen[worker] = snap[0]
                 return worker, msg
             except ShmshareTimeout:
                 self._check_workers()
@@ -550,6 +649,19 @@ def _drop_parent_pipe(w: Any) -> None:
             and all(type(fd) is int for fd in args)):
         fin._args = (args[0],)  # type: ignore[union-attr]
         os.close(args[1])
+
+
+def _snap_ok(snap: Any) -> bool:
+    """Whether a worker's snapshot is as capture() makes it: None, or [bytes | None, bytes | None]."""
+    return snap is None or (type(snap) is list and len(snap) == 2
+                            and all(p is None or type(p) is bytes for p in snap))
+
+
+def _replay_index(loader: Any) -> Any:
+    """One task's index for an iterable dataset: what replaying one of its batches fetches with."""
+    if not (loader._iterable and loader._auto_collation and isinstance(loader.batch_size, int)):
+        return None
+    return [None] * loader.batch_size
 
 
 def _plain(index: Any) -> bool:

@@ -148,10 +148,10 @@ class RandomSampler(Sampler[int]):
     def __len__(self) -> int:
         return self.num_samples
 
-    def _chunks(self) -> Iterator[list[int]]:
+    def _chunks(self, rng: np.random.Generator | None = None) -> Iterator[list[int]]:
         n = len(self.data_source)
         count = self.num_samples
-        rng = self._rng.for_iteration()
+        rng = rng or self._rng.for_iteration()
         if self.replacement:  # in bounded chunks: num_samples may be far more than fits in memory
             for start in range(0, count, _CHUNK):
                 yield rng.integers(0, n, size=min(_CHUNK, count - start), dtype=np.int64).tolist()

@@ -24,12 +24,14 @@ Messages (notes are msgpack; a batch is a channel batch of a list)::
                                              one frame holds at most 128 KiB
                      ["r", epoch]            a new epoch (persistent workers): fresh fetcher
                      ["s"]                   stop
-    worker -> main   [task, "d", pickle, [arrays]]   a batch (Note [Batches as pickles ...])
-                     [task, "e", pickle, []]          an exception (a WorkerError)
-                     [task, "d"|"e", None, [..., p]]  the same, its pickle `p` (uint8) in the
-                                                      pool: a big one (past 32 KiB)
-                     [task, "t"]                      an IterableDataset ran out
-                     [-1, "r"]                        the new epoch began
+    worker -> main   [task, "d", pickle, [arrays], snap]  a batch (Note [Batches as pickles ...]) and
+                                                          the worker's state after it (Note
+                                                          [Resuming mid-epoch] in _resume.py)
+                     [task, "e", pickle, [], None]        an exception (a WorkerError)
+                     [task, "d"|"e", None, [..., p], s]   the same, its pickle `p` (uint8) in the
+                                                          pool: a big one (past 32 KiB)
+                     [task, "t"]                          an IterableDataset ran out
+                     [-1, "r", None, [], snap]            the new epoch began, from this state
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from .._errors import PeerDied, ProtocolError, ShmshareTimeout
 from .._fd import Fd
 from .._lifetime import Closeable
 from ..channel import Sender
-from . import _collate, _pool
+from . import _collate, _pool, _resume
 from ._batch import pack
 from ._fetch import make_fetcher
 from ._seeding import seed_worker
@@ -101,6 +103,8 @@ class WorkerSpec:
     num_workers: int
     use_torch: bool
     pool_limit: int
+    resume: dict[str, Any] | None = None  # this worker's snapshot to resume from (Note [Resuming mid-epoch])
+    replay_index: Any = None  # what one task's index is, to replay an iterable dataset's batches
 
 
 class SpecHandoff(Closeable):
@@ -229,13 +233,19 @@ def _serve(tx: Sender, spec: WorkerSpec) -> None:
     collate = _collate.default_collate if _collate.is_torch_default(spec.collate_fn) else spec.collate_fn
     init_error = None
     fetcher: Any = None
+    make = functools.partial(make_fetcher, spec.iterable, spec.dataset, spec.auto_collation, collate,
+                             spec.drop_last)
     try:
         if spec.init_fn is not None:
             spec.init_fn(spec.worker_id)
-        fetcher = make_fetcher(spec.iterable, spec.dataset, spec.auto_collation, collate,
-                               spec.drop_last)
+        if spec.resume is not None:
+            fetcher = _resume.restore_worker(spec.resume, spec.dataset, make, spec.iterable,
+                                             spec.replay_index)
+        else:
+            fetcher = make()
     except Exception:  # noqa: BLE001 - reported with the first batch, as torch's worker does
         init_error = capture(where)
+    last_rng: bytes | None = None  # the RNG state sent last: a snapshot carries it only when it changed
     ended = False  # this epoch's IterableDataset ran out: later tasks are ignored
     parts: list[Any] = []  # a big index's parts so far
     while True:
@@ -252,9 +262,10 @@ def _serve(tx: Sender, spec: WorkerSpec) -> None:
             return
         if kind == "r":
             ended = False
-            fetcher = make_fetcher(spec.iterable, spec.dataset, spec.auto_collation, collate,
-                                   spec.drop_last)
-            tx.send([-1, "r"])
+            fetcher = make()
+            snap, last_rng = _resume.capture(spec.worker_id, spec.dataset, fetcher, spec.iterable,
+                                             spec.use_torch, None)
+            tx.send([-1, "r", None, [], snap])
             continue
         if ended:
             continue
@@ -276,6 +287,8 @@ def _serve(tx: Sender, spec: WorkerSpec) -> None:
             data = fetcher.fetch(index)
             payload, arrays = pack(data)
             del data
+            snap, last_rng = _resume.capture(spec.worker_id, spec.dataset, fetcher, spec.iterable,
+                                             spec.use_torch, last_rng)
         except StopIteration:
             if not spec.iterable:
                 _send(tx, task, "e", capture(where))
@@ -287,7 +300,7 @@ def _serve(tx: Sender, spec: WorkerSpec) -> None:
             _send(tx, task, "e", capture(where))
             continue
         try:
-            _send(tx, task, "d", payload, arrays, timeout=_pool.POOL_WAIT)
+            _send(tx, task, "d", payload, arrays, timeout=_pool.POOL_WAIT, snap=snap)
         except PeerDied:
             return
         except Exception:  # noqa: BLE001 - a batch the channel cannot take (a full pool, a dtype)
@@ -298,7 +311,7 @@ def _serve(tx: Sender, spec: WorkerSpec) -> None:
 
 
 def _send(tx: Sender, task: int, kind: str, payload: bytes, arrays: list[Any] | None = None,
-          timeout: float | None = None) -> None:
+          timeout: float | None = None, snap: list[Any] | None = None) -> None:
     """Send a batch or an error: a pickle past _INLINE bytes goes through the pool, not the frame.
 
     A frame holds 128 KiB; a batch of strings (documents, paths) or a long
@@ -311,9 +324,9 @@ def _send(tx: Sender, task: int, kind: str, payload: bytes, arrays: list[Any] | 
         buf[:] = np.frombuffer(payload, np.uint8)
         arrays.append(buf)
         del buf
-        tx.send([task, kind, None, arrays], timeout=timeout)
+        tx.send([task, kind, None, arrays, snap], timeout=timeout)
     else:
-        tx.send([task, kind, payload, arrays], timeout=timeout)
+        tx.send([task, kind, payload, arrays, snap], timeout=timeout)
 
 
 class _WorkerSender(Sender):

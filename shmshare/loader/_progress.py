@@ -1,0 +1,110 @@
+"""Where an iterator's epoch is, kept by the main process for ``state_dict()`` (Note [Resuming mid-epoch]).
+
+A ``Progress`` is small and outlives its iterator: the loader holds the last
+one, so ``loader.state_dict()`` works between epochs and after the program
+dropped the iterator, without keeping workers alive.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import _resume as r
+
+__all__ = ["Progress", "check_layout"]
+
+
+class Progress:
+    """What the last yielded batch leaves: counts, the sampler's state then, and each worker's state."""
+
+    def __init__(self, num_workers: int, base_seed: int | None, len_called: int | None) -> None:
+        self.num_workers = num_workers
+        self.base_seed = base_seed
+        self.len_called = len_called
+        self.num_yielded = 0
+        self.drawn = 0  # num_workers=0: indices drawn
+        self.finished = False
+        self.main: tuple[Any, Any, int] = (None, None, 0)  # sampler iter state, index sampler state, draws
+        self.last_worker = num_workers - 1  # torchdata's value before any batch
+        # per worker: as capture() made it, or a loaded snapshot (a dict) until the worker sends a batch
+        self.snaps: list[Any] = [None] * num_workers
+        self.batches = [0] * num_workers  # batches each worker made this epoch, the yielded ones
+        self.live: Any = None  # num_workers=0: a function giving the single-process state now
+
+    def new_epoch(self, len_called: int | None, snaps: list[Any] | None = None) -> None:
+        """A persistent iterator's next epoch: the workers' states as they reported them at its start."""
+        self.len_called = len_called
+        self.num_yielded = 0
+        self.finished = False
+        self.main = (None, None, 0)
+        self.last_worker = self.num_workers - 1
+        self.snaps = snaps if snaps is not None else [None] * self.num_workers
+        self.batches = [0] * self.num_workers
+
+    def yielded(self, worker: int, snap: Any, main: tuple[Any, Any, int]) -> None:
+        """A batch from `worker` is given to the program: its state becomes the one to resume from."""
+        self.last_worker = worker
+        self.snaps[worker] = snap
+        self.batches[worker] += 1
+        self.main = main
+
+    def state_dict(self) -> dict[str, Any]:
+        """torchdata's layout: flat with no workers; ``_snapshot`` and two keys with them."""
+        if self.live is not None:
+            state = self.live()
+            state[r.ITERATOR_FINISHED] = self.finished
+            return r.copied(state)
+        sampler_state, index_state, drawn = self.main
+        main = {r.NUM_WORKERS: self.num_workers, r.SAMPLER_ITER_STATE: sampler_state,
+                r.INDEX_SAMPLER_STATE: index_state, r.SAMPLER_ITER_YIELDED: drawn,
+                r.LEN_CALLED: self.len_called, r.SHARED_SEED: None, r.BASE_SEED: self.base_seed}
+        workers = {f"worker_{i}": r.worker_snapshot(i, self.snaps[i], self.batches[i])
+                   for i in range(self.num_workers)}
+        return r.copied({
+            r.SNAPSHOT: {r.SNAPSHOT_STEP: self.num_yielded, r.LAST_WORKER: self.last_worker,
+                         r.MAIN_SNAPSHOT: main, r.WORKER_SNAPSHOTS: workers},
+            r.STEPS_SINCE: 0,
+            r.ITERATOR_FINISHED: self.finished,
+        })
+
+
+def check_layout(state: Any, num_workers: int) -> None:
+    """Refuse a state that is no loader state, or one saved with another number of workers."""
+    if not isinstance(state, dict):
+        raise TypeError(f"load_state_dict() takes the dict state_dict() returned, not {type(state).__name__}")
+    if num_workers == 0:
+        if r.NUM_YIELDED not in state:
+            saved = _saved_workers(state)
+            raise ValueError(f"this state was saved by a loader with num_workers={saved}; this loader has "
+                             "num_workers=0. A state resumes only with the number of workers that saved it "
+                             f"(make the loader with num_workers={saved})" if saved is not None else
+                             f"not a loader state: no {r.NUM_YIELDED!r} key (a num_workers=0 state has one)")
+        return
+    snap = state.get(r.SNAPSHOT)
+    if not isinstance(snap, dict):
+        if r.NUM_YIELDED in state:
+            raise ValueError(f"this state was saved by a loader with num_workers=0; this loader has "
+                             f"num_workers={num_workers}. A state resumes only with the number of workers "
+                             "that saved it (make the loader with num_workers=0)")
+        raise ValueError(f"not a loader state: no {r.SNAPSHOT!r} dict (a state with workers has one)")
+    try:
+        main, workers = snap[r.MAIN_SNAPSHOT], snap[r.WORKER_SNAPSHOTS]
+        saved = main[r.NUM_WORKERS]
+        for key in (r.SNAPSHOT_STEP, r.LAST_WORKER):
+            int(snap[key])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"not a loader state: its {r.SNAPSHOT!r} lacks {exc}") from None
+    if saved != num_workers:
+        raise ValueError(f"this state was saved by a loader with num_workers={saved}; this loader has "
+                         f"num_workers={num_workers}. A state resumes only with the number of workers that "
+                         f"saved it (make the loader with num_workers={saved})")
+    if sorted(workers) != sorted(f"worker_{i}" for i in range(num_workers)):
+        raise ValueError(f"the state's worker snapshots are {sorted(workers)}, not worker_0 .. "
+                         f"worker_{num_workers - 1}")
+
+
+def _saved_workers(state: dict[str, Any]) -> int | None:
+    try:
+        return int(state[r.SNAPSHOT][r.MAIN_SNAPSHOT][r.NUM_WORKERS])
+    except (KeyError, TypeError, ValueError):
+        return None
