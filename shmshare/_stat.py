@@ -299,6 +299,7 @@ def render(report: Report, width: int = 100) -> str:
         total = sum(s.size for s in report.segments)
         lines.append(f"{len(report.segments)} segments, {_size(total)} in all")
     lines += _render_pools(report, width)
+    lines += _render_loaders(report, width)
     lines += _render_stores(report, width)
     if report.skipped:
         lines.append(f"({report.skipped} processes of other users not read: run as root to see them)")
@@ -373,6 +374,43 @@ def _render_pools(report: Report, width: int) -> list[str]:
     for u in report.unanswered:
         lines.append(_cut(f"(pid {u['pid']}: {u['why']})", width))
     return lines
+
+
+_LOADER_COLS = [Col("PID"), Col("WORKER"), Col("BATCHES", keep=3), Col("FETCH", keep=5),
+                Col("COLLATE", keep=4), Col("SEND/WAIT", keep=2), Col("HELD", keep=1),
+                Col("FIRST SAMPLE", keep=0)]
+
+
+def _render_loaders(report: Report, width: int) -> list[str]:
+    """The DataLoaders of the processes that answered: where their time goes (Note [Where the time
+    goes] in loader/_stats.py)."""
+    lines: list[str] = []
+    for p in report.processes:
+        for ld in (p.stats or {}).get("loaders") or []:
+            try:
+                lines += _render_loader(p.pid, ld, width)
+            except (TypeError, ValueError, AttributeError, KeyError):  # an answer is hostile: plain, not right
+                lines.append(_cut(f"(pid {p.pid}: a DataLoader report stat cannot read)", width))
+    return lines
+
+
+def _render_loader(pid: int, ld: dict[str, Any], width: int) -> list[str]:
+    """One loader: a line of the main process's figures, a row per worker."""
+    frac = float(ld.get("wait_fraction", 0))
+    lines = ["", _cut(
+        f"DataLoader in pid {pid}: {ld.get('batches', '?')} batches in {float(ld.get('elapsed_s', 0)):.1f}s, "
+        f"waiting for batches {float(ld.get('wait_s', 0)):.1f}s ({100 * frac:.0f}%: "
+        f"{'input-bound' if frac > 0.5 else 'the program is the bottleneck'}), "
+        f"starting workers {float(ld.get('start_s', 0)):.1f}s, {_size_or(ld.get('bytes_in_flight'))} in flight",
+        width)]
+    rows = []
+    for w in ld["workers"]:
+        first = dict(w.get("startup") or []).get("first sample")
+        rows.append([str(w.get("pid") or "?"), str(w.get("worker_id")), str(w.get("batches")),
+                     f"{float(w.get('fetch_s', 0)):.2f}s", f"{float(w.get('collate_s', 0)):.2f}s",
+                     f"{float(w.get('send_s', 0)):.2f}s", _size_or(w.get("bytes_held")),
+                     "-" if first is None else f"{float(first):.2f}s"])
+    return lines + table(_LOADER_COLS, rows, width, indent="  ")
 
 
 def _render_stores(report: Report, width: int) -> list[str]:

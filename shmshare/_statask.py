@@ -16,8 +16,8 @@ Note [An answer is hostile]
     The socket may be anyone's of the same uid (root asks every user's), so
     an answer is kept only as far as stat knows it: the top-level keys of
     the reply's VERSION (others are dropped: a newer server may add some),
-    each of the type it should be, and, under ``pools``, ``senders`` and
-    ``owners``, plain JSON values only (None, bools, finite numbers, strings
+    each of the type it should be, and, under ``pools``, ``senders``,
+    ``owners`` and ``loaders``, plain JSON values only (None, bools, finite numbers, strings
     cut to _TEXT, lists and dicts of them, _DEPTH deep and _ITEMS long at
     most). Anything else -- bytes, a string where a number goes, totals that
     are not a dict -- makes the socket one that did not answer, with why:
@@ -65,7 +65,7 @@ _DEPTH = 6  # levels of lists and dicts kept in a reporter's entry
 _ITEMS = 10_000  # entries kept of one list or dict
 _TEXT = 500  # characters kept of a string
 _NUMBERS = ("pid", "uptime_s", "tick_s", "truncated")
-_LISTS = ("pools", "senders", "owners")
+_LISTS = ("pools", "senders", "owners", "loaders")
 _KIND_FIGURES = ("pools", "reserved_bytes", "allocated_bytes", "peak_reserved_bytes",
                  "peak_allocated_bytes", "leases_out")
 

@@ -71,6 +71,7 @@ REQUEST, REPLY = "stats", "stats"
 _CLIENT_WAIT = 1.0  # s a client has, from accept, to send its request
 _MAX_CLIENTS = 8
 _REPLY_BUDGET = wire.MAX_FRAME - 4096  # the reply's frame, with room for the wire's own bytes
+_MAX_LOADERS = 16  # loaders' reports in one reply (Note [Where the time goes] in loader/_stats.py)
 _YOUNG = 5.0  # s: a socket this new may be a server between its bind and its listen: not swept
 _NAME = re.compile(r"[0-9]{1,10}(-[0-9a-f]{1,16})?\.sock\Z", re.ASCII)
 
@@ -279,7 +280,8 @@ class _Server:
             "k": REPLY, "v": VERSION, "pid": os.getpid(), "tick_s": TICK,
             "uptime_s": round(time.monotonic() - self._born, 3),
             "pools": got.get("pools", []), "senders": got.get("senders", []),
-            "owners": got.get("owners", []), "truncated": 0,
+            "owners": got.get("owners", []), "loaders": got.get("loaders", [])[:_MAX_LOADERS],
+            "truncated": 0,
         }
         reply["totals"] = totals(reply)
         return _fit(reply)
@@ -317,10 +319,10 @@ def totals(reply: dict[str, Any]) -> dict[str, Any]:
 def _fit(reply: dict[str, Any]) -> dict[str, Any]:
     """Cut the longest list in half until the reply packs within the frame (totals stay whole)."""
     while len(msgpack.packb(reply, use_bin_type=True)) > _REPLY_BUDGET:
-        key = max(("pools", "senders", "owners"), key=lambda k: len(reply[k]))
+        key = max(("pools", "senders", "owners", "loaders"), key=lambda k: len(reply.get(k) or ()))
         n = len(reply[key])
         if n == 0:
-            reply["pools"] = reply["senders"] = reply["owners"] = []
+            reply["pools"] = reply["senders"] = reply["owners"] = reply["loaders"] = []
             reply["totals"] = {}
             break
         reply[key] = reply[key][: n // 2]

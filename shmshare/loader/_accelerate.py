@@ -103,7 +103,7 @@ def _rebuilt(torch_loader: Any, given: _dataloader.DataLoader[Any]) -> Any:
                     "drop_last": torch_loader.drop_last}
     arguments = {name: getattr(torch_loader, name) for name in _ARGUMENTS}
     return _dataloader.DataLoader(torch_loader.dataset, **sampling, **arguments, pool_limit=given.pool_limit,
-                                  device=given.device)
+                                  worker_start=given.worker_start, device=given.device)
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -36,6 +36,7 @@ from . import _collate, _samplers
 from ._device import parse_device
 from ._iters import MultiProcessIter, SingleProcessIter
 from ._progress import check_layout
+from ._stats import LoaderStats
 
 __all__ = ["DataLoader"]
 
@@ -72,6 +73,12 @@ class DataLoader(Generic[T_co]):
         Bytes of shared memory each worker's pool holds (default 1 GiB).
         Batches the program keeps past it go in shared memory outside the
         pool, given back when dropped, with one warning (Note [Past the pool]).
+    worker_start : {"one", "each"}, optional (keyword)
+        Under spawn and forkserver, ``"one"`` (the default) starts one process
+        that imports and unpickles the dataset once and forks every worker from
+        it, so the first batch does not wait longer with each worker added
+        (Note [Workers forked from one process]); ``"each"`` starts every
+        worker with the context, as torch does. Under fork it changes nothing.
     device : str or int, optional (keyword)
         ``"cuda"``, ``"cuda:N"`` or an ordinal: batches arrive in that
         device's memory (torch tensors, or ``shmshare.cuda.DeviceArray``s in
@@ -113,7 +120,7 @@ class DataLoader(Generic[T_co]):
                  multiprocessing_context: Any = None, generator: Any = None, *,
                  prefetch_factor: int | None = None, persistent_workers: bool = False,
                  pin_memory_device: str = "", in_order: bool = True,
-                 pool_limit: int | None = None, device: Any = None) -> None:
+                 pool_limit: int | None = None, device: Any = None, worker_start: str = "one") -> None:
         use_torch = sys.modules.get("torch") is not None
         if num_workers < 0:
             raise ValueError("num_workers option should be non-negative; use num_workers=0 to "
@@ -132,6 +139,9 @@ class DataLoader(Generic[T_co]):
             raise ValueError("persistent_workers option needs num_workers > 0")
         if pool_limit is not None:
             check_limit(pool_limit, "pool_limit")
+        if worker_start not in ("one", "each"):
+            raise ValueError(f"worker_start must be 'one' (spawn and forkserver: one process started, the "
+                             f"workers forked from it) or 'each' (every worker started alone), not {worker_start!r}")
 
         self._use_torch = use_torch
         self.dataset: Any = cast(Any, dataset)  # typed by its protocols above; used as torch uses it
@@ -147,6 +157,7 @@ class DataLoader(Generic[T_co]):
         # attributes named like __init__'s parameters (Lightning's _update_dataloader) keeps them
         self.pool_limit = pool_limit
         self.device = device
+        self.worker_start = worker_start
         self._pool_limit = pool_limit or DEFAULT_LIMIT
         self._device = parse_device(device)
         if self._device is not None:
@@ -298,6 +309,13 @@ class DataLoader(Generic[T_co]):
             if self.persistent_workers and self.num_workers > 0:
                 self._iterator = self._initial_iter
         return self._progress.state_dict()  # type: ignore[no-any-return]
+
+    def stats(self) -> LoaderStats | None:
+        """Return where the current (or last) iterator's time went: per worker, seconds fetching,
+        collating and sending (waiting for room); in this process, seconds waiting for batches and
+        the bytes in flight (Note [Where the time goes]; docs/loader.md tells how to read them).
+        None before the first ``iter()``."""
+        return None if self._progress is None else self._progress.stats()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from `state_dict` (from ``state_dict()``, this loader's or a torchdata

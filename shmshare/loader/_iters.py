@@ -15,6 +15,7 @@ worker costs: its socket's end is seen at once, its exit code within
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import multiprocessing
@@ -25,10 +26,10 @@ import sys
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
-from .. import wire
+from .. import _registry, wire
 from .._errors import FdLimitError, PeerDied, PeerRefused, ProtocolError, SegmentError, ShmshareTimeout
 from ..channel import Receiver
 from . import _resume as r
@@ -37,7 +38,9 @@ from ._device import DeviceCopier
 from ._pin import choose, pin_by_copy
 from ._progress import Progress, check_layout
 from ._seeding import draw_base_seed
+from ._stats import report
 from ._worker import SpecHandoff, WorkerSpec, worker_main
+from ._zygote import can_fork_from_one, start_zygote
 
 __all__ = ["SingleProcessIter", "MultiProcessIter", "close_inherited"]
 
@@ -197,8 +200,12 @@ class SingleProcessIter(_BaseIter):
         return index
 
     def _next_data(self) -> Any:
-        index = self._next_index()
-        data = self._fetcher.fetch(index)
+        began = time.perf_counter()  # no workers: the program waits for every fetch
+        try:
+            index = self._next_index()
+            data = self._fetcher.fetch(index)
+        finally:
+            self._progress.wait_s += time.perf_counter() - began
         if self._copier is not None:
             return self._on_device(*pack(data))
         return pin_by_copy(data) if self._pin_memory else data
@@ -238,36 +245,34 @@ class MultiProcessIter(_BaseIter):
         self._conns = conns  # our ends: a worker forked while they are made closes them too
         self._rx: Receiver | None = None
         _live.add(self)
+        self._zygote: Any = None  # spawn, forkserver: the process the workers are forked from
+        ends: list[wire.Connection] = []  # the workers' ends, until they are started
         try:
+            specs = []
             for i in range(self._num_workers):
                 a, b = wire.pipe()
                 a._role, b._role = "sender", "receiver"
                 conns.append(b)
-                spec = SpecHandoff(WorkerSpec(self._iterable, self._dataset, self._auto_collation,
-                                              self._collate_fn, self._drop_last, self._base_seed,
-                                              loader.worker_init_fn, i, self._num_workers,
-                                              self._use_torch, loader._pool_limit, resumes[i],
-                                              _replay_index(loader)))
-                # spawn, forkserver: start() returns without waiting for the child to read its
-                # spec (Note [The spec beside the start pipe] in _worker.py)
-                w = ctx.Process(target=worker_main, args=(a, spec), daemon=True)
-                try:
-                    w.start()
-                except (TypeError, AttributeError, pickle.PicklingError):
-                    warnings.warn(
-                        "Got pickle error when attempting to start a worker Process. This might be "
-                        "because the worker Process arguments are not picklable. Python 3.14+ "
-                        "changed the multiprocessing start method in non-Mac POSIX platforms to "
-                        "'forkserver', which requires the worker Process arguments to be picklable. "
-                        "You can also try multiprocessing.set_start_method('fork').", stacklevel=4)
-                    raise
-                finally:
-                    a.close()  # the worker has its own copy now
-                    spec.close()  # and of the spec's memfd
-                _drop_parent_pipe(w)
-                self._workers.append(w)
+                ends.append(a)
+                specs.append(WorkerSpec(self._iterable, self._dataset, self._auto_collation,
+                                        self._collate_fn, self._drop_last, self._base_seed,
+                                        loader.worker_init_fn, i, self._num_workers, self._use_torch,
+                                        loader._pool_limit, resumes[i], _replay_index(loader)))
+            with _pickle_hint():
+                if loader.worker_start == "one" and ctx.get_start_method() != "fork" and can_fork_from_one():
+                    self._zygote = start_zygote(ctx, ends, specs)  # Note [Workers forked from one process]
+                    self._workers.extend(self._zygote.workers)
+                else:
+                    for a, spec_i in zip(ends, specs, strict=True):
+                        self._workers.append(_start_one(ctx, a, spec_i))
             self._rx = Receiver(conns, writable=True, pin=self._pinner)
+            self._progress.pids = [w.pid for w in self._workers]
+            self._progress.start_s = time.perf_counter() - self._progress.began_clock
+            self._progress.watch(self)
+            _registry.register("loaders", self._progress, report)
         except BaseException:
+            for a in ends:
+                a.close()  # (those handed to a worker are closed already)
             if self._rx is None:
                 for c in conns:
                     c.close()
@@ -440,6 +445,16 @@ class MultiProcessIter(_BaseIter):
 
     def _get_data(self) -> tuple[int, list[Any]]:
         """Return (worker, message): the next thing a worker sent; raise as torch does."""
+        began = time.perf_counter()
+        try:
+            return self._wait_data()
+        finally:
+            self._progress.wait_s += time.perf_counter() - began
+
+    def _count_waiting(self) -> int:
+        return sum(len(info) == 2 for info in list(self._task_info.values()))
+
+    def _wait_data(self) -> tuple[int, list[Any]]:
         assert self._rx is not None
         deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
         while True:
@@ -448,9 +463,11 @@ class MultiProcessIter(_BaseIter):
             try:
                 worker, msg = self._rx.recv_from(timeout=step)
                 if type(msg) is not list or len(msg) < 2 or (msg[1] in ("d", "e", "r") and (
-                        len(msg) != 5 or not _snap_ok(msg[4]))):
+                        len(msg) != 6 or not _snap_ok(msg[4]))):
                     raise RuntimeError(f"DataLoader worker {worker} sent a malformed message")
-                snap = msg[4] if len(msg) == 5 else None
+                snap = msg[4] if len(msg) == 6 else None
+                if len(msg) == 6 and msg[5] is not None:
+                    self._progress.noted(worker, msg[5])
                 if snap is not None:  # its RNG state comes only when it changed (capture() in _resume.py)
                     if snap[0] is None:
                         snap[0] = self._rng_seen[worker]
@@ -594,6 +611,8 @@ class MultiProcessIter(_BaseIter):
         steps: list[Callable[[], None]] = [c.close for c in (self._copier, rx, self._pinner)
                                            if c is not None]
         steps += [functools.partial(_close_sentinel, w) for w in self._workers]
+        if self._zygote is not None:
+            steps.append(self._zygote.close)
         for close in steps:
             try:
                 close()
@@ -614,6 +633,36 @@ class MultiProcessIter(_BaseIter):
     def __del__(self) -> None:
         if getattr(self, "_owner", None) is not None:
             self._shutdown_workers()
+
+
+def _start_one(ctx: Any, end: wire.Connection, spec: WorkerSpec) -> Any:
+    """Start one worker with the context; its end and its spec's memfd are closed once it has them."""
+    handoff = SpecHandoff(spec)
+    # spawn, forkserver: start() returns without waiting for the child to read its spec (Note [The
+    # spec beside the start pipe] in _worker.py)
+    w = ctx.Process(target=worker_main, args=(end, handoff), daemon=True)
+    try:
+        w.start()
+    finally:
+        end.close()  # the worker has its own copy now
+        handoff.close()  # and of the spec's memfd
+    _drop_parent_pipe(w)
+    return w
+
+
+@contextlib.contextmanager
+def _pickle_hint() -> Iterator[None]:
+    """torch's warning where a worker's arguments do not pickle (Python 3.14 starts with forkserver)."""
+    try:
+        yield
+    except (TypeError, AttributeError, pickle.PicklingError):
+        warnings.warn(
+            "Got pickle error when attempting to start a worker Process. This might be "
+            "because the worker Process arguments are not picklable. Python 3.14+ "
+            "changed the multiprocessing start method in non-Mac POSIX platforms to "
+            "'forkserver', which requires the worker Process arguments to be picklable. "
+            "You can also try multiprocessing.set_start_method('fork').", stacklevel=6)
+        raise
 
 
 def _close_sentinel(w: Any) -> None:

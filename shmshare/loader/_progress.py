@@ -7,9 +7,12 @@ dropped the iterator, without keeping workers alive.
 
 from __future__ import annotations
 
+import time
+import weakref
 from typing import Any
 
 from . import _resume as r
+from ._stats import LoaderStats, WorkerStats
 
 __all__ = ["Progress", "check_layout"]
 
@@ -30,6 +33,40 @@ class Progress:
         self.snaps: list[Any] = [None] * num_workers
         self.batches = [0] * num_workers  # batches each worker made this epoch, the yielded ones
         self.live: Any = None  # num_workers=0: a function giving the single-process state now
+        # Note [Where the time goes] in _stats.py
+        self.began = time.time()
+        self.began_clock = time.perf_counter()
+        self.wait_s = 0.0  # in next(), for a batch not yet there
+        self.start_s = 0.0  # in iter(), starting the workers
+        self.notes: list[list[Any] | None] = [None] * num_workers  # each worker's last totals
+        self.phases: list[list[Any]] = [[] for _ in range(num_workers)]
+        self.pids: list[int | None] = [None] * num_workers
+        self.waiting: Any = None  # a weak method counting batches received, not yet yielded
+
+    def noted(self, worker: int, note: Any) -> None:
+        """A worker's totals came with a batch (and its start-up phases with its first)."""
+        if type(note) is list and len(note) == 6:
+            self.notes[worker] = note
+            if note[5] is not None:
+                self.phases[worker] = note[5]
+
+    def stats(self) -> LoaderStats:
+        """The figures of Note [Where the time goes], now."""
+        elapsed = time.perf_counter() - self.began_clock
+        workers = []
+        for i in range(self.num_workers):
+            note = self.notes[i] or [0, 0.0, 0.0, 0.0, 0, None]
+            startup = tuple((str(name), float(t) - self.began) for name, t in self.phases[i])
+            workers.append(WorkerStats(i, self.pids[i], int(note[0]), float(note[1]), float(note[2]),
+                                       float(note[3]), int(note[4]), startup))
+        count = self.waiting() if self.waiting is not None else None
+        return LoaderStats(self.num_workers, self.num_yielded, elapsed, self.start_s, self.wait_s,
+                           self.wait_s / elapsed if elapsed > 0 else 0.0, sum(w.bytes_held for w in workers),
+                           int(count() if count is not None else 0), tuple(workers))
+
+    def watch(self, it: Any) -> None:
+        """Count `it`'s waiting batches while it lives (no strong reference: the loader keeps this)."""
+        self.waiting = weakref.WeakMethod(it._count_waiting)
 
     def new_epoch(self, len_called: int | None, snaps: list[Any] | None = None) -> None:
         """A persistent iterator's next epoch: the workers' states as they reported them at its start."""
@@ -40,6 +77,8 @@ class Progress:
         self.last_worker = self.num_workers - 1
         self.snaps = snaps if snaps is not None else [None] * self.num_workers
         self.batches = [0] * self.num_workers
+        self.began, self.began_clock, self.wait_s = time.time(), time.perf_counter(), 0.0
+        self.notes = [None] * self.num_workers
 
     def yielded(self, worker: int, snap: Any, main: tuple[Any, Any, int]) -> None:
         """A batch from `worker` is given to the program: its state becomes the one to resume from."""

@@ -24,14 +24,15 @@ Messages (notes are msgpack; a batch is a channel batch of a list)::
                                              one frame holds at most 128 KiB
                      ["r", epoch]            a new epoch (persistent workers): fresh fetcher
                      ["s"]                   stop
-    worker -> main   [task, "d", pickle, [arrays], snap]  a batch (Note [Batches as pickles ...]) and
-                                                          the worker's state after it (Note
-                                                          [Resuming mid-epoch] in _resume.py)
-                     [task, "e", pickle, [], None]        an exception (a WorkerError)
-                     [task, "d"|"e", None, [..., p], s]   the same, its pickle `p` (uint8) in the
-                                                          pool: a big one (past 32 KiB)
-                     [task, "t"]                          an IterableDataset ran out
-                     [-1, "r", None, [], snap]            the new epoch began, from this state
+    worker -> main   [task, "d", pickle, [arrays], snap, note]  a batch (Note [Batches as pickles ...]),
+                                                      the worker's state after it (Note [Resuming
+                                                      mid-epoch] in _resume.py) and its totals
+                                                      (Note [Where the time goes] in _stats.py)
+                     [task, "e", pickle, [], None, None]        an exception (a WorkerError)
+                     [task, "d"|"e", None, [..., p], s, n]      the same, its pickle `p` (uint8) in
+                                                                the pool: a big one (past 32 KiB)
+                     [task, "t"]                                an IterableDataset ran out
+                     [-1, "r", None, [], snap, None]            the new epoch began, from this state
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import functools
 import mmap
 import os
 import pickle
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +53,7 @@ from .._errors import PeerDied, ProtocolError, ShmshareTimeout
 from .._fd import Fd
 from .._lifetime import Closeable
 from ..channel import Sender
-from . import _collate, _pool, _resume
+from . import _collate, _pool, _resume, _stats
 from ._batch import pack
 from ._fetch import make_fetcher
 from ._seeding import seed_worker
@@ -77,6 +79,9 @@ class WorkerInfo:
 
 
 _info: Any = None
+# this process's start-up, (phase, wall clock) in order (Note [Where the time goes] in _stats.py); a worker
+# forked by the zygote inherits the zygote's and adds its fork
+_phases: list[tuple[str, float]] = []
 
 
 def get_worker_info() -> Any:
@@ -139,8 +144,8 @@ class SpecHandoff(Closeable):
 
     __slots__ = ("spec", "_fd")
 
-    def __init__(self, spec: WorkerSpec) -> None:
-        self.spec = spec
+    def __init__(self, spec: WorkerSpec | list[WorkerSpec]) -> None:
+        self.spec = spec  # (a list: every worker's, for the zygote, Note [Workers forked from one process])
         self._fd: Fd | None = None  # the memfd of the last pickling, until start() returns
 
     def __reduce__(self) -> Any:
@@ -149,6 +154,8 @@ class SpecHandoff(Closeable):
         if context.get_spawning_popen() is None:
             return SpecHandoff, (self.spec,)
         data = reduction.ForkingPickler.dumps(self.spec)
+        first = self.spec[0] if isinstance(self.spec, list) else self.spec
+        use_torch = bool(first.use_torch) if first is not None else False
         try:
             fd = Fd(os.memfd_create("shmshare-loader-spec", os.MFD_CLOEXEC))
         except OSError:  # no memfds here, or no fd left: the pipe takes it, at its pace
@@ -163,7 +170,7 @@ class SpecHandoff(Closeable):
             raise
         self.close()
         self._fd = fd
-        return _load_spec, (dup, len(data))
+        return _load_spec, (dup, len(data), use_torch)
 
     def close(self) -> None:
         """Close the parent's fd of the memfd (after ``start()``: the child has its own). Idempotent."""
@@ -176,14 +183,19 @@ def _spec_from_pickle(data: bytes) -> SpecHandoff:
     return SpecHandoff(pickle.loads(data))
 
 
-def _load_spec(dup: Any, size: int) -> SpecHandoff:
+def _load_spec(dup: Any, size: int, use_torch: bool = False) -> SpecHandoff:
     """In the child, as the process object is unpickled: the spec, from the memfd beside the pipe."""
+    _phases[:] = [("process", _stats.process_start())]
+    if use_torch:
+        import torch  # noqa: F401 - the dataset's pickle would import it: timed as an import of its own
+    _phases.append(("imports", time.time()))
     fd = Fd(dup.detach())
     try:
         with mmap.mmap(fd.fileno(), size, prot=mmap.PROT_READ) as data:
             spec = pickle.loads(data)
     finally:
         fd.close()
+    _phases.append(("dataset", time.time()))
     return SpecHandoff(spec)
 
 
@@ -191,6 +203,7 @@ def worker_main(conn: wire.Connection, handoff: SpecHandoff) -> None:
     """The worker process: run until told to stop, or until the main process is gone."""
     global _info
     spec = handoff.spec
+    assert isinstance(spec, WorkerSpec)
     from . import _iters
 
     _iters.close_inherited()  # a forked worker holds the main process's loader sockets
@@ -231,6 +244,8 @@ def _serve(tx: Sender, spec: WorkerSpec) -> None:
     parent = os.getppid()
     where = f"in DataLoader worker process {spec.worker_id}"
     collate = _collate.default_collate if _collate.is_torch_default(spec.collate_fn) else spec.collate_fn
+    clock = _stats.WorkerClock(list(_phases) or [("process", _stats.process_start())])
+    collate = clock.timed(collate)
     init_error = None
     fetcher: Any = None
     make = functools.partial(make_fetcher, spec.iterable, spec.dataset, spec.auto_collation, collate,
@@ -265,7 +280,7 @@ def _serve(tx: Sender, spec: WorkerSpec) -> None:
             fetcher = make()
             snap, last_rng = _resume.capture(spec.worker_id, spec.dataset, fetcher, spec.iterable,
                                              spec.use_torch, None)
-            tx.send([-1, "r", None, [], snap])
+            tx.send([-1, "r", None, [], snap, None])
             continue
         if ended:
             continue
@@ -283,8 +298,13 @@ def _serve(tx: Sender, spec: WorkerSpec) -> None:
             _send(tx, task, "e", init_error)
             init_error = None
             continue
+        t = time.perf_counter()
+        collated = clock.collate
         try:
             data = fetcher.fetch(index)
+            clock.fetch += time.perf_counter() - t - (clock.collate - collated)
+            if clock.batches == 0:
+                clock.phases.append(("first sample", time.time()))
             payload, arrays = pack(data)
             del data
             snap, last_rng = _resume.capture(spec.worker_id, spec.dataset, fetcher, spec.iterable,
@@ -300,7 +320,11 @@ def _serve(tx: Sender, spec: WorkerSpec) -> None:
             _send(tx, task, "e", capture(where))
             continue
         try:
-            _send(tx, task, "d", payload, arrays, timeout=_pool.POOL_WAIT, snap=snap)
+            clock.batches += 1
+            t = time.perf_counter()
+            _send(tx, task, "d", payload, arrays, timeout=_pool.POOL_WAIT, snap=snap,
+                  note=clock.note(tx.statistics().bytes_leased))
+            clock.send += time.perf_counter() - t
         except PeerDied:
             return
         except Exception:  # noqa: BLE001 - a batch the channel cannot take (a full pool, a dtype)
@@ -311,7 +335,7 @@ def _serve(tx: Sender, spec: WorkerSpec) -> None:
 
 
 def _send(tx: Sender, task: int, kind: str, payload: bytes, arrays: list[Any] | None = None,
-          timeout: float | None = None, snap: list[Any] | None = None) -> None:
+          timeout: float | None = None, snap: list[Any] | None = None, note: list[Any] | None = None) -> None:
     """Send a batch or an error: a pickle past _INLINE bytes goes through the pool, not the frame.
 
     A frame holds 128 KiB; a batch of strings (documents, paths) or a long
@@ -324,9 +348,9 @@ def _send(tx: Sender, task: int, kind: str, payload: bytes, arrays: list[Any] | 
         buf[:] = np.frombuffer(payload, np.uint8)
         arrays.append(buf)
         del buf
-        tx.send([task, kind, None, arrays, snap], timeout=timeout)
+        tx.send([task, kind, None, arrays, snap, note], timeout=timeout)
     else:
-        tx.send([task, kind, payload, arrays, snap], timeout=timeout)
+        tx.send([task, kind, payload, arrays, snap, note], timeout=timeout)
 
 
 class _WorkerSender(Sender):

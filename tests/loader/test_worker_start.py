@@ -19,7 +19,7 @@ def test_a_worker_starts_without_the_main_process_waiting_for_it_to_read_its_dat
     go = tmp_path / "go"
     ds = Gated(8, str(go))
     dl = L.DataLoader(ds, batch_size=2, num_workers=2, collate_fn=L.numpy_collate,
-                      multiprocessing_context=start)
+                      multiprocessing_context=start, worker_start="each")  # (a zygote waits for its dataset)
     it = iter(dl)
     pids = [w.pid for w in it._workers]
     try:
