@@ -1,4 +1,4 @@
-"""The loader's iterators: in the main process (no workers), and over a pool of workers.
+"""The loader's iterator over a pool of workers (``_iter_base.py`` has the one with none).
 
 The multi-process iterator follows torch's ``_MultiProcessingDataLoaderIter``
 (``torch/utils/data/dataloader.py``) in everything a program can observe:
@@ -15,7 +15,6 @@ worker costs: its socket's end is seen at once, its exit code within
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import multiprocessing
@@ -24,22 +23,20 @@ import pickle
 import signal
 import sys
 import time
-import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 from .. import _registry, wire
 from .._errors import FdLimitError, PeerDied, PeerRefused, ProtocolError, SegmentError, ShmshareTimeout
 from ..channel import Receiver
 from . import _resume as r
-from ._batch import pack, unpack
-from ._device import DeviceCopier
-from ._pin import choose, pin_by_copy
-from ._progress import Progress, check_layout
-from ._seeding import draw_base_seed
+from ._batch import unpack
+from ._iter_base import BaseIter, SingleProcessIter, replay_index
+from ._pin import pin_by_copy
+from ._starting import close_sentinel, pickle_hint, start_one
 from ._stats import report
-from ._worker import SpecHandoff, WorkerSpec, worker_main
+from ._worker import WorkerSpec
 from ._zygote import can_fork_from_one, start_zygote
 
 __all__ = ["SingleProcessIter", "MultiProcessIter", "close_inherited"]
@@ -59,164 +56,7 @@ def close_inherited() -> None:
         it._close_in_child()
 
 
-class _BaseIter:
-    def __init__(self, loader: Any, state: dict[str, Any] | None = None) -> None:
-        self._dataset = loader.dataset
-        self._iterable = loader._iterable
-        self._len_called = loader._IterableDataset_len_called
-        self._auto_collation = loader._auto_collation
-        self._drop_last = loader.drop_last
-        self._index_sampler = loader._index_sampler
-        self._num_workers = loader.num_workers
-        self._use_torch = loader._use_torch
-        self._pin_how, self._pinner = choose(loader, stacklevel=5)
-        self._pin_memory = self._pin_how == "copy"  # pinned by torch's copy
-        self._timeout = loader.timeout
-        self._collate_fn = loader.collate_fn
-        if state is not None:
-            check_layout(state, loader.num_workers)
-        self._sampler_iter = r.sampler_iter(self._index_sampler)  # resumable (Note [Resuming mid-epoch])
-        self._drawn = 0  # indices (batches) drawn from it this epoch
-        self._base_seed = draw_base_seed(loader.generator)  # drawn on resuming too: the generator moves as it did
-        self._persistent_workers = loader.persistent_workers
-        self._num_yielded = 0
-        self._progress = Progress(loader.num_workers, self._base_seed, self._len_called)
-        self._pending: tuple[Any, ...] | None = None  # the progress the batch being returned makes
-        self._copier = None if loader._device is None else DeviceCopier(loader._device,
-                                                                        self._use_torch)
-        self._staged: tuple[str, Any, Any] | None = None  # device=: the next batch, copy started
-
-    def __iter__(self) -> _BaseIter:
-        return self
-
-    def __len__(self) -> int:
-        return len(self._index_sampler)
-
-    def __getstate__(self) -> Any:
-        raise NotImplementedError("{} cannot be pickled", self.__class__.__name__)
-
-    def _reset(self, loader: Any, first_iter: bool = False) -> None:
-        self._staged = None  # a batch of the last epoch copied ahead: dropped
-        if not first_iter:
-            self._sampler_iter = r.sampler_iter(self._index_sampler)
-            self._drawn = 0
-        self._num_yielded = 0
-        self._len_called = loader._IterableDataset_len_called
-
-    def _next_index(self) -> Any:
-        index = next(self._sampler_iter)
-        self._drawn += 1
-        return index
-
-    def state_dict(self) -> dict[str, Any]:
-        """Where this epoch is, in torchdata's layout (Note [Resuming mid-epoch] in ``_resume.py``)."""
-        return self._progress.state_dict()
-
-    def _next_data(self) -> Any:
-        raise NotImplementedError
-
-    def __next__(self) -> Any:
-        try:
-            if self._copier is None:
-                data = self._next_data()
-                pending, self._pending = self._pending, None
-            else:
-                data, pending = self._next_on_device()
-        except StopIteration:
-            self._progress.finished = True
-            raise
-        self._num_yielded += 1
-        if pending is not None:
-            self._progress.yielded(*pending)
-        self._progress.num_yielded = self._num_yielded
-        if self._iterable and self._len_called is not None and self._num_yielded > self._len_called:
-            msg = (f"Length of IterableDataset {self._dataset} was reported to be {self._len_called}"
-                   f"(when accessing len(dataloader)), but {self._num_yielded} samples have been "
-                   "fetched. ")
-            if self._num_workers > 0:
-                msg += ("For multiprocessing data-loading, this could be caused by not properly "
-                        "configuring the IterableDataset replica at each worker. Please see "
-                        "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset "
-                        "for examples.")
-            warnings.warn(msg, stacklevel=2)
-        return data
-
-
-    def _next_on_device(self) -> tuple[Any, Any]:
-        """device=: return the batch whose copy started last time (and its progress), and start the next one's."""
-        staged, self._staged = self._staged or self._stage(), None
-        kind, value, pending = staged
-        if kind == "end":
-            raise StopIteration
-        if kind == "error":
-            raise value
-        self._staged = self._stage()  # one batch ahead: its copy overlaps the program's work
-        return value, pending
-
-    def _stage(self) -> tuple[str, Any, Any]:
-        try:
-            data = self._next_data()
-            pending, self._pending = self._pending, None
-            return "batch", data, pending
-        except StopIteration:
-            return "end", None, None
-        except Exception as exc:  # noqa: BLE001 - raised in its turn, after the batch before it
-            return "error", exc, None
-
-    def _on_device(self, payload: bytes, arrays: list[Any]) -> Any:
-        assert self._copier is not None
-        return unpack(payload, self._copier.copy(arrays))
-
-
-class SingleProcessIter(_BaseIter):
-    """``num_workers=0``: fetch and collate in this process (no shared memory involved)."""
-
-    def __init__(self, loader: Any, state: dict[str, Any] | None = None) -> None:
-        if loader.timeout != 0:  # before anything that holds resources is made
-            raise AssertionError("_SingleProcessDataLoaderIter requires timeout == 0")
-        super().__init__(loader, state)
-        from ._fetch import make_fetcher
-
-        make = functools.partial(make_fetcher, self._iterable, self._dataset, self._auto_collation,
-                                 self._collate_fn, self._drop_last)
-        if state is None:
-            self._fetcher = make()
-        else:
-            self._sampler_iter, self._drawn = r.restore_sampler(self._index_sampler, state)
-            n = int(state[r.NUM_YIELDED])
-            self._fetcher = r.restore_fetcher(state, self._dataset, make, self._iterable,
-                                              _replay_index(loader), n)
-            self._num_yielded = self._progress.num_yielded = n
-            self._len_called = self._progress.len_called = state.get(r.LEN_CALLED)
-            self._progress.finished = bool(state.get(r.ITERATOR_FINISHED))
-        self._progress.drawn = self._drawn
-        self._progress.live = functools.partial(r.single_state, self._progress, self._index_sampler,
-                                                self._sampler_iter, self._fetcher, self._dataset,
-                                                self._iterable)
-
-    def _next_index(self) -> Any:
-        index = super()._next_index()
-        self._progress.drawn = self._drawn
-        return index
-
-    def _next_data(self) -> Any:
-        began = time.perf_counter()  # no workers: the program waits for every fetch
-        try:
-            index = self._next_index()
-            data = self._fetcher.fetch(index)
-        finally:
-            self._progress.wait_s += time.perf_counter() - began
-        if self._copier is not None:
-            return self._on_device(*pack(data))
-        return pin_by_copy(data) if self._pin_memory else data
-
-    def __del__(self) -> None:
-        copier = getattr(self, "_copier", None)
-        if copier is not None:
-            copier.close()
-
-
-class MultiProcessIter(_BaseIter):
+class MultiProcessIter(BaseIter):
     """Workers collating into their pools; batches arrive as leases on those pools."""
 
     def __init__(self, loader: Any, state: dict[str, Any] | None = None) -> None:
@@ -257,14 +97,14 @@ class MultiProcessIter(_BaseIter):
                 specs.append(WorkerSpec(self._iterable, self._dataset, self._auto_collation,
                                         self._collate_fn, self._drop_last, self._base_seed,
                                         loader.worker_init_fn, i, self._num_workers, self._use_torch,
-                                        loader._pool_limit, resumes[i], _replay_index(loader)))
-            with _pickle_hint():
+                                        loader._pool_limit, resumes[i], replay_index(loader)))
+            with pickle_hint():
                 if loader.worker_start == "one" and ctx.get_start_method() != "fork" and can_fork_from_one():
                     self._zygote = start_zygote(ctx, ends, specs)  # Note [Workers forked from one process]
                     self._workers.extend(self._zygote.workers)
                 else:
                     for a, spec_i in zip(ends, specs, strict=True):
-                        self._workers.append(_start_one(ctx, a, spec_i))
+                        self._workers.append(start_one(ctx, a, spec_i))
             self._rx = Receiver(conns, writable=True, pin=self._pinner)
             self._progress.pids = [w.pid for w in self._workers]
             self._progress.start_s = time.perf_counter() - self._progress.began_clock
@@ -610,7 +450,7 @@ class MultiProcessIter(_BaseIter):
         error: Exception | None = None
         steps: list[Callable[[], None]] = [c.close for c in (self._copier, rx, self._pinner)
                                            if c is not None]
-        steps += [functools.partial(_close_sentinel, w) for w in self._workers]
+        steps += [functools.partial(close_sentinel, w) for w in self._workers]
         if self._zygote is not None:
             steps.append(self._zygote.close)
         for close in steps:
@@ -635,82 +475,10 @@ class MultiProcessIter(_BaseIter):
             self._shutdown_workers()
 
 
-def _start_one(ctx: Any, end: wire.Connection, spec: WorkerSpec) -> Any:
-    """Start one worker with the context; its end and its spec's memfd are closed once it has them."""
-    handoff = SpecHandoff(spec)
-    # spawn, forkserver: start() returns without waiting for the child to read its spec (Note [The
-    # spec beside the start pipe] in _worker.py)
-    w = ctx.Process(target=worker_main, args=(end, handoff), daemon=True)
-    try:
-        w.start()
-    finally:
-        end.close()  # the worker has its own copy now
-        handoff.close()  # and of the spec's memfd
-    _drop_parent_pipe(w)
-    return w
-
-
-@contextlib.contextmanager
-def _pickle_hint() -> Iterator[None]:
-    """torch's warning where a worker's arguments do not pickle (Python 3.14 starts with forkserver)."""
-    try:
-        yield
-    except (TypeError, AttributeError, pickle.PicklingError):
-        warnings.warn(
-            "Got pickle error when attempting to start a worker Process. This might be "
-            "because the worker Process arguments are not picklable. Python 3.14+ "
-            "changed the multiprocessing start method in non-Mac POSIX platforms to "
-            "'forkserver', which requires the worker Process arguments to be picklable. "
-            "You can also try multiprocessing.set_start_method('fork').", stacklevel=6)
-        raise
-
-
-def _close_sentinel(w: Any) -> None:
-    """Close a reaped worker's sentinel fds now, not when the collector gets to its Process.
-
-    Not ``Process.close()``: programs (torch's own tests) keep ``it._workers``
-    and call ``join``/``is_alive``/``exitcode`` after the loader is gone, which
-    a closed Process refuses; its exit code stays known.
-    """
-    popen = getattr(w, "_popen", None)
-    if popen is not None and w.exitcode is not None and hasattr(popen, "close"):
-        popen.close()
-
-
-def _drop_parent_pipe(w: Any) -> None:
-    """Close the pipe end multiprocessing keeps only for the child's ``parent_process()``.
-
-    Note [Two fds per worker]
-        A fork or spawn ``Process`` holds two pipe fds in the parent: its
-        sentinel (readable when the child exits) and the write end of a pipe
-        whose read end the child keeps as ``parent_process().sentinel``, so
-        that the child can see its parent die. Our workers watch their parent
-        through their socket and ``getppid()``, never that sentinel, so the
-        write end is closed at start: each worker costs the main process two
-        fds (its socket and its sentinel) instead of three. The price: in a
-        worker, ``multiprocessing.parent_process().is_alive()`` says False.
-        A forkserver Process holds only its sentinel, and is left alone.
-    """
-    popen = getattr(w, "_popen", None)
-    fin = getattr(popen, "finalizer", None)
-    args = getattr(fin, "_args", None)
-    if (type(args) is tuple and len(args) == 2 and args[0] == getattr(popen, "sentinel", None)
-            and all(type(fd) is int for fd in args)):
-        fin._args = (args[0],)  # type: ignore[union-attr]
-        os.close(args[1])
-
-
 def _snap_ok(snap: Any) -> bool:
     """Whether a worker's snapshot is as capture() makes it: None, or [bytes | None, bytes | None]."""
     return snap is None or (type(snap) is list and len(snap) == 2
                             and all(p is None or type(p) is bytes for p in snap))
-
-
-def _replay_index(loader: Any) -> Any:
-    """One task's index for an iterable dataset: what replaying one of its batches fetches with."""
-    if not (loader._iterable and loader._auto_collation and isinstance(loader.batch_size, int)):
-        return None
-    return [None] * loader.batch_size
 
 
 def _plain(index: Any) -> bool:

@@ -7,6 +7,7 @@ dropped the iterator, without keeping workers alive.
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from typing import Any
@@ -42,6 +43,14 @@ class Progress:
         self.phases: list[list[Any]] = [[] for _ in range(num_workers)]
         self.pids: list[int | None] = [None] * num_workers
         self.waiting: Any = None  # a weak method counting batches received, not yet yielded
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A pickled loader carries where it was, not the live iterator's hooks (a weak method, a closure)."""
+        state = dict(self.__dict__)
+        if state["live"] is not None:  # num_workers=0: the state now, kept as it is
+            state["live"] = functools.partial(r.copied, state["live"]())
+        state["waiting"] = None
+        return state
 
     def noted(self, worker: int, note: Any) -> None:
         """A worker's totals came with a batch (and its start-up phases with its first)."""
