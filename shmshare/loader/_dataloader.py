@@ -304,6 +304,10 @@ class DataLoader(Generic[T_co]):
         """
         if self._next_state is not None:
             return copy.deepcopy(self._next_state)
+        if not self.in_order and self.num_workers > 1:
+            warnings.warn("state_dict() with in_order=False: batches come out of order, so a resumed run "
+                          "yields again those that came before an earlier one still in flight (none is "
+                          "lost). Use in_order=True for a resume that repeats nothing", stacklevel=2)
         if self._progress is None:
             self._initial_iter = self._get_iterator()
             if self.persistent_workers and self.num_workers > 0:

@@ -90,7 +90,10 @@ class BaseIter:
             raise
         self._num_yielded += 1
         if pending is not None:
-            self._progress.yielded(*pending)
+            if pending[0] == "single":  # no workers, device=: the state as that batch left it
+                self._progress.single = pending[1]
+            else:
+                self._progress.yielded(*pending)
         self._progress.num_yielded = self._num_yielded
         if self._iterable and self._len_called is not None and self._num_yielded > self._len_called:
             msg = (f"Length of IterableDataset {self._dataset} was reported to be {self._len_called}"
@@ -169,6 +172,8 @@ class SingleProcessIter(BaseIter):
             data = self._fetcher.fetch(index)
         finally:
             self._progress.wait_s += time.perf_counter() - began
+        if self._copier is not None:  # copied a batch ahead: the live state would be one batch on
+            self._pending = ("single", self._progress.live())
         if self._copier is not None:
             return self._on_device(*pack(data))
         return pin_by_copy(data) if self._pin_memory else data

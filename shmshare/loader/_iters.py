@@ -121,7 +121,10 @@ class MultiProcessIter(BaseIter):
         self._reset(loader, first_iter=True, state=None if self._replay else state)
         if state is not None:
             for _ in range(self._replay + int(state.get(r.STEPS_SINCE) or 0)):  # as torchdata replays
-                next(self)
+                try:
+                    next(self)
+                except StopIteration:  # (the epoch had fewer batches: it is over)
+                    break
             self._progress.finished = bool(state.get(r.ITERATOR_FINISHED))
 
     # -- epochs ------------------------------------------------------------------
@@ -151,8 +154,16 @@ class MultiProcessIter(BaseIter):
                 worker, msg = self._get_data()
                 if msg[1] == "r":
                     waiting -= 1
-                    snaps[worker] = msg[4]
+                    snaps[worker] = snap = msg[4]
+                    if snap is not None and type(snap[1]) is int:  # a big dataset state, in the pool
+                        snap[1] = msg[3].pop().tobytes()
             self._progress.new_epoch(self._len_called, snaps)
+        if state is None:  # the epoch's start, before any draw: a state_dict() now resumes at it, in this epoch
+            self._progress.main = (r.state_of(self._sampler_iter), r.state_of(self._index_sampler), 0)
+        self._unordered: tuple[set[int], tuple[Any, Any, int]] = (set(), self._progress.main)
+        self._unordered_next = 0
+        self._iter_stateful = r.stateful(self._sampler_iter)
+        self._index_stateful = r.stateful(self._index_sampler)
         for _ in range(self._prefetch_factor * n):
             self._try_put_index()
 
@@ -231,17 +242,37 @@ class MultiProcessIter(BaseIter):
         payload, arrays = msg[2], msg[3]
         if payload is None:  # a big pickle, in the pool: the last array
             payload = arrays.pop().tobytes()
+        snap = msg[4]
+        if snap is not None and type(snap[1]) is int:  # a big dataset state, in the pool: the array before
+            snap[1] = arrays.pop().tobytes()
         if msg[1] == "e":
             pickle.loads(payload).reraise()
         task = msg[0]
-        self._pending = (worker, msg[4], self._task_main.pop(task, None) or self._progress.main)
-        if len(self._task_main) > 2 * self._prefetch_factor * self._num_workers:  # skipped tasks' states
-            for stale in [t for t in self._task_main if t < task]:
-                del self._task_main[stale]
+        if self._in_order:
+            self._pending = (worker, msg[4], self._task_main.pop(task, None) or self._progress.main)
+            if len(self._task_main) > 2 * self._prefetch_factor * self._num_workers:  # skipped tasks' states
+                for stale in [t for t in self._task_main if t < task]:
+                    del self._task_main[stale]
+        else:
+            self._pending = (worker, msg[4], self._unordered_main(task))
         if self._copier is not None:
             return self._on_device(payload, arrays)
         data = unpack(payload, arrays)
         return pin_by_copy(data) if self._pin_memory else data
+
+    def _unordered_main(self, task: int) -> tuple[Any, Any, int]:
+        """in_order=False: the sampler's state after every task before the first one not yet yielded.
+
+        A resumed run then draws again from there: it yields again the batches that came out of order
+        before the state was taken, rather than losing those still in flight (state_dict() warns)."""
+        done, main = self._unordered
+        done.add(task)
+        while self._unordered_next in done:
+            done.discard(self._unordered_next)
+            main = self._task_main.pop(self._unordered_next, main)
+            self._unordered_next += 1
+        self._unordered = (done, main)
+        return main
 
     def _try_put_index(self) -> None:
         max_tasks = self._prefetch_factor * self._num_workers
@@ -260,7 +291,9 @@ class MultiProcessIter(BaseIter):
         else:
             return
         self._tell_task(worker, self._send_idx, index if _plain(index) else pickle.dumps(index))
-        self._task_main[self._send_idx] = (r.state_of(self._sampler_iter), r.state_of(self._index_sampler),
+        it: Any = self._sampler_iter
+        self._task_main[self._send_idx] = (it.state_dict() if self._iter_stateful else None,
+                                           self._index_sampler.state_dict() if self._index_stateful else None,
                                            self._drawn)
         self._task_info[self._send_idx] = (worker,)
         self._workers_num_tasks[worker] += 1
@@ -477,8 +510,8 @@ class MultiProcessIter(BaseIter):
 
 def _snap_ok(snap: Any) -> bool:
     """Whether a worker's snapshot is as capture() makes it: None, or [bytes | None, bytes | None]."""
-    return snap is None or (type(snap) is list and len(snap) == 2
-                            and all(p is None or type(p) is bytes for p in snap))
+    return snap is None or (type(snap) is list and len(snap) == 2 and (snap[0] is None or type(snap[0]) is bytes)
+                            and (snap[1] is None or type(snap[1]) in (bytes, int)))
 
 
 def _plain(index: Any) -> bool:

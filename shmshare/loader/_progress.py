@@ -34,6 +34,7 @@ class Progress:
         self.snaps: list[Any] = [None] * num_workers
         self.batches = [0] * num_workers  # batches each worker made this epoch, the yielded ones
         self.live: Any = None  # num_workers=0: a function giving the single-process state now
+        self.single: dict[str, Any] | None = None  # ... or as the last batch returned left it (device=)
         # Note [Where the time goes] in _stats.py
         self.began = time.time()
         self.began_clock = time.perf_counter()
@@ -82,7 +83,6 @@ class Progress:
         self.len_called = len_called
         self.num_yielded = 0
         self.finished = False
-        self.main = (None, None, 0)
         self.last_worker = self.num_workers - 1
         self.snaps = snaps if snaps is not None else [None] * self.num_workers
         self.batches = [0] * self.num_workers
@@ -99,7 +99,7 @@ class Progress:
     def state_dict(self) -> dict[str, Any]:
         """torchdata's layout: flat with no workers; ``_snapshot`` and two keys with them."""
         if self.live is not None:
-            state = self.live()
+            state = self.live() if self.single is None else dict(self.single, **{r.NUM_YIELDED: self.num_yielded})
             state[r.ITERATOR_FINISHED] = self.finished
             return r.copied(state)
         sampler_state, index_state, drawn = self.main
@@ -139,16 +139,40 @@ def check_layout(state: Any, num_workers: int) -> None:
         main, workers = snap[r.MAIN_SNAPSHOT], snap[r.WORKER_SNAPSHOTS]
         saved = main[r.NUM_WORKERS]
         for key in (r.SNAPSHOT_STEP, r.LAST_WORKER):
-            int(snap[key])
+            snap[key]
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"not a loader state: its {r.SNAPSHOT!r} lacks {exc}") from None
+    if type(saved) is not int:
+        raise ValueError(f"not a loader state: its {r.NUM_WORKERS!r} is {saved!r}, not an int")
     if saved != num_workers:
         raise ValueError(f"this state was saved by a loader with num_workers={saved}; this loader has "
                          f"num_workers={num_workers}. A state resumes only with the number of workers that "
                          f"saved it (make the loader with num_workers={saved})")
-    if sorted(workers) != sorted(f"worker_{i}" for i in range(num_workers)):
-        raise ValueError(f"the state's worker snapshots are {sorted(workers)}, not worker_0 .. "
-                         f"worker_{num_workers - 1}")
+    if not isinstance(workers, dict) or sorted(workers) != sorted(f"worker_{i}" for i in range(num_workers)):
+        shown = sorted(workers) if isinstance(workers, dict) else workers
+        raise ValueError(f"the state's worker snapshots are {shown!r}, not worker_0 .. worker_{num_workers - 1}")
+    _check_counts(state, snap, main, num_workers)
+    for name, w in workers.items():
+        if not isinstance(w, dict):
+            raise ValueError(f"the state's {name} snapshot is a {type(w).__name__}, not a dict")
+        batches = w.get(r.BATCHES, 0)
+        if type(batches) is not int or batches < 0:
+            raise ValueError(f"the state's {name} {r.BATCHES!r} is {batches!r}, not a count")
+        if w.get(r.RNG) is not None:
+            r.check_rng(w[r.RNG], f"the state's {name}")
+
+
+def _check_counts(state: dict[str, Any], snap: dict[str, Any], main: dict[str, Any], num_workers: int) -> None:
+    """The numbers a state with workers holds: counts that are counts, a seed a worker can be seeded with."""
+    seed = main.get(r.BASE_SEED)
+    if type(seed) is not int or not 0 <= seed < 1 << 64:
+        raise ValueError(f"not a loader state: its {r.BASE_SEED!r} is {seed!r}, not a 64-bit seed")
+    for where, key, top in ((snap, r.SNAPSHOT_STEP, None), (state, r.STEPS_SINCE, None),
+                            (snap, r.LAST_WORKER, num_workers), (main, r.SAMPLER_ITER_YIELDED, None)):
+        value = where.get(key, 0) or 0
+        if type(value) is not int or value < 0 or (top is not None and value >= top):
+            bound = f" below {top}" if top is not None else ""
+            raise ValueError(f"not a loader state: its {key!r} is {value!r}, not a count{bound}")
 
 
 def _saved_workers(state: dict[str, Any]) -> int | None:

@@ -45,7 +45,11 @@ Note [Resuming mid-epoch]
 
 from __future__ import annotations
 
+import array
+import base64
+import binascii
 import copy
+import ctypes
 import itertools
 import pickle
 import random
@@ -55,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["stateful", "sampler_iter", "restore_sampler", "capture", "restore_rng",
+__all__ = ["stateful", "sampler_iter", "restore_sampler", "Capturer", "restore_rng",
            "SNAPSHOT", "MAIN_SNAPSHOT", "WORKER_SNAPSHOTS", "NUM_YIELDED"]
 
 # torchdata's keys (torchdata/stateful_dataloader/stateful_dataloader.py, incremental_state.py)
@@ -168,6 +172,8 @@ class _RandomIter(Iterator[int]):
         self._it = _torch_draws(s, generator)
 
     def state_dict(self) -> dict[str, Any]:
+        if self._it is None:  # asked before the first draw (an epoch's start): the generator is chosen now
+            self._begin(None)
         return {"generator": self._start, "yielded": self.yielded}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -200,6 +206,8 @@ class _BatchIter(Iterator[list[Any]]):
     def __init__(self, batch_sampler: Any) -> None:
         self._bs = batch_sampler
         self._inner = sampler_iter(batch_sampler.sampler)
+        self._sampler_stateful = stateful(batch_sampler.sampler)
+        self._inner_stateful = stateful(self._inner)
         self.samples_yielded = 0
 
     def __next__(self) -> list[Any]:
@@ -212,22 +220,22 @@ class _BatchIter(Iterator[list[Any]]):
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {"samples_yielded": self.samples_yielded}
-        sampler = self._bs.sampler
-        if stateful(sampler):
-            state["sampler_state"] = sampler.state_dict()
-        if stateful(self._inner):
+        if self._sampler_stateful:
+            state["sampler_state"] = self._bs.sampler.state_dict()
+        if self._inner_stateful:
             state["sampler_iter_state"] = self._inner.state_dict()  # type: ignore[attr-defined]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         sampler = self._bs.sampler
-        if state.get("sampler_state") is not None and stateful(sampler):
+        loaded = state.get("sampler_state") is not None and self._sampler_stateful
+        if loaded:
             sampler.load_state_dict(state["sampler_state"])
         self._inner = sampler_iter(sampler)
         self.samples_yielded = int(state["samples_yielded"])
         if state.get("sampler_iter_state") is not None and stateful(self._inner):
             self._inner.load_state_dict(state["sampler_iter_state"])  # type: ignore[attr-defined]
-        else:
+        elif not loaded:  # a sampler that says where it is skips by itself (torchdata's rule)
             for _ in itertools.islice(self._inner, self.samples_yielded):
                 pass
 
@@ -235,35 +243,98 @@ class _BatchIter(Iterator[list[Any]]):
 def restore_sampler(index_sampler: Any, main: dict[str, Any]) -> tuple[Iterator[Any], int]:
     """Return the sampler's iterator where `main` (a main snapshot, or the single-process state) left
     it, and the number of draws that makes."""
-    if main.get(INDEX_SAMPLER_STATE) is not None and stateful(index_sampler):
+    loaded = main.get(INDEX_SAMPLER_STATE) is not None and stateful(index_sampler)
+    if loaded:
         index_sampler.load_state_dict(main[INDEX_SAMPLER_STATE])
     it = sampler_iter(index_sampler)
     drawn = int(main.get(SAMPLER_ITER_YIELDED) or 0)
     if main.get(SAMPLER_ITER_STATE) is not None and stateful(it):
         it.load_state_dict(main[SAMPLER_ITER_STATE])  # type: ignore[attr-defined]
-        return it, drawn
-    for _ in itertools.islice(it, drawn):  # torchdata's fast-forward for samplers that keep no state
-        pass
+    elif not loaded:
+        for _ in itertools.islice(it, drawn):  # torchdata's fast-forward for samplers that keep no state
+            pass
     return it, drawn
 
 
 # -- a worker's side ------------------------------------------------------------------------------
 
 
-def capture(worker_id: int, dataset: Any, fetcher: Any, iterable: bool, use_torch: bool,
-            last_rng: bytes | None) -> tuple[list[Any], bytes]:
-    """A worker's snapshot after a batch: [rng bytes or None when unchanged since `last_rng`, a pickle
-    of (dataset_state, fetcher_state) or None when neither exists]; and the rng bytes now."""
-    rng = _rng_bytes(use_torch)
-    user = None
+class Capturer:
+    """A worker's snapshots after each batch (Note [Resuming mid-epoch]): cheap when nothing changed.
+
+    The RNG part is read raw where it can be (numpy's MT19937 words through
+    its ctypes address: 1 µs where ``get_state()`` takes 100) and sent only
+    when it differs from what was sent last. A dataset's own state is pickled
+    each batch; if taking it fails, the error travels instead and
+    ``loader.state_dict()`` raises it.
+    """
+
+    def __init__(self, use_torch: bool) -> None:
+        self._torch = sys.modules.get("torch") if use_torch else None
+        self._py: Any = None
+        self._np_raw: bytes | None = None
+        self._np_gauss = False  # numpy's cached normal: used without moving the words
+        self._torch_raw: bytes | None = None
+        self._np_addr: int | None = None
+        try:
+            bg = np.random.mtrand._rand._bit_generator
+            if type(bg).__name__ == "MT19937":
+                self._np_addr = int(bg.ctypes.state_address)
+        except AttributeError:
+            pass
+
+    def snapshot(self, dataset: Any, fetcher: Any, iterable: bool) -> list[Any]:
+        """[rng bytes or None (unchanged since the last snapshot), user pickle or None]."""
+        return [self._rng(), _user_state(dataset, fetcher, iterable)]
+
+    def _rng(self) -> bytes | None:
+        py = random.getstate()
+        np_raw = ctypes.string_at(self._np_addr, _MT_BYTES) if self._np_addr is not None else None
+        torch_raw = self._torch.get_rng_state().numpy().tobytes() if self._torch is not None else b""
+        if (py == self._py and torch_raw == self._torch_raw and np_raw is not None and np_raw == self._np_raw
+                and not self._np_gauss):
+            return None
+        self._py, self._np_raw, self._torch_raw = py, np_raw, torch_raw
+        st = np.random.get_state(legacy=False)
+        self._np_gauss = bool(st["has_gauss"])
+        version, words, gauss = py
+        return pickle.dumps(((version, gauss, st["state"]["pos"], st["has_gauss"], st["gauss"]),
+                             array.array("I", words).tobytes(), st["state"]["key"].astype(np.uint32).tobytes(),
+                             torch_raw), protocol=pickle.HIGHEST_PROTOCOL)
+
+
+_MT_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624]; int pos
+
+
+class StateError:
+    """A worker's dataset state that could not be taken: what went wrong, raised by ``state_dict()``."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+
+def _user_state(dataset: Any, fetcher: Any, iterable: bool) -> bytes | None:
     it = getattr(fetcher, "it", None)
-    dataset_state = None if iterable and it is dataset else state_of(dataset)
-    fetcher_state = None
-    if iterable:
-        fetcher_state = {DATASET_ITER_STATE: state_of(it), FETCHER_ENDED: bool(fetcher.ended)}
-    if dataset_state is not None or fetcher_state is not None:
-        user = pickle.dumps((dataset_state, fetcher_state), protocol=pickle.HIGHEST_PROTOCOL)
-    return [None if rng == last_rng else rng, user], rng
+    try:
+        dataset_state = None if iterable and it is dataset else _dataset_state(dataset)
+        fetcher_state = None
+        if iterable:
+            fetcher_state = {DATASET_ITER_STATE: state_of(it), FETCHER_ENDED: bool(fetcher.ended)}
+        if dataset_state is None and fetcher_state is None:
+            return None
+        return pickle.dumps((dataset_state, fetcher_state), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # noqa: BLE001 - the batch goes on; state_dict() says it
+        return pickle.dumps(StateError(f"{type(exc).__name__}: {exc}"[:2000]))
+
+
+def _dataset_state(dataset: Any) -> Any:
+    """The dataset's own state, unless it is a torch ``nn.Module`` (whose state_dict is its weights)."""
+    if not stateful(dataset):
+        return None
+    nn = sys.modules.get("torch.nn")
+    if nn is not None and isinstance(dataset, nn.Module):
+        return None
+    return dataset.state_dict()
 
 
 def worker_snapshot(worker_id: int, snap: Any, batches: int) -> dict[str, Any]:
@@ -274,7 +345,12 @@ def worker_snapshot(worker_id: int, snap: Any, batches: int) -> dict[str, Any]:
     out: dict[str, Any] = {WORKER_ID: worker_id, DATASET_STATE: None, FETCHER_STATE: None}
     if snap is not None:
         if snap[1] is not None:
-            out[DATASET_STATE], out[FETCHER_STATE] = pickle.loads(snap[1])
+            user = pickle.loads(snap[1])
+            if isinstance(user, StateError):
+                raise RuntimeError(f"DataLoader worker {worker_id} could not take its dataset's state after its "
+                                   f"last batch: {user.why}. A dataset's (or its iterator's) state_dict() must "
+                                   "return something picklable, and not raise")
+            out[DATASET_STATE], out[FETCHER_STATE] = user
         if snap[0] is not None:
             out[RNG] = _rng_from_bytes(snap[0])
     out[BATCHES] = batches
@@ -297,6 +373,9 @@ def restore_fetcher(state: dict[str, Any], dataset: Any, make: Any, iterable: bo
     iterator's state; an iterable dataset that has neither is brought where it was by fetching its
     `batches` again (torchdata's order: dataset, ``iter()``, iterator)."""
     loaded = state.get(DATASET_STATE) is not None and stateful(dataset)
+    nn = sys.modules.get("torch.nn")
+    if nn is not None and isinstance(dataset, nn.Module):
+        loaded = False
     if loaded:
         dataset.load_state_dict(state[DATASET_STATE])
     fetcher = make()
@@ -336,37 +415,55 @@ def single_state(progress: Any, index_sampler: Any, sampler_it: Any, fetcher: An
             DATASET_STATE: None if iterable and it is dataset else state_of(dataset)}
 
 
-def _rng_bytes(use_torch: bool) -> bytes:
-    version, words, gauss = random.getstate()
-    st = np.random.get_state(legacy=False)
-    torch = sys.modules.get("torch") if use_torch else None
-    torch_state = torch.get_rng_state().numpy().tobytes() if torch is not None else b""
-    return pickle.dumps(((version, gauss, st["state"]["pos"], st["has_gauss"], st["gauss"]),
-                         np.asarray(words, np.uint32).tobytes(), st["state"]["key"].astype(np.uint32).tobytes(),
-                         torch_state), protocol=pickle.HIGHEST_PROTOCOL)
-
-
 def _rng_from_bytes(data: bytes) -> dict[str, Any]:
-    """The RNG states as plain ints and lists (JSON can hold them; ``torch.load(weights_only=True)`` too)."""
+    """The RNG states as plain data: numbers, and the words as base64 text (JSON holds them, and
+    ``torch.load(weights_only=True)``; a list of 5056 ints would be 10x the size and time)."""
     head, words, key, torch_state = pickle.loads(data)
     version, gauss, pos, has_gauss, np_gauss = head
-    return {"random": [version, np.frombuffer(words, np.uint32).tolist(), gauss],
-            "numpy": {"key": np.frombuffer(key, np.uint32).tolist(), "pos": pos, "has_gauss": has_gauss,
-                      "gauss": np_gauss},
-            "torch": np.frombuffer(torch_state, np.uint8).tolist() if torch_state else None}
+    return {"format": 1, "random": [version, _b64(words), gauss],
+            "numpy": {"key": _b64(key), "pos": pos, "has_gauss": has_gauss, "gauss": np_gauss},
+            "torch": _b64(torch_state) if torch_state else None}
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: Any, what: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (TypeError, ValueError, binascii.Error) as exc:
+        raise ValueError(f"the state's worker RNG ({what}) is not the base64 text state_dict() wrote") from exc
+
+
+def check_rng(state: Any, where: str) -> None:
+    """Refuse a worker RNG state that is not what state_dict() wrote (before any worker starts)."""
+    try:
+        version, words, _ = state["random"]
+        ok = (int(version) == 3 and len(_unb64(words, "random")) == 625 * 4
+              and len(_unb64(state["numpy"]["key"], "numpy")) == 624 * 4
+              and 0 <= int(state["numpy"]["pos"]) <= 624
+              and (state.get("torch") is None or len(_unb64(state["torch"], "torch")) > 0))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{where}: the worker RNG state ({RNG!r}) is not one state_dict() wrote: {exc}") from None
+    if not ok:
+        raise ValueError(f"{where}: the worker RNG state ({RNG!r}) has the wrong sizes; it is not one "
+                         "state_dict() wrote")
 
 
 def restore_rng(state: dict[str, Any]) -> None:
     """Set this process's random, numpy and (if imported) torch RNGs to `state` (from a snapshot)."""
     version, words, gauss = state["random"]
-    random.setstate((version, tuple(words), gauss))
+    random.setstate((version, tuple(array.array("I", _unb64(words, "random"))), gauss))
     np_state = state["numpy"]
     np.random.set_state({"bit_generator": "MT19937",
-                         "state": {"key": np.asarray(np_state["key"], np.uint32), "pos": np_state["pos"]},
+                         "state": {"key": np.frombuffer(_unb64(np_state["key"], "numpy"), np.uint32).copy(),
+                                   "pos": np_state["pos"]},
                          "has_gauss": np_state["has_gauss"], "gauss": np_state["gauss"]})
     torch = sys.modules.get("torch")
     if torch is not None and state.get("torch") is not None:
-        torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+        raw = np.frombuffer(_unb64(state["torch"], "torch"), np.uint8).copy()
+        torch.set_rng_state(torch.from_numpy(raw))
 
 
 def copied(state: dict[str, Any]) -> dict[str, Any]:

@@ -32,7 +32,7 @@ Messages (notes are msgpack; a batch is a channel batch of a list)::
                      [task, "d"|"e", None, [..., p], s, n]      the same, its pickle `p` (uint8) in
                                                                 the pool: a big one (past 32 KiB)
                      [task, "t"]                                an IterableDataset ran out
-                     [-1, "r", None, [], snap, None]            the new epoch began, from this state
+                     [-1, "r", b"", [], snap, None]             the new epoch began, from this state
 """
 
 from __future__ import annotations
@@ -260,7 +260,7 @@ def _serve(tx: Sender, spec: WorkerSpec) -> None:
             fetcher = make()
     except Exception:  # noqa: BLE001 - reported with the first batch, as torch's worker does
         init_error = capture(where)
-    last_rng: bytes | None = None  # the RNG state sent last: a snapshot carries it only when it changed
+    snapshots = _resume.Capturer(spec.use_torch)  # a snapshot carries the RNG state only when it changed
     ended = False  # this epoch's IterableDataset ran out: later tasks are ignored
     parts: list[Any] = []  # a big index's parts so far
     while True:
@@ -278,9 +278,8 @@ def _serve(tx: Sender, spec: WorkerSpec) -> None:
         if kind == "r":
             ended = False
             fetcher = make()
-            snap, last_rng = _resume.capture(spec.worker_id, spec.dataset, fetcher, spec.iterable,
-                                             spec.use_torch, None)
-            tx.send([-1, "r", None, [], snap, None])
+            snapshots = _resume.Capturer(spec.use_torch)  # the whole RNG state: the main process starts anew
+            _send(tx, -1, "r", b"", snap=snapshots.snapshot(spec.dataset, fetcher, spec.iterable))
             continue
         if ended:
             continue
@@ -307,8 +306,7 @@ def _serve(tx: Sender, spec: WorkerSpec) -> None:
                 clock.phases.append(("first sample", time.time()))
             payload, arrays = pack(data)
             del data
-            snap, last_rng = _resume.capture(spec.worker_id, spec.dataset, fetcher, spec.iterable,
-                                             spec.use_torch, last_rng)
+            snap = snapshots.snapshot(spec.dataset, fetcher, spec.iterable)
         except StopIteration:
             if not spec.iterable:
                 _send(tx, task, "e", capture(where))
@@ -343,6 +341,12 @@ def _send(tx: Sender, task: int, kind: str, payload: bytes, arrays: list[Any] | 
     last array.
     """
     arrays = list(arrays or ())
+    if snap is not None and snap[1] is not None and len(snap[1]) > _INLINE:  # a big dataset state: the pool
+        state = tx.empty(len(snap[1]), np.uint8, timeout=timeout)
+        state[:] = np.frombuffer(snap[1], np.uint8)
+        arrays.append(state)
+        snap = [snap[0], len(snap[1])]  # (an int: "the array before the payload's")
+        del state
     if len(payload) > _INLINE:
         buf = tx.empty(len(payload), np.uint8, timeout=timeout)
         buf[:] = np.frombuffer(payload, np.uint8)

@@ -342,3 +342,120 @@ def test_numpy_mode_resumes_with_a_numpy_generator():
     r = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["ok", "4"]
+
+
+# -- what the hostile review found --------------------------------------------------------------------------
+
+
+class SelfSkippingSampler:
+    """A sampler that keeps its position itself (as torchdata's StatefulDistributedSampler does)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.start, self.yielded = n, 0, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        begin, self.start, self.yielded = self.start, 0, self.start
+        for i in range(begin, self.n):
+            self.yielded += 1
+            yield i
+
+    def state_dict(self):
+        return {"yielded": self.yielded}
+
+    def load_state_dict(self, state):
+        self.start = state["yielded"]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_sampler_that_keeps_its_own_position_is_not_skipped_twice(num_workers):
+    state, rest, _ = _interrupted(shmshare.DataLoader, Plain(), num_workers, 3, sampler=SelfSkippingSampler(23))
+    got, _ = _resumed(shmshare.DataLoader, Plain(), num_workers, state, sampler=SelfSkippingSampler(23))
+    assert got == rest and rest[0] == [9, 10, 11]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_a_state_taken_at_a_later_epochs_start_resumes_that_epoch(num_workers, persistent):
+    if persistent and not num_workers:
+        pytest.skip("persistent workers need workers")
+    dl = _loader(shmshare.DataLoader, Plain(), num_workers, shuffle=True, persistent=persistent)
+    try:
+        list(dl)
+        it = iter(dl)
+        state = dl.state_dict()  # epoch 1, before its first batch
+        epoch1 = [_plain(b) for b in it]
+    finally:
+        dl.close()
+    got, _ = _resumed(shmshare.DataLoader, Plain(), num_workers, state, shuffle=True, persistent=persistent)
+    assert got == epoch1
+
+
+class BigState(Plain):
+    """A dataset whose state is more than a frame holds."""
+
+    def state_dict(self):
+        return {"table": list(range(50_000))}
+
+    def load_state_dict(self, state):
+        assert len(state["table"]) == 50_000
+
+
+class BrokenState(Plain):
+    def state_dict(self):
+        raise RuntimeError("no state today")
+
+    def load_state_dict(self, state):
+        pass
+
+
+def test_a_big_dataset_state_travels_through_the_pool():
+    state, rest, _ = _interrupted(shmshare.DataLoader, BigState(), 2, 3)
+    assert len(state["_snapshot"]["_worker_snapshots"]["worker_0"]["dataset_state"]["table"]) == 50_000
+    assert _resumed(shmshare.DataLoader, BigState(), 2, state)[0] == rest
+
+
+def test_a_dataset_state_that_cannot_be_taken_fails_state_dict_not_the_batches():
+    dl = _loader(shmshare.DataLoader, BrokenState(), 2)
+    try:
+        it = iter(dl)
+        assert _plain(next(it)) == [0, 1, 2]
+        with pytest.raises(RuntimeError, match="could not take its dataset's state .* no state today"):
+            dl.state_dict()
+        assert len([b for b in it]) == 7
+    finally:
+        dl.close()
+
+
+def test_out_of_order_loses_nothing_on_resume():
+    dl = _loader(shmshare.DataLoader, Plain(), 2, in_order=False)
+    try:
+        it = iter(dl)
+        seen = [v for _ in range(3) for v in _plain(next(it))]
+        with pytest.warns(UserWarning, match="in_order=False"):
+            state = dl.state_dict()
+    finally:
+        dl.close()
+    got, _ = _resumed(shmshare.DataLoader, Plain(), 2, state, in_order=False)
+    assert set(seen) | {v for b in got for v in b} == set(range(23))
+
+
+@pytest.mark.parametrize(("path", "value", "match"), [
+    (("_snapshot", "_main_snapshot", "_base_seed"), 1 << 70, "not a 64-bit seed"),
+    (("_snapshot", "_last_yielded_worker_id"), 5, "not a count below 2"),
+    (("_snapshot", "_worker_snapshots", "worker_0"), None, "snapshot is a NoneType"),
+    (("_snapshot", "_worker_snapshots", "worker_0", "_shmshare_rng", "numpy", "key"), "AAAA",
+     "wrong sizes"),
+    (("_snapshot", "_main_snapshot", "_num_workers"), "2", "not an int"),
+])
+def test_a_damaged_state_is_refused_before_any_worker_starts(path, value, match):
+    state, _, _ = _interrupted(shmshare.DataLoader, Augmented(), 2, 2)
+    d = state
+    for key in path[:-1]:
+        d = d[key]
+    d[path[-1]] = value
+    dl = _loader(shmshare.DataLoader, Augmented(), 2)
+    with pytest.raises(ValueError, match=match):
+        dl.load_state_dict(state)
