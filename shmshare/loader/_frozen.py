@@ -64,6 +64,9 @@ _ALIGN = 64
 _SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 _NUMERIC = {int: ("int", np.int64), float: ("float", np.float64), bool: ("bool", np.bool_)}
 _KINDS = ("str", "bytes", "int", "float", "bool", "ndarray", "arrays", "pickle")
+_ALLOWED: dict[str, tuple[type, ...]] = {"int": (int, np.integer), "float": (int, float, np.integer, np.floating),
+                                         "bool": (bool, np.bool_)}
+_NONE = object()
 
 
 class _Packed:
@@ -89,7 +92,11 @@ class _Packed:
                 self.sections[name] = arr  # read-only: the map is PROT_READ
         except BaseException:
             self.sections = {}
-            self.map.close()
+            arr = None  # noqa: F841 - its export of the map goes before the map
+            try:
+                self.map.close()
+            except BufferError:
+                pass  # a view the exception's traceback holds: the map goes with it
             raise
 
     @classmethod
@@ -200,7 +207,7 @@ class SharedSequence(Sequence[Any]):
         elif self.kind in ("int", "float", "bool"):
             self._values = s[prefix + "values"]
         elif self.kind == "ndarray":
-            self._values = s[prefix + "values"].reshape(meta["shape"])
+            self._values = s[prefix + "values"].view(_dtype_of(meta["dtype"])).reshape(meta["shape"])
 
     @property
     def nbytes(self) -> int:
@@ -250,7 +257,7 @@ class SharedSequence(Sequence[Any]):
             return pickle.loads(self._data[a:b])
         dtypes, codes, shape_at, shapes = self._extra
         shape = tuple(shapes[shape_at[i]:shape_at[i + 1]].tolist())
-        dtype = np.dtype(dtypes[codes[i]])
+        dtype = _dtype_of(dtypes[codes[i]])
         count = int(np.prod(shape, dtype=np.int64))
         return np.frombuffer(self._data, dtype=dtype, count=count, offset=a).reshape(shape)
 
@@ -380,20 +387,23 @@ def share(items: Iterable[Any] | Mapping[str, Any], kind: str | None = None) -> 
                         "share a list of them")
     if isinstance(items, Mapping):
         return _share_mapping(items, kind)
+    if isinstance(items, np.ndarray) and items.ndim == 0:
+        raise TypeError("share() takes a collection; a 0-d array is one value: share(x.reshape(1)) or share([x])")
     if isinstance(items, np.ndarray) and kind is None:
         if items.dtype.hasobject:
             items = items.tolist()
         else:
-            return SharedSequence(_Packed.pack({"kind": "ndarray", "n": len(items) if items.ndim else 1,
-                                                "shape": list(items.shape)}, {"values": items.ravel()}))
+            return SharedSequence(_Packed.pack({"kind": "ndarray", "n": len(items), "shape": list(items.shape),
+                                                "dtype": _dtype_code(items.dtype)},
+                                               {"values": items.reshape(-1).view(np.uint8)}))
     meta, sections = _pack_seq(list(items), kind, "")
     return SharedSequence(_Packed.pack(meta, sections))
 
 
 def _share_mapping(items: Mapping[Any, Any], kind: str | None) -> SharedMapping:
     keys = list(items.keys())
-    bad = next((k for k in keys if not isinstance(k, str)), None)
-    if bad is not None or any(type(k) is not str for k in keys):
+    bad = next((k for k in keys if type(k) is not str), _NONE)
+    if bad is not _NONE:
         raise TypeError(f"share() of a mapping takes str keys only; {bad!r} is a "
                         f"{type(bad).__name__}. Convert the keys (str(k)), or share a list of the values")
     kmeta, ksec = _pack_seq(keys, "str", "k.")
@@ -410,6 +420,12 @@ def _pack_seq(items: list[Any], kind: str | None, prefix: str) -> tuple[dict[str
     n = len(items)
     meta: dict[str, Any] = {"kind": kind, "n": n}
     if kind in ("int", "float", "bool"):
+        allowed = _ALLOWED[kind]
+        bad = next((x for x in items if not isinstance(x, allowed)
+                    or (kind != "bool" and isinstance(x, (bool, np.bool_)))), _NONE)
+        if bad is not _NONE:
+            raise TypeError(f"share(kind={kind!r}) needs every element to be a {kind}, and "
+                            f"{bad!r} is a {type(bad).__name__}: convert it first, or use kind='pickle'")
         dtype = {"int": np.int64, "float": np.float64, "bool": np.bool_}[kind]
         try:
             values: np.ndarray = np.array(items, dtype=dtype) if n else np.empty(0, dtype)
@@ -450,9 +466,11 @@ def _pack_arrays(items: list[Any], meta: dict[str, Any], prefix: str) -> tuple[d
     offsets = np.zeros(len(arrays) + 1, np.int64)
     at = 0
     for i, a in enumerate(arrays):
-        codes[i] = index.setdefault(a.dtype.str, len(dtypes))
+        code = _dtype_code(a.dtype)
+        key = repr(code)
+        codes[i] = index.setdefault(key, len(dtypes))
         if codes[i] == len(dtypes):
-            dtypes.append(a.dtype.str)
+            dtypes.append(code)
         shape_at[i + 1] = shape_at[i] + a.ndim
         at = -(-at // 16) * 16  # each element aligned for its dtype
         offsets[i] = at
@@ -465,6 +483,28 @@ def _pack_arrays(items: list[Any], meta: dict[str, Any], prefix: str) -> tuple[d
     meta["dtypes"] = dtypes
     return meta, {prefix + "offsets": offsets, prefix + "data": data, prefix + "codes": codes,
                   prefix + "shape_at": shape_at, prefix + "shapes": shapes}
+
+
+def _dtype_code(dtype: np.dtype[Any]) -> Any:
+    """A dtype as header data: its str, or its description where it has fields (a struct) or a subarray."""
+    if dtype.fields is None and dtype.subdtype is None:
+        return dtype.str
+    return ["descr", np.lib.format.dtype_to_descr(dtype)]
+
+
+def _dtype_of(code: Any) -> np.dtype[Any]:
+    if isinstance(code, str):
+        return np.dtype(code)
+    return np.lib.format.descr_to_dtype(_tuples(code[1]))
+
+
+def _tuples(descr: Any) -> Any:
+    """msgpack gives lists where numpy's descriptions have tuples."""
+    if isinstance(descr, list):
+        if descr and all(isinstance(f, list) for f in descr):
+            return [tuple(_tuples(x) for x in f) for f in descr]
+        return [tuple(_tuples(x) for x in f) if isinstance(f, list) else f for f in descr]
+    return descr
 
 
 def _kind_of(items: list[Any]) -> str:
@@ -483,6 +523,12 @@ def _kind_of(items: list[Any]) -> str:
             return _NUMERIC[t][0]
         if t is np.ndarray and not any(a.dtype.hasobject for a in items):
             return "arrays"
+        if issubclass(t, np.bool_):
+            return "bool"
+        if issubclass(t, np.integer) and np.can_cast(t, np.int64):
+            return "int"  # (list(series) and the like: read back as Python ints)
+        if issubclass(t, np.floating) and np.can_cast(t, np.float64):
+            return "float"
     return "pickle"
 
 

@@ -58,6 +58,18 @@ def test_arrays_of_any_shape_and_dtype_are_read_only_views():
         s[0][0, 0] = 1
 
 
+def test_numpy_scalars_and_structured_dtypes():
+    assert share([np.int64(3), np.int32(4)]).kind == "pickle"  # two types: kept exactly
+    ints = share([np.int64(3), np.int64(4)])
+    assert ints.kind == "int" and list(ints) == [3, 4]
+    dt = np.dtype([("a", "<i4"), ("b", "<f8", (2,))])
+    x = np.zeros(3, dt)
+    x["a"] = [1, 2, 3]
+    s = share(x)
+    assert s.array.dtype == dt and s.array["a"].tolist() == [1, 2, 3]
+    assert share([x, np.ones(2)])[0].dtype == dt
+
+
 def test_a_numpy_array_stays_numpy():
     a = np.arange(12, dtype=np.int32).reshape(4, 3)
     s = share(a)
@@ -108,7 +120,10 @@ def test_colliding_hashes_are_told_apart(monkeypatch):
     (({1: "a"},), TypeError, "str keys only"),
     ((["a", 1], "str"), TypeError, "every element to be a str"),
     (([1, "a"], "int"), TypeError, "every element to be a int"),
-    (([[1, 2]], "int"), TypeError, "needs scalars"),
+    (([[1, 2]], "int"), TypeError, "every element to be a int"),
+    (([1.7], "int"), TypeError, "1.7 is a float"),
+    ((["False"], "bool"), TypeError, "'False' is a str"),
+    ((np.array(5),), TypeError, "a 0-d array is one value"),
     (([1], "arrays"), TypeError, "numpy array"),
     (([1], "ndarray"), ValueError, "kind must be one of"),
     (([1], "strings"), ValueError, "kind must be one of"),
