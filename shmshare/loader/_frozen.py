@@ -92,7 +92,7 @@ class _Packed:
                 self.sections[name] = arr  # read-only: the map is PROT_READ
         except BaseException:
             self.sections = {}
-            arr = None  # noqa: F841 - its export of the map goes before the map
+            arr = None  # its export of the map goes before the map
             try:
                 self.map.close()
             except BufferError:

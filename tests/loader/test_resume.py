@@ -422,7 +422,7 @@ def test_a_dataset_state_that_cannot_be_taken_fails_state_dict_not_the_batches()
     try:
         it = iter(dl)
         assert _plain(next(it)) == [0, 1, 2]
-        with pytest.raises(RuntimeError, match="could not take its dataset's state .* no state today"):
+        with pytest.raises(RuntimeError, match=r"could not take its dataset's state .* no state today"):
             dl.state_dict()
         assert len([b for b in it]) == 7
     finally:
