@@ -288,7 +288,7 @@ class Capturer:
         return [self._rng(), _user_state(dataset, fetcher, iterable)]
 
     def _rng(self) -> bytes | None:
-        py = random.getstate()
+        py = _py_state()
         np_raw = ctypes.string_at(self._np_addr, _MT_BYTES) if self._np_addr is not None else None
         torch_raw = self._torch.get_rng_state().numpy().tobytes() if self._torch is not None else b""
         if (py == self._py and torch_raw == self._torch_raw and np_raw is not None and np_raw == self._np_raw
@@ -297,13 +297,42 @@ class Capturer:
         self._py, self._np_raw, self._torch_raw = py, np_raw, torch_raw
         st = np.random.get_state(legacy=False)
         self._np_gauss = bool(st["has_gauss"])
-        version, words, gauss = py
+        version, words, gauss = random.getstate()
         return pickle.dumps(((version, gauss, st["state"]["pos"], st["has_gauss"], st["gauss"]),
                              array.array("I", words).tobytes(), st["state"]["key"].astype(np.uint32).tobytes(),
                              torch_raw), protocol=pickle.HIGHEST_PROTOCOL)
 
 
 _MT_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624]; int pos
+_PY_OFFSET = 16  # CPython's RandomObject: PyObject_HEAD (16 bytes); int index; uint32_t state[624]
+_PY_BYTES = 4 + 624 * 4
+
+
+def _py_state() -> Any:
+    """Something that changes exactly when ``random``'s state does: its words read raw (1 µs; building
+    ``getstate()``'s tuple of 625 ints takes 20-30), checked once against ``getstate()``, which is used
+    where the layout is not CPython's."""
+    global _py_raw_ok
+    inst: Any = random._inst
+    if _py_raw_ok is None:
+        _py_raw_ok = _raw_matches(inst)
+    if not _py_raw_ok:
+        return random.getstate()
+    return ctypes.string_at(id(inst) + _PY_OFFSET, _PY_BYTES), inst.gauss_next
+
+
+def _raw_matches(inst: Any) -> bool:
+    try:
+        raw = ctypes.string_at(id(inst) + _PY_OFFSET, _PY_BYTES)
+        _, words, _ = inst.getstate()
+        index = int.from_bytes(raw[:4], sys.byteorder, signed=True)
+        return type(inst) is random.Random and sys.implementation.name == "cpython" and (
+            [*array.array("I", raw[4:]), index] == list(words))
+    except (AttributeError, ValueError, TypeError, OverflowError):
+        return False
+
+
+_py_raw_ok: bool | None = None
 
 
 class StateError:

@@ -31,6 +31,8 @@ from typing import Any
 
 __all__ = ["LoaderStats", "WorkerStats", "WorkerClock", "process_start", "report"]
 
+_HELD_EVERY = 0.2  # s between a worker's looks at the bytes the main process holds of its pool
+
 
 @dataclass(frozen=True)
 class WorkerStats:
@@ -70,13 +72,15 @@ class LoaderStats:
 class WorkerClock:
     """A worker's totals, and its start-up phases (wall clock, from ``time.time()``)."""
 
-    __slots__ = ("batches", "fetch", "collate", "send", "phases", "sent_phases")
+    __slots__ = ("batches", "fetch", "collate", "send", "phases", "sent_phases", "held", "held_at")
 
     def __init__(self, phases: list[tuple[str, float]]) -> None:
         self.batches = 0
         self.fetch = self.collate = self.send = 0.0
         self.phases = phases
         self.sent_phases = False
+        self.held = 0
+        self.held_at = -_HELD_EVERY
 
     def timed(self, collate: Any) -> Any:
         """`collate`, with its time added to ``collate`` (and so taken out of the fetch's)."""
@@ -88,12 +92,16 @@ class WorkerClock:
                 self.collate += time.perf_counter() - t
         return run
 
-    def note(self, held: int) -> list[Any]:
-        """What the next batch carries: [batches, fetch, collate, send, held, phases or None]."""
+    def note(self, tx: Any) -> list[Any]:
+        """What the next batch carries: [batches, fetch, collate, send, held, phases or None]. The
+        bytes held are asked of the sender at most every _HELD_EVERY s (the books cost ~0.1 ms)."""
         phases = None
         if not self.sent_phases:
             phases, self.sent_phases = [list(p) for p in self.phases], True
-        return [self.batches, self.fetch, self.collate, self.send, held, phases]
+        now = time.monotonic()
+        if now - self.held_at >= _HELD_EVERY:
+            self.held, self.held_at = int(tx.statistics().bytes_leased), now
+        return [self.batches, self.fetch, self.collate, self.send, self.held, phases]
 
 
 def process_start() -> float:

@@ -321,7 +321,7 @@ def _serve(tx: Sender, spec: WorkerSpec) -> None:
             clock.batches += 1
             t = time.perf_counter()
             _send(tx, task, "d", payload, arrays, timeout=_pool.POOL_WAIT, snap=snap,
-                  note=clock.note(tx.statistics().bytes_leased))
+                  note=clock.note(tx))
             clock.send += time.perf_counter() - t
         except PeerDied:
             return
