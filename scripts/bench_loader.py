@@ -34,6 +34,12 @@ before the first row (a one-time cost of the process, not of a loader). shmshare
 first, as ``pip install`` does and as torch's is: in a checkout run with PYTHONDONTWRITEBYTECODE (these
 machines), every spawned worker would otherwise compile shmshare's ~110 modules from source, about 0.2 s
 of CPU each (``--from-source`` measures that).
+
+Issue 24's tables (scripts/_bench_loader_start.py): ``--table pss`` (the tree's PSS after an epoch over 1M
+paths, held as a list or as ``shmshare.loader.share()``) and ``--table startup`` (time to the first batch,
+by phase inside the workers), and ``--table resume`` (scripts/_bench_loader_resume.py: resuming mid-epoch
+beside torchdata's StatefulDataLoader), each instead of the rows above; ``--quick``, ``--workers``, ``--start``,
+``--rounds``, ``--loaders`` and ``--json`` apply, with ``--paths`` and ``--variants``.
 """
 
 from __future__ import annotations
@@ -399,7 +405,12 @@ def main(argv: list[str] | None = None) -> int:
                     "(a checkout under PYTHONDONTWRITEBYTECODE: each spawned worker compiles it)")
     ap.add_argument("--json", metavar="FILE", help="also write the rows and targets as JSON ('-': stdout, "
                     "tables to stderr)")
+    from _bench_loader_start import add_arguments, run_table  # issue 24's --table pss/startup
+
+    add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.table:
+        return run_table(args, None if args.from_source or args.cell else compile_shmshare)
     args.batches = args.batches or (8 if args.quick else 120)
     args.cpu_batches = args.cpu_batches or (4 if args.quick else 32)
     args.runs = args.runs or (1 if args.quick else 2)

@@ -78,7 +78,8 @@ class DataLoader(Generic[T_co]):
         that imports and unpickles the dataset once and forks every worker from
         it, so the first batch does not wait longer with each worker added
         (Note [Workers forked from one process]); ``"each"`` starts every
-        worker with the context, as torch does. Under fork it changes nothing.
+        worker with the context, as torch does. Under fork, or with one
+        worker, it changes nothing.
     device : str or int, optional (keyword)
         ``"cuda"``, ``"cuda:N"`` or an ordinal: batches arrive in that
         device's memory (torch tensors, or ``shmshare.cuda.DeviceArray``s in

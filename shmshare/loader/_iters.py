@@ -99,7 +99,8 @@ class MultiProcessIter(BaseIter):
                                         loader.worker_init_fn, i, self._num_workers, self._use_torch,
                                         loader._pool_limit, resumes[i], replay_index(loader)))
             with pickle_hint():
-                if loader.worker_start == "one" and ctx.get_start_method() != "fork" and can_fork_from_one():
+                if (loader.worker_start == "one" and self._num_workers > 1 and ctx.get_start_method() != "fork"
+                        and can_fork_from_one()):  # (one worker: the zygote would only add a fork)
                     self._zygote = start_zygote(ctx, ends, specs)  # Note [Workers forked from one process]
                     self._workers.extend(self._zygote.workers)
                 else:

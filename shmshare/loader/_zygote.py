@@ -31,7 +31,8 @@ Note [Workers forked from one process]
     (its parent changed), and one whose main process dies sees its socket end.
 
     ``worker_start="each"`` starts every worker with the context, as torch
-    does. Where there are no pidfds (Linux before 5.3), that is what happens.
+    does. That is also what happens with one worker (a zygote would only add
+    a fork) and where there are no pidfds (Linux before 5.3).
 """
 
 from __future__ import annotations
