@@ -24,8 +24,10 @@ setup(
     ext_modules=[
         Extension(
             "shmshare._native",
-            sources=["native/shmshare_native.c", "native/lease.c", "native/ring.c", "native/counts.c", "native/strhash.c"],
-            depends=["native/shmshare_native.h", "native/lease.h", "native/ring.h", "native/counts.h", "native/strhash.h"],
+            sources=["native/shmshare_native.c", "native/lease.c", "native/ring.c", "native/counts.c",
+                     "native/strhash.c"],
+            depends=["native/shmshare_native.h", "native/lease.h", "native/ring.h", "native/counts.h",
+                     "native/strhash.h"],
             include_dirs=["native"],
             extra_compile_args=["-std=c11", "-O2", "-Wall", "-Wextra", "-Werror",
                                 "-Wno-missing-field-initializers", "-D_GNU_SOURCE"],
