@@ -73,6 +73,10 @@ class DataLoader(Generic[T_co]):
         Bytes of shared memory each worker's pool holds (default 1 GiB).
         Batches the program keeps past it go in shared memory outside the
         pool, given back when dropped, with one warning (Note [Past the pool]).
+    snapshot_every_n_steps : int or None, optional (keyword)
+        torchdata's ``StatefulDataLoader`` keyword, accepted so that its
+        scripts run as they are; shmshare takes a snapshot at every batch
+        (Note [Resuming mid-epoch]).
     worker_start : {"one", "each"}, optional (keyword)
         Under spawn and forkserver, ``"one"`` (the default) starts one process
         that imports and unpickles the dataset once and forks every worker from
@@ -121,7 +125,8 @@ class DataLoader(Generic[T_co]):
                  multiprocessing_context: Any = None, generator: Any = None, *,
                  prefetch_factor: int | None = None, persistent_workers: bool = False,
                  pin_memory_device: str = "", in_order: bool = True,
-                 pool_limit: int | None = None, device: Any = None, worker_start: str = "one") -> None:
+                 pool_limit: int | None = None, device: Any = None, worker_start: str = "one",
+                 snapshot_every_n_steps: int | None = 1) -> None:
         use_torch = sys.modules.get("torch") is not None
         if num_workers < 0:
             raise ValueError("num_workers option should be non-negative; use num_workers=0 to "
@@ -140,6 +145,10 @@ class DataLoader(Generic[T_co]):
             raise ValueError("persistent_workers option needs num_workers > 0")
         if pool_limit is not None:
             check_limit(pool_limit, "pool_limit")
+        if snapshot_every_n_steps is not None and (type(snapshot_every_n_steps) is not int
+                                                   or snapshot_every_n_steps < 0):
+            raise ValueError("snapshot_every_n_steps (torchdata's keyword) must be an int >= 0 or None, not "
+                             f"{snapshot_every_n_steps!r}; shmshare takes a snapshot at every batch whatever it is")
         if worker_start not in ("one", "each"):
             raise ValueError(f"worker_start must be 'one' (spawn and forkserver: one process started, the "
                              f"workers forked from it) or 'each' (every worker started alone), not {worker_start!r}")
@@ -159,6 +168,7 @@ class DataLoader(Generic[T_co]):
         self.pool_limit = pool_limit
         self.device = device
         self.worker_start = worker_start
+        self.snapshot_every_n_steps = snapshot_every_n_steps  # torchdata's: accepted; every batch is one here
         self._pool_limit = pool_limit or DEFAULT_LIMIT
         self._device = parse_device(device)
         if self._device is not None:

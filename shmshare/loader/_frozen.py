@@ -387,6 +387,11 @@ def share(items: Iterable[Any] | Mapping[str, Any], kind: str | None = None) -> 
                         "share a list of them")
     if isinstance(items, Mapping):
         return _share_mapping(items, kind)
+    if type(items).__module__.startswith("torch") and hasattr(items, "numpy"):  # a tensor: as its array
+        tensor: Any = items
+        if tensor.device.type != "cpu":
+            raise TypeError(f"share() packs host memory; this tensor is on {tensor.device}: pass tensor.cpu()")
+        items = tensor.detach().numpy()
     if isinstance(items, np.ndarray) and items.ndim == 0:
         raise TypeError("share() takes a collection; a 0-d array is one value: share(x.reshape(1)) or share([x])")
     if isinstance(items, np.ndarray) and kind is None:

@@ -40,7 +40,8 @@ class BaseIter:
             check_layout(state, loader.num_workers)
         self._sampler_iter = r.sampler_iter(self._index_sampler)  # resumable (Note [Resuming mid-epoch])
         self._drawn = 0  # indices (batches) drawn from it this epoch
-        self._base_seed = draw_base_seed(loader.generator)  # drawn on resuming too: the generator moves as it did
+        # resuming: drawn from a generator given (so it moves as it did), never from the global RNG
+        self._base_seed = 0 if state is not None and loader.generator is None else draw_base_seed(loader.generator)
         self._persistent_workers = loader.persistent_workers
         self._num_yielded = 0
         self._progress = Progress(loader.num_workers, self._base_seed, self._len_called)

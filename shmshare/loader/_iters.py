@@ -109,6 +109,7 @@ class MultiProcessIter(BaseIter):
             self._rx = Receiver(conns, writable=True, pin=self._pinner)
             self._progress.pids = [w.pid for w in self._workers]
             self._progress.start_s = time.perf_counter() - self._progress.began_clock
+            self._progress.wait_s += self._progress.start_s  # waiting for workers is waiting for batches
             self._progress.watch(self)
             _registry.register("loaders", self._progress, report)
         except BaseException:

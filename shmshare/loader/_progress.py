@@ -86,8 +86,8 @@ class Progress:
         self.last_worker = self.num_workers - 1
         self.snaps = snaps if snaps is not None else [None] * self.num_workers
         self.batches = [0] * self.num_workers
-        self.began, self.began_clock, self.wait_s = time.time(), time.perf_counter(), 0.0
-        self.notes = [None] * self.num_workers
+        self.began, self.began_clock, self.wait_s, self.start_s = time.time(), time.perf_counter(), 0.0, 0.0
+        self.notes = [None] * self.num_workers  # (the workers start their totals afresh too)
 
     def yielded(self, worker: int, snap: Any, main: tuple[Any, Any, int]) -> None:
         """A batch from `worker` is given to the program: its state becomes the one to resume from."""

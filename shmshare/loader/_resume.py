@@ -150,22 +150,29 @@ class _RandomIter(Iterator[int]):
         return value
 
     def _begin(self, state: Any) -> None:
+        """Choose the epoch's generator: as the sampler does (a draw from the global RNG where it has
+        none), or, resuming, set to `state` (drawing nothing from the global RNG: the program restores
+        that itself, as the uninterrupted run had it then)."""
         s = self._sampler
         if self._kind == "numpy-random":
-            rng = s._rng.for_iteration()  # (a draw from the global state or a torch generator, as the run made)
-            if state is not None:
+            if state is None:
+                rng = s._rng.for_iteration()  # (a draw from the global state or a torch generator)
+            else:
+                rng = s._rng._rng or np.random.Generator(_bit_generator(state))
                 rng.bit_generator.state = state
             self._start = rng.bit_generator.state
             self._it = itertools.chain.from_iterable(s._chunks(rng))
             return
         import torch
 
-        if s.generator is None:  # torch's RandomSampler: a fresh generator from a global draw
+        if s.generator is not None:
+            generator = s.generator
+        elif state is None:  # torch's RandomSampler: a fresh generator from a global draw
             seed = int(torch.empty((), dtype=torch.int64).random_().item())
             generator = torch.Generator()
             generator.manual_seed(seed)
         else:
-            generator = s.generator
+            generator = torch.Generator()
         if state is not None:
             generator.set_state(state)
         self._start = generator.get_state()
@@ -181,6 +188,14 @@ class _RandomIter(Iterator[int]):
         self.yielded = 0
         for _ in itertools.islice(self, int(state["yielded"])):
             pass
+
+
+def _bit_generator(state: Any) -> Any:
+    name = state.get("bit_generator") if isinstance(state, dict) else None
+    cls = getattr(np.random, name, None) if isinstance(name, str) else None
+    if not (isinstance(cls, type) and issubclass(cls, np.random.BitGenerator)):
+        raise ValueError(f"the state's sampler generator is not a numpy bit generator's state: {name!r}")
+    return cls()
 
 
 def _torch_draws(s: Any, generator: Any) -> Iterator[int]:

@@ -56,7 +56,7 @@ class LoaderStats:
     batches: int  # yielded to the program this epoch
     elapsed_s: float  # since the iterator began
     start_s: float  # of which iter() spent starting the workers (under spawn: until they were forked)
-    wait_s: float  # the main process waiting in next() for a batch not yet there
+    wait_s: float  # the main process waiting for batches: start_s, and in next() for one not yet there
     wait_fraction: float  # wait_s / elapsed_s: near 1, the input pipeline is the bottleneck
     bytes_in_flight: int  # pool bytes of all workers the main process holds
     batches_waiting: int  # received, not yet yielded (they wait for an earlier one, in order)
@@ -99,7 +99,7 @@ class WorkerClock:
         if not self.sent_phases:
             phases, self.sent_phases = [list(p) for p in self.phases], True
         now = time.monotonic()
-        if now - self.held_at >= _HELD_EVERY:
+        if self.batches <= 8 or now - self.held_at >= _HELD_EVERY:  # (an epoch's first batches: always)
             self.held, self.held_at = int(tx.statistics().bytes_leased), now
         return [self.batches, self.fetch, self.collate, self.send, self.held, phases]
 

@@ -279,6 +279,7 @@ def _serve(tx: Sender, spec: WorkerSpec) -> None:
             ended = False
             fetcher = make()
             snapshots = _resume.Capturer(spec.use_torch)  # the whole RNG state: the main process starts anew
+            clock.batches, clock.fetch, clock.collate, clock.send = 0, 0.0, 0.0, 0.0  # this epoch's totals
             _send(tx, -1, "r", b"", snap=snapshots.snapshot(spec.dataset, fetcher, spec.iterable))
             continue
         if ended:

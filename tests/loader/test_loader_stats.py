@@ -47,6 +47,17 @@ def test_stats_say_where_each_workers_time_went(start):
         dl.close()
 
 
+def test_each_epoch_of_persistent_workers_starts_its_figures_afresh():
+    dl = shmshare.DataLoader(Rows(), batch_size=4, num_workers=2, persistent_workers=True)
+    try:
+        list(dl)
+        list(dl)
+        s = dl.stats()
+        assert s.batches == 6 and s.start_s == 0 and sum(w.batches for w in s.workers) == 6
+    finally:
+        dl.close()
+
+
 def test_no_workers_counts_the_fetches_as_waiting():
     dl = shmshare.DataLoader(Rows(), batch_size=4)
     list(dl)

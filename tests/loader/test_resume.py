@@ -123,8 +123,12 @@ def _plain(batch):
         batch.tolist() if hasattr(batch, "tolist") else batch)
 
 
+_saved_rng: list[torch.Tensor] = []  # torch's global RNG when the last state was taken, as a program saves it
+
+
 def _interrupted(cls, dataset, num_workers, k, *, epochs_before=0, **kw):
-    """Take k batches, save; return (state, the rest of the epoch, the next epoch)."""
+    """Take k batches, save (with torch's global RNG, as a training loop's checkpoint does); return
+    (state, the rest of the epoch, the next epoch)."""
     dl = _loader(cls, dataset, num_workers, **kw)
     try:
         for _ in range(epochs_before):
@@ -133,6 +137,7 @@ def _interrupted(cls, dataset, num_workers, k, *, epochs_before=0, **kw):
         for _ in range(k):
             next(it)
         state = dl.state_dict()
+        _saved_rng[:] = [torch.get_rng_state()]
         rest = [_plain(b) for b in it]
         return state, rest, [_plain(b) for b in dl]
     finally:
@@ -140,8 +145,11 @@ def _interrupted(cls, dataset, num_workers, k, *, epochs_before=0, **kw):
 
 
 def _resumed(cls, dataset, num_workers, state, **kw):
-    """Load `state` into a new loader: (the rest of the epoch, the next epoch)."""
+    """Load `state` into a new loader (torch's global RNG restored as it was saved): (the rest of the
+    epoch, the next epoch)."""
     dl = _loader(cls, dataset, num_workers, **kw)
+    if _saved_rng:
+        torch.set_rng_state(_saved_rng[0])
     try:
         dl.load_state_dict(state)
         return [_plain(b) for b in dl], [_plain(b) for b in dl]
@@ -183,6 +191,33 @@ def test_iterable_datasets_and_stateful_samplers_resume(num_workers, dataset):
     got, got_after = _resumed(shmshare.DataLoader, dataset() if dataset is not CountingSampler else ds,
                               num_workers, state, **kw)
     assert got == rest and got_after == after
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_shuffling_without_a_generator_resumes_later_epochs_too(num_workers):
+    """generator=None: the sampler draws from torch's global RNG, which the program saves with the state."""
+    def loader():
+        return shmshare.DataLoader(Plain(), batch_size=3, num_workers=num_workers, shuffle=True)
+
+    torch.manual_seed(0)
+    dl = loader()
+    it = iter(dl)
+    next(it)
+    next(it)
+    state, rng = dl.state_dict(), torch.get_rng_state()
+    want = [[_plain(b) for b in it]] + [[_plain(b) for b in dl] for _ in range(2)]
+    torch.manual_seed(123)  # another process
+    dl = loader()
+    torch.set_rng_state(rng)
+    dl.load_state_dict(state)
+    assert [[_plain(b) for b in dl] for _ in range(3)] == want
+
+
+def test_torchdatas_keyword_is_taken():
+    dl = shmshare.DataLoader(Plain(), batch_size=3, snapshot_every_n_steps=5)
+    assert dl.snapshot_every_n_steps == 5 and len(list(dl)) == 8
+    with pytest.raises(ValueError, match="snapshot_every_n_steps"):
+        shmshare.DataLoader(Plain(), snapshot_every_n_steps=-1)
 
 
 def test_without_workers_the_indices_resume():

@@ -70,6 +70,12 @@ def test_numpy_scalars_and_structured_dtypes():
     assert share([x, np.ones(2)])[0].dtype == dt
 
 
+def test_a_tensor_is_shared_as_its_array():
+    torch = pytest.importorskip("torch")
+    s = share(torch.arange(5))
+    assert s.kind == "ndarray" and s.array.tolist() == [0, 1, 2, 3, 4]
+
+
 def test_a_numpy_array_stays_numpy():
     a = np.arange(12, dtype=np.int32).reshape(4, 3)
     s = share(a)
