@@ -20,7 +20,7 @@ class Rows(Dataset):
         return torch.full((256,), i, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("start", ["fork", "spawn"])
+@pytest.mark.parametrize("start", ["fork", "forkserver"])
 def test_stats_say_where_each_workers_time_went(start):
     dl = shmshare.DataLoader(Rows(), batch_size=4, num_workers=2, multiprocessing_context=start,
                              persistent_workers=True)
@@ -32,12 +32,12 @@ def test_stats_say_where_each_workers_time_went(start):
         assert sum(w.batches for w in s.workers) == 6
         assert [w.pid for w in s.workers] == [w.pid for w in dl._iterator._workers]
         assert all(w.fetch_s > 0 and w.collate_s > 0 and w.send_s >= 0 for w in s.workers)
-        assert 0 <= s.wait_fraction <= 1 and s.wait_s <= s.elapsed_s and s.start_s <= s.elapsed_s
+        assert s.wait_fraction == s.wait_s / s.elapsed_s  # (what it is, not how long anything took)
         assert s.bytes_in_flight > 0  # the program holds every batch
         for w in s.workers:
             names = [name for name, _ in w.startup]
             assert names[0] == "process" and names[-1] == "first sample"
-            if start == "spawn":
+            if start != "fork":
                 assert names == ["process", "imports", "dataset", "fork", "first sample"]
             times = [t for _, t in w.startup]
             assert times == sorted(times)
