@@ -84,7 +84,8 @@ def test_a_killed_worker_is_reported_as_torch_reports_it():
 
 
 def test_a_dataset_the_zygote_cannot_unpickle_fails_iter_with_the_reason(capfd):
-    dl = shmshare.DataLoader(BreaksWhenUnpickled(), batch_size=2, num_workers=2, multiprocessing_context="spawn")  # (its stderr is ours)
+    dl = shmshare.DataLoader(BreaksWhenUnpickled(), batch_size=2, num_workers=2,
+                             multiprocessing_context="spawn")  # (a spawned zygote's stderr is ours)
     with pytest.raises(RuntimeError, match=r"zygote .* exited with code 1 before it forked its workers"):
         iter(dl)
     assert "this dataset cannot be unpickled" in capfd.readouterr().err
