@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
 from collections.abc import Collection
 
 import psutil
@@ -18,7 +20,7 @@ import psutil
 from shmshare._procfs import shm_names
 from shmshare.testing import pid_alive
 
-__all__ = ["maker", "names_of", "foreign", "process_tree"]
+__all__ = ["maker", "names_of", "foreign", "process_tree", "why_no_unshare"]
 
 _PID_IN_NAME = re.compile(r"[A-Za-z]+_(\d+)_")
 
@@ -47,3 +49,15 @@ def process_tree() -> set[int]:
     except psutil.Error:
         kids = set()
     return {os.getpid(), *kids}
+
+
+def why_no_unshare() -> str | None:
+    """Why a test cannot mount a small tmpfs on /dev/shm in a mount namespace of its own, or None."""
+    if os.geteuid() != 0:
+        return "needs root to mount a small tmpfs in a private mount namespace"
+    if shutil.which("unshare") is None:
+        return "util-linux unshare is not installed"
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, timeout=10)
+    if probe.returncode != 0:
+        return f"unshare -m is not permitted here: {probe.stderr.decode().strip()}"
+    return None

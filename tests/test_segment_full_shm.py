@@ -5,12 +5,13 @@ from __future__ import annotations
 import errno
 import os
 import re
-import shutil
 import subprocess
 import sys
 import textwrap
 
 import pytest
+
+from tests.devshm_helpers import why_no_unshare
 
 SCRIPT = textwrap.dedent("""
     import numpy as np
@@ -28,18 +29,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _can_unshare() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to mount a small tmpfs in a private mount namespace"
-    if shutil.which("unshare") is None:
-        return "util-linux unshare is not installed"
-    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, timeout=10)
-    if probe.returncode != 0:
-        return f"unshare -m is not permitted here: {probe.stderr.decode().strip()}"
-    return None
-
-
-@pytest.mark.skipif(_can_unshare() is not None, reason=str(_can_unshare()))
+@pytest.mark.skipif(why_no_unshare() is not None, reason=str(why_no_unshare()))
 def test_posix_on_a_4mb_dev_shm_raises_enospc_with_the_fix():
     # A Docker-like /dev/shm: 4 MB, in this test's own mount namespace.
     cmd = f"mount -t tmpfs -o size=4m tmpfs /dev/shm && exec {sys.executable} -c '{SCRIPT}'"

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.devshm_helpers import why_no_unshare
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,20 +50,9 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _why_not() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root to mount a small tmpfs in a private mount namespace"
-    if shutil.which("unshare") is None:
-        return "util-linux unshare is not installed"
-    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, timeout=10)
-    if probe.returncode != 0:
-        return f"unshare -m is not permitted here: {probe.stderr.decode().strip()}"
-    return None
-
-
 @pytest.mark.slow
 @pytest.mark.alone  # 2 GiB of batches at once: nothing else beside it
-@pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
+@pytest.mark.skipif(why_no_unshare() is not None, reason=str(why_no_unshare()))
 def test_eight_workers_of_256_mib_batches_under_a_64_mib_dev_shm(tmp_path):
     script = tmp_path / "container.py"
     script.write_text(SCRIPT)

@@ -198,13 +198,20 @@ def _read_all(seq, out):
 def test_a_child_reads_the_same_pages(method):
     s = share(_paths(20_000))
     m = share({"x": s[5]})
+    n, last, total, _ = _in_child(method, _read_all, s)
+    assert (n, last, total) == (len(s), s[-1], sum(len(x) for x in s))
+    assert m["x"] == s[5]
+
+
+def _in_child(method, target, seq):
+    """Run target(seq, queue) in a child started with `method`; its one answer (the child waited for and
+    killed by pid if it does not exit)."""
     ctx = multiprocessing.get_context(method)
     out = ctx.Queue()
-    p = ctx.Process(target=_read_all, args=(s, out))
+    p = ctx.Process(target=target, args=(seq, out))
     p.start()
     try:
-        n, last, total, _ = out.get(timeout=_WAIT)
-        assert (n, last, total) == (len(s), s[-1], sum(len(x) for x in s))
+        return out.get(timeout=_WAIT)
     finally:
         p.join(_WAIT)
         if p.is_alive():
@@ -212,8 +219,7 @@ def test_a_child_reads_the_same_pages(method):
             p.join()
         out.close()
         out.join_thread()
-    assert p.exitcode == 0
-    assert m["x"] == s[5]
+        assert p.exitcode == 0
 
 
 def _pss_anon() -> int:
@@ -237,21 +243,7 @@ def test_reading_in_a_forked_child_copies_nothing_a_list_would():
     """The copy-on-read of pytorch #13246: a forked child reading a list of str copies its pages."""
     paths = _paths(200_000)
     shared = share(paths)
-    ctx = multiprocessing.get_context("fork")
-    growth = {}
-    for name, seq in (("list", paths), ("shared", shared)):
-        out = ctx.Queue()
-        p = ctx.Process(target=_anon_growth, args=(seq, out))
-        p.start()
-        try:
-            growth[name] = out.get(timeout=_WAIT)
-        finally:
-            p.join(_WAIT)
-            if p.is_alive():
-                os.kill(p.pid, 9)
-                p.join()
-            out.close()
-            out.join_thread()
+    growth = {name: _in_child("fork", _anon_growth, seq) for name, seq in (("list", paths), ("shared", shared))}
     assert growth["list"] > 4 << 20, growth  # the str objects' pages, copied into the child
     assert growth["shared"] < growth["list"] / 20, growth
     assert isinstance(shared, SharedSequence) and shared.nbytes < 16 << 20
