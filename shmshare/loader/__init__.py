@@ -7,8 +7,11 @@ the main process with no copy and no new segment, and its pages are
 recycled once the main process drops it. Without torch it loads numpy
 datasets into numpy batches, with the samplers below.
 
-Modules: ``_dataloader`` (the class), ``_iters`` (the main process's side),
-``_worker`` (a worker), ``_collate`` and ``_pool`` (batches made in the
+Modules: ``_dataloader`` (the class), ``_iter_base`` and ``_iters`` (the main
+process's side: without workers, and over them), ``_starting`` and ``_zygote``
+(starting workers: one by one, or forked from one process under spawn and
+forkserver), ``_worker`` (a worker), ``_resume`` and ``_progress``
+(``state_dict``/``load_state_dict``), ``_stats`` (``stats()``), ``_collate`` and ``_pool`` (batches made in the
 pool), ``_batch`` (a batch on the wire), ``_frozen`` (``share``: read-only
 containers in sealed shared memory, one copy for every worker), ``_fetch``, ``_wrap`` (worker
 exceptions), ``_samplers`` and ``_seeding`` (torch's, without torch);
