@@ -82,6 +82,7 @@ _info: Any = None
 # this process's start-up, (phase, wall clock) in order (Note [Where the time goes] in _stats.py); a worker
 # forked by the zygote inherits the zygote's and adds its fork
 _phases: list[tuple[str, float]] = []
+_parent: int | None = None  # a worker forked by the zygote: the zygote's pid, set before the worker runs
 
 
 def get_worker_info() -> Any:
@@ -241,7 +242,7 @@ def worker_main(conn: wire.Connection, handoff: SpecHandoff) -> None:
 def _serve(tx: Sender, spec: WorkerSpec) -> None:
     # Our parent now: the main process (fork, spawn) or the forkserver. A child is reparented
     # when its parent dies (and the forkserver exits with the main process).
-    parent = os.getppid()
+    parent = _parent or os.getppid()  # (a zygote's worker: the zygote, even if it died before this line)
     where = f"in DataLoader worker process {spec.worker_id}"
     collate = _collate.default_collate if _collate.is_torch_default(spec.collate_fn) else spec.collate_fn
     clock = _stats.WorkerClock(list(_phases) or [("process", _stats.process_start())])

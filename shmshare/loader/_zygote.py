@@ -108,6 +108,7 @@ def zygote_main(conns: list[wire.Connection], handoff: Any, report: int) -> None
     from ._worker import SpecHandoff, worker_main
 
     specs = handoff.spec
+    me = os.getpid()  # the workers' parent: one that finds another has lost it, and exits
     pids: list[int] = []
     try:
         for i, (conn, spec) in enumerate(zip(conns, specs, strict=True)):
@@ -115,7 +116,7 @@ def zygote_main(conns: list[wire.Connection], handoff: Any, report: int) -> None
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
-                _child(conns, i, report, lambda c=conn, s=spec: worker_main(c, SpecHandoff(s)))
+                _child(conns, i, report, me, lambda c=conn, s=spec: worker_main(c, SpecHandoff(s)))
             pids.append(pid)
             conn.close()
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's to handle
@@ -133,13 +134,14 @@ def zygote_main(conns: list[wire.Connection], handoff: Any, report: int) -> None
         os.close(report)
 
 
-def _child(conns: list[wire.Connection], i: int, report: int, run: Any) -> None:
+def _child(conns: list[wire.Connection], i: int, report: int, parent: int, run: Any) -> None:
     """In a forked worker: run it, exit as a multiprocessing child would (never return)."""
     code = 1
     try:
         from . import _worker
 
         _worker._phases.append(("fork", time.time()))
+        _worker._parent = parent  # a zygote killed before the worker looks is seen all the same
         os.close(report)
         for j, c in enumerate(conns):
             if j != i:

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from tests.test_segment_full_shm import _can_unshare
+from tests.devshm_helpers import why_no_unshare
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -60,14 +60,14 @@ def run(seed: int, trials: int) -> list[str]:
     return lines
 
 
-@pytest.mark.skipif(_can_unshare() is not None, reason=str(_can_unshare()))
+@pytest.mark.skipif(why_no_unshare() is not None, reason=str(why_no_unshare()))
 def test_small_dev_shm_short() -> None:
     lines = run(1, 12)
     assert any(ln.startswith("REFUSED") for ln in lines), "\n".join(lines)
 
 
 @pytest.mark.stress
-@pytest.mark.skipif(_can_unshare() is not None, reason=str(_can_unshare()))
+@pytest.mark.skipif(why_no_unshare() is not None, reason=str(why_no_unshare()))
 @pytest.mark.parametrize("seed", range(2, 8))
 def test_small_dev_shm_stress(seed: int) -> None:
     run(seed, 60)
