@@ -343,7 +343,7 @@ class MultiProcessIter(BaseIter):
                 snap = msg[4] if len(msg) == 6 else None
                 if len(msg) == 6 and msg[5] is not None:
                     self._progress.noted(worker, msg[5])
-                if snap is not None:  # its RNG state comes only when it changed (capture() in _resume.py)
+                if snap is not None:  # its RNG state comes only when it changed (Capturer in _resume.py)
                     if snap[0] is None:
                         snap[0] = self._rng_seen[worker]
                     else:
@@ -511,7 +511,7 @@ class MultiProcessIter(BaseIter):
 
 
 def _snap_ok(snap: Any) -> bool:
-    """Whether a worker's snapshot is as capture() makes it: None, or [bytes | None, bytes | None]."""
+    """Whether a worker's snapshot is as Capturer.snapshot() makes it: None, or [bytes | None, bytes | int | None]."""
     return snap is None or (type(snap) is list and len(snap) == 2 and (snap[0] is None or type(snap[0]) is bytes)
                             and (snap[1] is None or type(snap[1]) in (bytes, int)))
 

@@ -30,7 +30,7 @@ class Progress:
         self.finished = False
         self.main: tuple[Any, Any, int] = (None, None, 0)  # sampler iter state, index sampler state, draws
         self.last_worker = num_workers - 1  # torchdata's value before any batch
-        # per worker: as capture() made it, or a loaded snapshot (a dict) until the worker sends a batch
+        # per worker: as Capturer.snapshot() made it, or a loaded snapshot (a dict) until the worker sends a batch
         self.snaps: list[Any] = [None] * num_workers
         self.batches = [0] * num_workers  # batches each worker made this epoch, the yielded ones
         self.live: Any = None  # num_workers=0: a function giving the single-process state now

@@ -20,7 +20,7 @@ Note [Resuming mid-epoch]
       ``load_state_dict`` of its own is asked for them. Any other sampler is
       fast-forwarded by the number of batches drawn, as torchdata does.
     * **Workers.** Each batch a worker sends carries that worker's state
-      after making it (``capture``): the dataset's ``state_dict()`` (if it
+      after making it (``Capturer.snapshot``): the dataset's ``state_dict()`` (if it
       has one), its iterator's (iterable-style), and the worker's random
       state: ``random``, ``numpy.random`` and ``torch``. torchdata keeps no
       RNG state, so a dataset that augments at random resumes with other
